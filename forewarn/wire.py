@@ -1,0 +1,266 @@
+"""The wire schema: what collectors send, what the service stores, what jobs receive.
+
+Both sides of every connection import this one module — the node collector, the service and
+the in-job migrator — so it depends on pydantic alone. Field names carry their unit
+(``_c`` degrees Celsius, ``_w`` watts, ``_mhz``, ``_mib``, ``_pct``); counters are cumulative
+as the hardware reports them (they may reset to zero on a driver reload or reboot); ``None``
+means "this GPU or source does not report it", never zero. ``docs/telemetry.md`` lists every
+field with its source API.
+
+Timestamps are UTC. On the wire they are ISO 8601 strings or Unix seconds; in the store they
+are integer milliseconds since the epoch (``ts_ms``).
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+__all__ = [
+    "COUNTER_FIELDS",
+    "SAMPLE_FIELDS",
+    "SCHEMA_VERSION",
+    "AgentStatus",
+    "Event",
+    "EventKind",
+    "GpuSample",
+    "IngestBatch",
+    "IngestResult",
+    "JobRegistration",
+    "MigrationCommand",
+    "MigrationReason",
+    "MigrationReport",
+    "Placement",
+    "RowError",
+    "Vendor",
+    "to_ms",
+]
+
+SCHEMA_VERSION = 1
+"""Bumped on any change a reader of the previous version would misread."""
+
+# Upper bound of any hardware counter we accept. Real counters are 32- or 64-bit, but a value
+# past 2**48 (2.8e14) errors has never been a real reading: it is a corrupted register or a
+# collector bug, and storing it would poison every delta computed from it.
+MAX_COUNTER = 2**48
+
+
+def _utc(value: datetime) -> datetime:
+    if value.tzinfo is None:
+        return value.replace(tzinfo=UTC)
+    return value.astimezone(UTC)
+
+
+UtcDatetime = Annotated[datetime, AfterValidator(_utc)]
+Counter = Annotated[int, Field(ge=0, le=MAX_COUNTER)]
+Celsius = Annotated[float, Field(ge=-60.0, le=250.0, allow_inf_nan=False)]
+Percent = Annotated[float, Field(ge=0.0, le=100.0, allow_inf_nan=False)]
+Name = Annotated[str, Field(min_length=1, max_length=253, pattern=r"^[A-Za-z0-9._:-]+$")]
+
+
+def to_ms(ts: datetime) -> int:
+    """Milliseconds since the Unix epoch of an aware datetime (the store's time unit)."""
+    return int(ts.timestamp() * 1000)
+
+
+class Vendor(StrEnum):
+    NVIDIA = "nvidia"
+    AMD = "amd"
+
+
+class _Wire(BaseModel):
+    # Unknown fields are refused: a typo in a collector must not silently drop a signal.
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class GpuSample(_Wire):
+    """One reading of one GPU at one instant."""
+
+    node: Name = Field(description="Host name of the GPU node.")
+    gpu: int = Field(ge=0, le=255, description="GPU index on the node (NVML/AMD SMI order).")
+    ts: UtcDatetime = Field(description="When the reading was taken (UTC).")
+    uuid: str | None = Field(default=None, max_length=96, description="GPU UUID.")
+    vendor: Vendor = Vendor.NVIDIA
+
+    # Thermals, power, clocks, load.
+    temp_gpu_c: Celsius | None = Field(default=None, description="Die/edge temperature, °C.")
+    temp_mem_c: Celsius | None = Field(default=None, description="Memory (HBM) temperature, °C.")
+    power_w: float | None = Field(default=None, ge=0, le=5000, allow_inf_nan=False)
+    sm_clock_mhz: float | None = Field(default=None, ge=0, le=10000, allow_inf_nan=False)
+    mem_clock_mhz: float | None = Field(default=None, ge=0, le=20000, allow_inf_nan=False)
+    throttle_reasons: int | None = Field(
+        default=None, ge=0, le=2**64 - 1, description="Clock-event reasons bitmask (NVML)."
+    )
+    util_gpu_pct: Percent | None = None
+    util_mem_pct: Percent | None = None
+    mem_used_mib: float | None = Field(default=None, ge=0, le=2**24, allow_inf_nan=False)
+    mem_total_mib: float | None = Field(default=None, ge=0, le=2**24, allow_inf_nan=False)
+
+    # Memory errors (cumulative counts).
+    ecc_sbe_volatile: Counter | None = Field(default=None, description="Corrected, since boot.")
+    ecc_dbe_volatile: Counter | None = Field(default=None, description="Uncorrected, since boot.")
+    ecc_sbe_aggregate: Counter | None = Field(default=None, description="Corrected, lifetime.")
+    ecc_dbe_aggregate: Counter | None = Field(default=None, description="Uncorrected, lifetime.")
+    ecc_deferred: Counter | None = Field(default=None, description="AMD deferred errors.")
+    retired_pages_sbe: Counter | None = Field(default=None, description="Pre-Ampere.")
+    retired_pages_dbe: Counter | None = Field(default=None, description="Pre-Ampere.")
+    retired_pages_pending: bool | None = None
+    remap_correctable: Counter | None = Field(default=None, description="Ampere+ rows remapped.")
+    remap_uncorrectable: Counter | None = None
+    remap_pending: bool | None = Field(default=None, description="A remap awaits a GPU reset.")
+    remap_failure: bool | None = Field(default=None, description="No spare row was left.")
+
+    # Interconnect (totals over all links; XGMI on AMD).
+    nvlink_crc_flit: Counter | None = None
+    nvlink_crc_data: Counter | None = None
+    nvlink_replay: Counter | None = None
+    nvlink_recovery: Counter | None = None
+    pcie_replay: Counter | None = None
+    pcie_link_width: int | None = Field(default=None, ge=0, le=64, description="Lanes now.")
+    pcie_link_width_max: int | None = Field(default=None, ge=0, le=64)
+    pcie_link_gen: int | None = Field(default=None, ge=0, le=10)
+
+
+SAMPLE_FIELDS: tuple[str, ...] = tuple(GpuSample.model_fields)
+"""Every sample column, in schema order."""
+
+COUNTER_FIELDS: tuple[str, ...] = (
+    "ecc_sbe_volatile",
+    "ecc_dbe_volatile",
+    "ecc_sbe_aggregate",
+    "ecc_dbe_aggregate",
+    "ecc_deferred",
+    "retired_pages_sbe",
+    "retired_pages_dbe",
+    "remap_correctable",
+    "remap_uncorrectable",
+    "nvlink_crc_flit",
+    "nvlink_crc_data",
+    "nvlink_replay",
+    "nvlink_recovery",
+    "pcie_replay",
+)
+"""Cumulative counters: features take their deltas and must survive resets."""
+
+
+class EventKind(StrEnum):
+    XID = "xid"
+    ECC_STORM = "ecc_storm"
+    GPU_LOST = "gpu_lost"
+    GPU_RECOVERED = "gpu_recovered"
+    COUNTER_RESET = "counter_reset"
+    THERMAL_SHUTDOWN = "thermal_shutdown"
+    LINK_DOWN = "link_down"
+    POWER_LOSS = "power_loss"
+    TELEMETRY_STALLED = "telemetry_stalled"
+
+
+class Event(_Wire):
+    """Something that happened at an instant: an Xid, a lost GPU, a reset."""
+
+    node: Name
+    gpu: int | None = Field(default=None, ge=0, le=255, description="None: the whole node.")
+    ts: UtcDatetime
+    kind: EventKind
+    xid: int | None = Field(default=None, ge=0, le=1023, description="Xid code, for kind=xid.")
+    message: str | None = Field(default=None, max_length=2000)
+    source: str | None = Field(default=None, max_length=64, description="nvml, kmsg, dcgm, …")
+
+
+class AgentStatus(_Wire):
+    """The collector's own health, sent with every batch (a batch with no rows is a heartbeat)."""
+
+    agent_id: str = Field(min_length=1, max_length=128)
+    source: str = Field(max_length=64)
+    version: str = Field(default="", max_length=32)
+    started_at: UtcDatetime | None = None
+    sent_total: Counter = 0
+    spooled: Counter = 0
+    dropped_total: Counter = 0
+    interval_s: float | None = Field(default=None, gt=0, le=3600, allow_inf_nan=False)
+
+
+class IngestBatch(BaseModel):
+    """``POST /v1/ingest`` body: the samples and events of one node.
+
+    The envelope is strict; rows are validated one by one so that one bad row does not cost
+    the good ones beside it.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    schema_version: Literal[1] = SCHEMA_VERSION
+    node: Name
+    samples: list[Any] = Field(default_factory=list, max_length=100_000)
+    events: list[Any] = Field(default_factory=list, max_length=100_000)
+    agent: AgentStatus | None = None
+
+
+class RowError(BaseModel):
+    kind: Literal["sample", "event"]
+    index: int
+    reason: str
+
+
+class IngestResult(BaseModel):
+    stored_samples: int
+    duplicate_samples: int
+    stored_events: int
+    duplicate_events: int
+    rejected: list[RowError]
+
+
+class MigrationReason(StrEnum):
+    PREVENTIVE = "preventive"
+    PLANNED = "planned"
+    UNPLANNED = "unplanned"
+
+
+class Placement(_Wire):
+    rank: int = Field(ge=0)
+    node: Name
+    gpu: int | None = Field(default=None, ge=0, le=255)
+    pid: int | None = None
+    role: Literal["active", "spare"] = "active"
+
+
+class JobRegistration(_Wire):
+    """What a job agent tells the service when a job starts or its placement changes."""
+
+    job_id: Name
+    world_size: int = Field(ge=1)
+    spares: int = Field(ge=0)
+    placement: list[Placement]
+    agent_url: str | None = Field(default=None, description="Where commands may be pushed.")
+
+
+class MigrationCommand(_Wire):
+    """Move ``rank`` of ``job_id`` to a spare at the next step boundary."""
+
+    migration_id: str = Field(min_length=1, max_length=64)
+    job_id: Name
+    rank: int = Field(ge=0)
+    reason: MigrationReason
+    requested_at: UtcDatetime
+    detail: str | None = Field(default=None, max_length=2000)
+
+
+class MigrationReport(_Wire):
+    """What the job agent reports back when a migration ends."""
+
+    migration_id: str
+    job_id: Name
+    rank: int
+    outcome: Literal["completed", "failed", "cancelled"]
+    step: int | None = Field(default=None, description="Training resumed at step+1.")
+    source: Placement | None = None
+    target: Placement | None = None
+    pause_s: float | None = Field(default=None, ge=0)
+    transfer_s: float | None = Field(default=None, ge=0)
+    bytes_moved: int | None = Field(default=None, ge=0)
+    steps_lost: int = Field(default=0, ge=0)
+    error: str | None = None
+    finished_at: UtcDatetime
