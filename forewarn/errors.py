@@ -25,8 +25,8 @@ from typing import Any, ClassVar
 
 __all__ = [
     "Conflict",
-    "ForewarnError",
     "Forbidden",
+    "ForewarnError",
     "InvalidInput",
     "MigrationError",
     "NoSpareAvailable",

@@ -92,7 +92,7 @@ class GpuSample(_Wire):
     sm_clock_mhz: float | None = Field(default=None, ge=0, le=10000, allow_inf_nan=False)
     mem_clock_mhz: float | None = Field(default=None, ge=0, le=20000, allow_inf_nan=False)
     throttle_reasons: int | None = Field(
-        default=None, ge=0, le=2**64 - 1, description="Clock-event reasons bitmask (NVML)."
+        default=None, ge=0, le=2**63 - 1, description="Clock-event reasons bitmask (NVML)."
     )
     util_gpu_pct: Percent | None = None
     util_mem_pct: Percent | None = None
@@ -192,7 +192,7 @@ class IngestBatch(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    schema_version: Literal[1] = SCHEMA_VERSION
+    schema_version: Literal[1] = 1
     node: Name
     samples: list[Any] = Field(default_factory=list, max_length=100_000)
     events: list[Any] = Field(default_factory=list, max_length=100_000)

@@ -1,0 +1,122 @@
+"""The FastAPI application: ``create_app(settings)`` builds one, with no state at import.
+
+Each app owns its store (migrated to head at start-up), its metrics registry and its
+background tasks (retention now; the control loop joins them later). Routes live in one module
+per concern and stay thin.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.responses import JSONResponse, Response
+
+from api import fleet, ingest
+from api.errors import error_body, install_error_handlers
+from api.metrics import Metrics, TimingMiddleware
+from api.settings import DEV_TOKEN, Settings
+from forewarn import __version__
+from store import Store
+
+__all__ = ["create_app"]
+
+log = logging.getLogger("forewarn.api")
+
+
+async def _retention(app: FastAPI) -> None:
+    settings: Settings = app.state.settings
+    while True:
+        cutoff_ms = int((time.time() - settings.retention_days * 86400) * 1000)
+        try:
+            removed = await asyncio.to_thread(app.state.store.delete_before, cutoff_ms)
+            if any(removed.values()):
+                log.info("retention removed %s", removed)
+        except Exception:  # a failed sweep is retried next interval; the service stays up
+            log.exception("retention sweep failed")
+        await asyncio.sleep(settings.retention_interval_s)
+
+
+def create_app(settings: Settings | None = None, *, store: Store | None = None) -> FastAPI:
+    """Build the service.
+
+    Args:
+        settings: configuration; default read from ``FOREWARN_*`` environment variables.
+        store: an already open store (tests share one); default opened from the settings.
+    """
+    settings = settings or Settings()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if app.state.store is None:
+            app.state.store = await asyncio.to_thread(Store.open, settings.resolved_database_url())
+            owns_store = True
+        else:
+            owns_store = False
+        if DEV_TOKEN in app.state.token_scopes:
+            log.warning("no tokens configured: development token '%s' has every scope", DEV_TOKEN)
+        tasks = [asyncio.create_task(_retention(app), name="retention")]
+        try:
+            yield
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            if owns_store:
+                app.state.store.close()
+
+    app = FastAPI(
+        title="Forewarn",
+        version=__version__,
+        description="GPU failure prediction and live migration of training ranks.",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.store = store
+    app.state.token_scopes = settings.token_scopes()
+    app.state.metrics = metrics = Metrics()
+    install_error_handlers(app)
+    app.add_middleware(TimingMiddleware, metrics=metrics)
+    app.include_router(ingest.router)
+    app.include_router(fleet.router)
+
+    @app.get("/healthz", tags=["ops"], summary="The process is up")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok", "version": __version__}
+
+    @app.get("/readyz", tags=["ops"], summary="The database answers and its schema is current")
+    async def readyz(request: Request) -> Response:
+        store: Store | None = request.app.state.store
+        try:
+            if store is None:
+                raise RuntimeError("store not open yet")
+            await asyncio.to_thread(store.ping)
+            current = await asyncio.to_thread(store.schema_is_current)
+        except Exception as exc:
+            body = error_body("not_ready", f"database unavailable: {exc}", retryable=True)
+            return JSONResponse(body, 503)
+        if not current:
+            return JSONResponse(error_body("not_ready", "schema is not at head"), 503)
+        return JSONResponse({"status": "ready", "database": store.dialect})
+
+    @app.get("/metrics", tags=["ops"], summary="Prometheus metrics")
+    async def prometheus(request: Request) -> Response:
+        store: Store | None = request.app.state.store
+        if store is not None:
+            with contextlib.suppress(Exception):
+                metrics.gpus.set(await asyncio.to_thread(_gpu_count, store))
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _gpu_count(store: Store) -> int:
+    from sqlalchemy import text
+
+    with store.engine.connect() as connection:
+        return int(connection.execute(text("SELECT COUNT(*) FROM gpus")).scalar_one())

@@ -1,0 +1,72 @@
+"""Prometheus metrics of one app instance (its own registry: no global state at import)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+__all__ = ["Metrics", "TimingMiddleware"]
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.samples = Counter(
+            "forewarn_ingest_samples",
+            "GPU samples received, by outcome (stored, duplicate, rejected).",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self.events = Counter(
+            "forewarn_ingest_events",
+            "Events received, by outcome (stored, duplicate, rejected).",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self.batches = Counter(
+            "forewarn_ingest_batches",
+            "Ingest requests, by status class.",
+            ["status"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "forewarn_http_request_duration_seconds",
+            "HTTP request latency by route.",
+            ["method", "route", "status"],
+            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+            registry=self.registry,
+        )
+        self.gpus = Gauge(
+            "forewarn_gpus_known", "GPUs with at least one stored sample.", registry=self.registry
+        )
+
+
+class TimingMiddleware:
+    """Pure ASGI middleware timing every HTTP request by its route template."""
+
+    def __init__(self, app: Any, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = {"code": 500}
+
+        async def record_status(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, record_status)
+        finally:
+            route = scope.get("route")
+            path = getattr(route, "path", None) or "unmatched"
+            self.metrics.latency.labels(scope["method"], path, str(status["code"])).observe(
+                time.perf_counter() - start
+            )

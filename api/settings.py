@@ -1,0 +1,91 @@
+"""The service's one settings object (environment variables with the ``FOREWARN_`` prefix)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from store.engine import default_data_dir, default_database_url
+
+__all__ = ["SCOPES", "Scope", "Settings"]
+
+Scope = Literal["ingest", "read", "operate", "admin"]
+SCOPES: tuple[Scope, ...] = ("ingest", "read", "operate", "admin")
+
+DEV_TOKEN = "forewarn-dev-token"
+"""The single all-scope token of a development service started with no tokens configured."""
+
+
+class Settings(BaseSettings):
+    """Service configuration. Every field can be set as ``FOREWARN_<NAME>``."""
+
+    model_config = SettingsConfigDict(env_prefix="FOREWARN_", extra="ignore")
+
+    environment: Literal["development", "production"] = "development"
+    """``production`` refuses development shortcuts (the built-in token, short tokens)."""
+
+    data_dir: Path = Field(default_factory=default_data_dir)
+    """Where the SQLite database, models and spool files live (default ``./var``)."""
+
+    database_url: str | None = None
+    """SQLAlchemy URL; default a SQLite file in ``data_dir``. PostgreSQL: ``postgresql://…``."""
+
+    tokens: dict[str, list[Scope]] = Field(default_factory=dict)
+    """Bearer tokens and their scopes, as JSON: ``{"secret": ["ingest"], …}``."""
+
+    ingest_token: str | None = None
+    """Shorthand for one token with the ``ingest`` scope (what collectors use)."""
+
+    read_token: str | None = None
+    """Shorthand for one token with the ``read`` scope."""
+
+    admin_token: str | None = None
+    """Shorthand for one token with every scope."""
+
+    max_body_bytes: int = Field(default=32 * 1024 * 1024, gt=0)
+    """Largest ingest body accepted, after gzip decompression (larger: 413)."""
+
+    max_clock_skew_s: float = Field(default=300.0, ge=0)
+    """Samples stamped further than this into the future are rejected."""
+
+    max_sample_age_s: float = Field(default=14 * 86400.0, gt=0)
+    """Samples older than this are rejected (a collector's spool replays within it)."""
+
+    retention_days: float = Field(default=30.0, gt=0)
+    """Samples and events older than this are deleted by the retention task."""
+
+    retention_interval_s: float = Field(default=3600.0, gt=0)
+    """How often the retention task runs."""
+
+    @model_validator(mode="after")
+    def _refuse_unsafe_production(self) -> Settings:
+        if self.environment == "production":
+            tokens = self.token_scopes()
+            if not tokens:
+                raise ValueError("production needs at least one token (FOREWARN_TOKENS)")
+            short = [t for t in tokens if len(t) < 16]
+            if short or DEV_TOKEN in tokens:
+                raise ValueError(
+                    "production tokens must be at least 16 characters, not the dev one"
+                )
+        return self
+
+    def resolved_database_url(self) -> str:
+        return self.database_url or default_database_url(self.data_dir)
+
+    def token_scopes(self) -> dict[str, frozenset[str]]:
+        """Every configured token with its scopes; ``admin`` implies all of them."""
+        table: dict[str, set[str]] = {t: set(s) for t, s in self.tokens.items()}
+        for token, scope in (
+            (self.ingest_token, "ingest"),
+            (self.read_token, "read"),
+            (self.admin_token, "admin"),
+        ):
+            if token:
+                table.setdefault(token, set()).add(scope)
+        if not table and self.environment == "development":
+            table[DEV_TOKEN] = {"admin"}
+        return {t: frozenset(SCOPES) if "admin" in s else frozenset(s) for t, s in table.items()}

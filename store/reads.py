@@ -1,0 +1,169 @@
+"""Window reads: pandas frames of samples for one GPU or the whole fleet, events, nodes.
+
+Sample frames have the columns of the dataset format (``docs/datasets.md``): ``ts_ms`` then
+every field of :class:`forewarn.wire.GpuSample` except ``ts``, with nullable dtypes (``Int64``
+counters, ``boolean`` flags), sorted by (ts_ms, node, gpu). The predictor reads live windows
+and training datasets through the same columns, so one feature path serves both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import pandas as pd
+from sqlalchemy import Connection, text
+
+from store.schema import (
+    BOOL_COLUMNS,
+    FLOAT_COLUMNS,
+    INT_COLUMNS,
+    NO_GPU,
+    NO_XID,
+    SAMPLE_COLUMNS,
+)
+
+__all__ = ["FRAME_COLUMNS", "fleet_window", "gpu_window", "latest_samples", "nodes", "read_events"]
+
+FRAME_COLUMNS: tuple[str, ...] = ("ts_ms", "node", "gpu", *SAMPLE_COLUMNS[3:])
+"""Column order of every sample frame."""
+
+_KEY = ("ts_ms", "node", "gpu")
+
+
+def _columns(fields: Sequence[str] | None) -> list[str]:
+    if not fields:
+        return list(FRAME_COLUMNS)
+    unknown = sorted(set(fields) - set(FRAME_COLUMNS))
+    if unknown:
+        raise ValueError(f"unknown sample field(s): {', '.join(unknown)}")
+    return [*_KEY, *(c for c in FRAME_COLUMNS if c in fields and c not in _KEY)]
+
+
+def _frame(rows: Sequence[Any], columns: list[str]) -> pd.DataFrame:
+    frame = pd.DataFrame.from_records(rows, columns=columns)
+    dtypes: dict[str, str] = {"ts_ms": "int64", "gpu": "int64"}
+    for c in columns:
+        if c in INT_COLUMNS:
+            dtypes[c] = "Int64"
+        elif c in BOOL_COLUMNS:
+            dtypes[c] = "boolean"
+        elif c in FLOAT_COLUMNS:
+            dtypes[c] = "float64"
+    return frame.astype(dtypes)
+
+
+def gpu_window(
+    connection: Connection,
+    *,
+    node: str,
+    gpu: int,
+    since_ms: int | None = None,
+    until_ms: int | None = None,
+    fields: Sequence[str] | None = None,
+    limit: int | None = None,
+) -> pd.DataFrame:
+    """Samples of one GPU with ``since_ms <= ts_ms < until_ms``, oldest first."""
+    columns = _columns(fields)
+    sql = f"SELECT {', '.join(columns)} FROM samples WHERE node = :node AND gpu = :gpu"
+    params: dict[str, Any] = {"node": node, "gpu": gpu}
+    sql += _time_filter(params, since_ms, until_ms)
+    sql += " ORDER BY ts_ms"
+    if limit is not None:
+        sql += " LIMIT :limit"
+        params["limit"] = limit
+    return _frame(connection.execute(text(sql), params).all(), columns)
+
+
+def fleet_window(
+    connection: Connection,
+    *,
+    since_ms: int,
+    until_ms: int | None = None,
+    fields: Sequence[str] | None = None,
+) -> pd.DataFrame:
+    """Samples of every GPU in the window, sorted by (ts_ms, node, gpu)."""
+    columns = _columns(fields)
+    params: dict[str, Any] = {}
+    sql = f"SELECT {', '.join(columns)} FROM samples WHERE 1=1"
+    sql += _time_filter(params, since_ms, until_ms)
+    sql += " ORDER BY ts_ms, node, gpu"
+    return _frame(connection.execute(text(sql), params).all(), columns)
+
+
+def latest_samples(connection: Connection, *, node: str | None = None) -> pd.DataFrame:
+    """The newest sample of every GPU (or of one node's GPUs), sorted by (node, gpu)."""
+    columns = list(FRAME_COLUMNS)
+    select = ", ".join(f"s.{c}" for c in columns)
+    sql = (
+        f"SELECT {select} FROM gpus g JOIN samples s "
+        "ON s.node = g.node AND s.gpu = g.gpu AND s.ts_ms = g.last_seen_ms"
+    )
+    params: dict[str, Any] = {}
+    if node is not None:
+        sql += " WHERE g.node = :node"
+        params["node"] = node
+    sql += " ORDER BY s.node, s.gpu"
+    return _frame(connection.execute(text(sql), params).all(), columns)
+
+
+def read_events(
+    connection: Connection,
+    *,
+    node: str | None = None,
+    gpu: int | None = None,
+    kind: str | None = None,
+    since_ms: int | None = None,
+    until_ms: int | None = None,
+    limit: int = 1000,
+) -> list[dict[str, Any]]:
+    """Events, newest first; node-level events have ``gpu`` None."""
+    params: dict[str, Any] = {"limit": limit}
+    sql = "SELECT id, node, gpu, ts_ms, kind, xid, message, source FROM events WHERE 1=1"
+    for name, value in (("node", node), ("gpu", gpu), ("kind", kind)):
+        if value is not None:
+            sql += f" AND {name} = :{name}"
+            params[name] = value
+    sql += _time_filter(params, since_ms, until_ms)
+    sql += " ORDER BY ts_ms DESC, id DESC LIMIT :limit"
+    out = []
+    for row in connection.execute(text(sql), params).mappings():
+        item = dict(row)
+        item["gpu"] = None if item["gpu"] == NO_GPU else item["gpu"]
+        item["xid"] = None if item["xid"] == NO_XID else item["xid"]
+        out.append(item)
+    return out
+
+
+def nodes(connection: Connection) -> list[dict[str, Any]]:
+    """Every node: GPU count, newest sample time and its collectors' heartbeats."""
+    sql = (
+        "SELECT node, COUNT(*) AS gpus, MIN(first_seen_ms) AS first_seen_ms, "
+        "MAX(last_seen_ms) AS last_seen_ms FROM gpus GROUP BY node ORDER BY node"
+    )
+    result = {r["node"]: {**r, "agents": []} for r in connection.execute(text(sql)).mappings()}
+    agent_sql = "SELECT * FROM agents ORDER BY node, agent_id"
+    for row in connection.execute(text(agent_sql)).mappings():
+        entry = result.setdefault(
+            row["node"],
+            {
+                "node": row["node"],
+                "gpus": 0,
+                "first_seen_ms": None,
+                "last_seen_ms": None,
+                "agents": [],
+            },
+        )
+        entry["agents"].append({k: v for k, v in row.items() if k != "node"})
+    return [dict(v) for _, v in sorted(result.items())]
+
+
+def _time_filter(params: dict[str, Any], since_ms: int | None, until_ms: int | None) -> str:
+    sql = ""
+    if since_ms is not None:
+        sql += " AND ts_ms >= :since_ms"
+        params["since_ms"] = since_ms
+    if until_ms is not None:
+        sql += " AND ts_ms < :until_ms"
+        params["until_ms"] = until_ms
+    return sql

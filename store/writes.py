@@ -1,0 +1,191 @@
+"""Bulk writes into the store: samples, events, the GPU registry and collector heartbeats.
+
+Every write is idempotent: rows already stored (same node, GPU and timestamp; for events the
+same node, GPU, timestamp, kind and Xid) are skipped, not errors, and the functions return how
+many rows were new. SQLite takes one ``executemany`` of ``INSERT OR IGNORE`` through the raw
+driver cursor (the SQLAlchemy layer costs more than the insert itself at 50k rows/s);
+PostgreSQL takes ``COPY`` into a per-connection staging table, then one
+``INSERT ... SELECT ... ON CONFLICT DO NOTHING``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from sqlalchemy import Connection, insert, text
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+
+from forewarn.wire import Event, GpuSample
+from store.schema import NO_GPU, NO_XID, SAMPLE_COLUMNS, agents, events
+
+__all__ = [
+    "EventRow",
+    "SampleRow",
+    "delete_before",
+    "event_row",
+    "insert_events",
+    "insert_samples",
+    "sample_row",
+    "upsert_agent",
+]
+
+SampleRow = tuple[Any, ...]
+"""A sample as a tuple in :data:`store.schema.SAMPLE_COLUMNS` order."""
+
+EventRow = tuple[str, int | None, int, str, int | None, str | None, str | None]
+"""(node, gpu, ts_ms, kind, xid, message, source)."""
+
+_COLS = ", ".join(SAMPLE_COLUMNS)
+_SQLITE_INSERT = (
+    f"INSERT OR IGNORE INTO samples ({_COLS}) VALUES ({', '.join('?' * len(SAMPLE_COLUMNS))})"
+)
+_PG_STAGE = (
+    "CREATE TEMP TABLE IF NOT EXISTS samples_stage "
+    "(LIKE samples INCLUDING DEFAULTS) ON COMMIT DELETE ROWS"
+)
+_PG_MERGE = (
+    f"INSERT INTO samples ({_COLS}) SELECT {_COLS} FROM samples_stage ON CONFLICT DO NOTHING"
+)
+_GPU_UPSERT = {
+    "sqlite": (
+        "INSERT INTO gpus (node, gpu, uuid, vendor, first_seen_ms, last_seen_ms) "
+        "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (node, gpu) DO UPDATE SET "
+        "first_seen_ms = MIN(gpus.first_seen_ms, excluded.first_seen_ms), "
+        "last_seen_ms = MAX(gpus.last_seen_ms, excluded.last_seen_ms), "
+        "uuid = COALESCE(excluded.uuid, gpus.uuid), vendor = COALESCE(excluded.vendor, gpus.vendor)"
+    ),
+    "postgresql": (
+        "INSERT INTO gpus (node, gpu, uuid, vendor, first_seen_ms, last_seen_ms) "
+        "VALUES (%s, %s, %s, %s, %s, %s) ON CONFLICT (node, gpu) DO UPDATE SET "
+        "first_seen_ms = LEAST(gpus.first_seen_ms, excluded.first_seen_ms), "
+        "last_seen_ms = GREATEST(gpus.last_seen_ms, excluded.last_seen_ms), "
+        "uuid = COALESCE(excluded.uuid, gpus.uuid), vendor = COALESCE(excluded.vendor, gpus.vendor)"
+    ),
+}
+
+
+def _gpu_spans(rows: Sequence[SampleRow]) -> list[tuple[Any, ...]]:
+    """One (node, gpu, uuid, vendor, first_ms, last_ms) per GPU present in ``rows``."""
+    spans: dict[tuple[str, int], list[Any]] = {}
+    for row in rows:
+        key = (row[0], row[1])
+        span = spans.get(key)
+        if span is None:
+            spans[key] = [row[0], row[1], row[3], row[4], row[2], row[2]]
+        else:
+            span[4] = min(span[4], row[2])
+            span[5] = max(span[5], row[2])
+    return [tuple(s) for s in sorted(spans.values(), key=lambda s: (s[0], s[1]))]
+
+
+def insert_samples(connection: Connection, rows: Sequence[SampleRow]) -> int:
+    """Store ``rows`` inside the caller's transaction; returns how many were new.
+
+    Also moves each GPU's ``last_seen_ms`` forward in the ``gpus`` registry.
+    """
+    if not rows:
+        return 0
+    dialect = connection.dialect.name
+    cursor = connection.connection.driver_connection.cursor()  # type: ignore[union-attr]
+    try:
+        if dialect == "sqlite":
+            cursor.executemany(_SQLITE_INSERT, rows)
+            stored = cursor.rowcount
+        elif dialect == "postgresql":
+            cursor.execute(_PG_STAGE)
+            with cursor.copy(f"COPY samples_stage ({_COLS}) FROM STDIN") as copy:
+                for row in rows:
+                    copy.write_row(row)
+            cursor.execute(_PG_MERGE)
+            stored = cursor.rowcount
+        else:  # pragma: no cover - guarded by make_engine
+            raise ValueError(f"unsupported database: {dialect}")
+        cursor.executemany(_GPU_UPSERT[dialect], _gpu_spans(rows))
+    finally:
+        cursor.close()
+    return int(stored)
+
+
+def insert_events(connection: Connection, rows: Sequence[EventRow]) -> int:
+    """Store events inside the caller's transaction; returns how many were new."""
+    if not rows:
+        return 0
+    values = [
+        {
+            "node": node,
+            "gpu": NO_GPU if gpu is None else gpu,
+            "ts_ms": ts_ms,
+            "kind": kind,
+            "xid": NO_XID if xid is None else xid,
+            "message": message,
+            "source": source,
+        }
+        for node, gpu, ts_ms, kind, xid, message, source in rows
+    ]
+    stored = 0
+    if connection.dialect.name == "sqlite":
+        for chunk in _chunks(values, 500):
+            result = connection.execute(insert(events).prefix_with("OR IGNORE").values(chunk))
+            stored += result.rowcount
+    else:
+        for chunk in _chunks(values, 500):
+            statement = pg_insert(events).values(chunk).on_conflict_do_nothing()
+            stored += len(connection.execute(statement.returning(events.c.id)).all())
+    return stored
+
+
+def upsert_agent(connection: Connection, *, node: str, status: dict[str, Any]) -> None:
+    """Record a collector's heartbeat (``status`` holds the AgentStatus fields, times in ms)."""
+    values = {"node": node, **status}
+    update = {k: v for k, v in values.items() if k not in ("node", "agent_id")}
+    upsert = sqlite_insert if connection.dialect.name == "sqlite" else pg_insert
+    statement = upsert(agents).values(values)
+    connection.execute(
+        statement.on_conflict_do_update(index_elements=["node", "agent_id"], set_=update)
+    )
+
+
+def delete_before(connection: Connection, cutoff_ms: int) -> dict[str, int]:
+    """Retention: drop samples and events older than ``cutoff_ms``; returns rows removed."""
+    removed = {}
+    for table in ("samples", "events"):
+        result = connection.execute(text(f"DELETE FROM {table} WHERE ts_ms < :c"), {"c": cutoff_ms})
+        removed[table] = result.rowcount
+    # A GPU with no sample left is no longer part of the fleet.
+    result = connection.execute(text("DELETE FROM gpus WHERE last_seen_ms < :c"), {"c": cutoff_ms})
+    removed["gpus"] = result.rowcount
+    return removed
+
+
+def _chunks(items: list[Any], size: int) -> list[list[Any]]:
+    return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+_VALUE_FIELDS = SAMPLE_COLUMNS[5:]
+
+
+def sample_row(sample: GpuSample) -> SampleRow:
+    """A validated sample as a row in :data:`SAMPLE_COLUMNS` order."""
+    d = sample.__dict__
+    return (
+        d["node"],
+        d["gpu"],
+        int(d["ts"].timestamp() * 1000),
+        d["uuid"],
+        d["vendor"].value,
+        *[d[name] for name in _VALUE_FIELDS],
+    )
+
+
+def event_row(event: Event) -> EventRow:
+    return (
+        event.node,
+        event.gpu,
+        int(event.ts.timestamp() * 1000),
+        event.kind.value,
+        event.xid,
+        event.message,
+        event.source,
+    )
