@@ -1,0 +1,167 @@
+"""Fixtures shared by every test package: database backends and a live service.
+
+PostgreSQL: ``FOREWARN_TEST_POSTGRES_URL`` (``.ci/run`` creates a fresh database and sets it),
+else the local default ``postgresql+psycopg://postgres@127.0.0.1:5432/test``. When it cannot
+be reached the PostgreSQL tests skip — except under ``CI=true``, where they fail.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+from sqlalchemy import create_engine, text
+
+from store import Store
+
+DEFAULT_PG = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def _postgres_url() -> str | None:
+    url = os.environ.get("FOREWARN_TEST_POSTGRES_URL") or DEFAULT_PG
+    try:
+        engine = create_engine(url, connect_args={"connect_timeout": 3})
+        with engine.connect() as connection:
+            connection.execute(text("SELECT 1"))
+        engine.dispose()
+    except Exception as exc:
+        if IN_CI:
+            pytest.fail(f"CI needs PostgreSQL at {url}: {exc}")
+        return None
+    return url
+
+
+@pytest.fixture(scope="session")
+def postgres_url() -> str:
+    url = _postgres_url()
+    if url is None:
+        pytest.skip("PostgreSQL is not reachable (set FOREWARN_TEST_POSTGRES_URL)")
+    return url
+
+
+def reset_postgres(url: str) -> None:
+    """Empty the database: every table, sequence and the Alembic version go."""
+    engine = create_engine(url)
+    with engine.begin() as connection:
+        connection.execute(text("DROP SCHEMA IF EXISTS public CASCADE"))
+        connection.execute(text("CREATE SCHEMA public"))
+    engine.dispose()
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A fresh, empty database of each backend."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'forewarn.db'}"
+    url: str = request.getfixturevalue("postgres_url")
+    reset_postgres(url)
+    return url
+
+
+@pytest.fixture
+def store(database_url: str) -> Iterator[Store]:
+    opened = Store.open(database_url)
+    yield opened
+    opened.close()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class LiveService:
+    url: str
+    ingest_token: str
+    read_token: str
+    admin_token: str
+    database_url: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=5)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def start_service(
+    database_url: str, log_path: Path, *, port: int | None = None, timeout_s: float = 30.0
+) -> LiveService:
+    """Start ``forewarn serve`` as its own process (a real uvicorn) and wait until ready."""
+    port = port or free_port()
+    tokens = {"ingest": "test-ingest-token", "read": "test-read-token", "admin": "test-admin-token"}
+    env = {
+        **os.environ,
+        "FOREWARN_INGEST_TOKEN": tokens["ingest"],
+        "FOREWARN_READ_TOKEN": tokens["read"],
+        "FOREWARN_ADMIN_TOKEN": tokens["admin"],
+        "FOREWARN_DATA_DIR": str(log_path.parent),
+    }
+    with log_path.open("ab") as log:  # the child keeps its own descriptor
+        process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "forewarn",
+                "serve",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--database-url",
+                database_url,
+                "--log-level",
+                "warning",
+            ],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    service = LiveService(
+        f"http://127.0.0.1:{port}",
+        tokens["ingest"],
+        tokens["read"],
+        tokens["admin"],
+        database_url,
+        process,
+        log_path,
+    )
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"service exited with {process.returncode}:\n{service.log()}")
+        try:
+            if httpx.get(f"{service.url}/readyz", timeout=1.0).status_code == 200:
+                return service
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    service.stop()
+    raise RuntimeError(f"service not ready after {timeout_s} s:\n{service.log()}")
+
+
+@pytest.fixture
+def live_service(tmp_path: Path) -> Iterator[LiveService]:
+    """A real ``forewarn serve`` process on a fresh SQLite database."""
+    service = start_service(f"sqlite:///{tmp_path / 'live.db'}", tmp_path / "service.log")
+    yield service
+    service.stop()

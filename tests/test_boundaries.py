@@ -1,0 +1,73 @@
+"""The rooms of DESIGN.md and who may enter: checked on the source, import by import.
+
+Collectors run on GPU nodes and the migrator inside training jobs, so neither may pull in the
+server; the predictor gets frames, never a database session or a web request.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+FORBIDDEN = {
+    "collector": {
+        "api",
+        "store",
+        "predictor",
+        "migrator",
+        "torch",
+        "sqlalchemy",
+        "fastapi",
+        "pandas",
+        "uvicorn",
+    },
+    "migrator": {"api", "store", "predictor", "collector", "sqlalchemy", "fastapi", "uvicorn"},
+    "predictor": {"api", "store", "migrator", "fastapi", "sqlalchemy", "uvicorn", "torch", "httpx"},
+    "store": {"api", "predictor", "migrator", "collector", "fastapi", "torch"},
+    "forewarn": {
+        "api",
+        "store",
+        "predictor",
+        "migrator",
+        "collector",
+        "torch",
+        "sqlalchemy",
+        "fastapi",
+        "pandas",
+        "numpy",
+    },
+}
+# Modules allowed past the rule, with the reason: the simulator's dataset writer and CSV
+# converter produce Parquet datasets, which needs pandas; they never run inside the agent loop.
+ALLOWED = {("collector", "pandas"): ("collector/sim/",)}
+# The command dispatcher names every room as a string, and imports them lazily.
+SKIP = {"forewarn/cli.py"}
+
+
+def imports_of(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+@pytest.mark.parametrize("room", sorted(FORBIDDEN))
+def test_room_imports_only_what_it_may(room: str) -> None:
+    offences = []
+    for path in sorted((ROOT / room).rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel in SKIP:
+            continue
+        for name in sorted(imports_of(path) & FORBIDDEN[room]):
+            if any(rel.startswith(p) for p in ALLOWED.get((room, name), ())):
+                continue
+            offences.append(f"{rel} imports {name}")
+    assert not offences, "\n".join(offences)
