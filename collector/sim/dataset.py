@@ -77,6 +77,18 @@ def _prepare(
     return full, step, ticks
 
 
+def _node_index(model: FleetModel, node: Any) -> int:
+    if isinstance(node, int) or (isinstance(node, str) and node.isdigit()):
+        n = int(node)
+    elif node in model.node_names:
+        n = model.node_names.index(node)
+    else:
+        raise InvalidInput(f"injection on an unknown node {node!r}")
+    if not 0 <= n < model.nodes:
+        raise InvalidInput(f"injection on node {n}: the fleet has {model.nodes} nodes")
+    return n
+
+
 def generate_dataset(
     out_dir: str | Path,
     *,
@@ -100,7 +112,7 @@ def generate_dataset(
             with dotted keys (``{"kinds.memory.lead_median_s": 3600}``); None: the defaults.
         start_ms: timestamp of the first tick, ms since the epoch (UTC).
         injections: forced failures, each ``{"at_s", "node", "gpu", "kind"}`` and optional
-            ``"lead_s"`` (see ``FleetModel.inject``); node is the node index.
+            ``"lead_s"`` (see ``FleetModel.inject``); node: its name or index.
 
     Returns:
         counts of what was written and the manifest.
@@ -145,8 +157,9 @@ def generate_dataset(
     for k in range(ticks):
         while pending and float(pending[0]["at_s"]) <= k * step:
             j = pending.pop(0)
-            lead = j.get("lead_s")
-            model.inject(int(j["node"]), int(j["gpu"]), str(j["kind"]), lead)
+            model.inject(
+                _node_index(model, j["node"]), int(j["gpu"]), str(j["kind"]), j.get("lead_s")
+            )
         tick = model.step(step if k else 0.0, start_ms + k * step_ms)
         buf.add(tick)
         events.extend(tick.events)

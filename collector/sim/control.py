@@ -1,0 +1,112 @@
+"""The live simulator's control API: inject a failure on demand, see what the fleet is doing.
+
+A small HTTP server on localhost (stdlib ``http.server``, one thread), for demos and tests:
+
+- ``POST /inject`` with ``{"node": "sim-node-0003", "gpu": 2, "kind": "memory"}`` and an
+  optional ``"lead_s"`` (wall seconds to the failure, precursors over that span; omitted: drawn
+  from the kind's lead-time distribution, none for kinds without warning) answers
+  ``{"node", "gpu", "kind", "fails_in_s"}``;
+- ``GET /status``: GPUs up, degrading, failures so far, speed, lemon nodes;
+- ``GET /failures``: the ground truth so far (one object per GPU failure);
+- ``GET /healthz``.
+
+Errors are ``{"error": {"code", "message", ...}}`` with the status of the
+:mod:`forewarn.errors` class. It binds to 127.0.0.1 by default: it has no authentication.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from collector.simulated import SimulatedSource
+from forewarn.errors import ForewarnError, InvalidInput, NotFound
+
+__all__ = ["ControlServer"]
+
+
+class ControlServer:
+    """Serves the control API of ``source`` on ``host:port`` (port 0: any free port)."""
+
+    def __init__(self, source: SimulatedSource, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.source = source
+        self._host = host
+        handler = _handler(source)
+        self._server = ThreadingHTTPServer((host, port), handler)
+        self._server.daemon_threads = True
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self._host}:{self._server.server_port}"
+
+    def start(self) -> ControlServer:
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, name="forewarn-sim-control", daemon=True
+        )
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._server.shutdown()
+            self._thread.join(5.0)
+            self._thread = None
+        self._server.server_close()
+
+
+def _handler(source: SimulatedSource) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        server_version = "forewarn-sim"
+
+        def log_message(self, format: str, *args: Any) -> None:  # quiet by default
+            pass
+
+        def _send(self, status: int, body: Any) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _error(self, exc: ForewarnError) -> None:
+            self._send(exc.status, exc.to_json())
+
+        def do_GET(self) -> None:
+            if self.path == "/healthz":
+                self._send(200, {"ok": True})
+            elif self.path == "/status":
+                self._send(200, source.status())
+            elif self.path == "/failures":
+                self._send(200, {"data": source.failures()})
+            else:
+                self._error(NotFound(f"no route {self.path}"))
+
+        def do_POST(self) -> None:
+            if self.path != "/inject":
+                self._error(NotFound(f"no route {self.path}"))
+                return
+            try:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = json.loads(self.rfile.read(min(length, 65536)) or b"{}")
+                if not isinstance(body, dict) or not {"node", "gpu", "kind"} <= body.keys():
+                    raise InvalidInput('expected {"node", "gpu", "kind"} and optional "lead_s"')
+                lead = body.get("lead_s")
+                result = source.inject(
+                    body["node"],
+                    int(body["gpu"]),
+                    str(body["kind"]),
+                    None if lead is None else float(lead),
+                )
+            except ForewarnError as exc:
+                self._error(exc)
+                return
+            except (ValueError, TypeError) as exc:
+                self._error(InvalidInput(f"bad inject request: {exc}"))
+                return
+            self._send(200, result)
+
+    return Handler

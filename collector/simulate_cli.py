@@ -1,0 +1,261 @@
+"""``forewarn simulate``: a simulated GPU fleet, streamed live or written as a dataset.
+
+::
+
+    forewarn simulate --gpus 64 --service http://127.0.0.1:8765 --speed 60      # live
+    forewarn simulate --gpus 1024 --days 1 --seed 7 --out var/ds                # history
+    forewarn simulate inject --node sim-node-0002 --gpu 3 --kind memory --lead-s 300
+    forewarn simulate convert-csv --csv gpu.csv --node host1 --out var/real     # real export
+
+Live mode posts one batch stream per node to ``POST /v1/ingest`` (token from ``--token`` or
+``FOREWARN_INGEST_TOKEN``) through the collector's batching pusher, stamps samples with the
+wall clock, and serves the control API (``collector/sim/control.py``) on localhost so that
+failures can be injected while it runs. ``--inject NODE:GPU:KIND[:LEAD_S][@AT_S]`` injects
+from the command line, in both modes (AT_S: seconds after the start).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+from forewarn import __version__
+from forewarn.errors import ForewarnError, InvalidInput
+
+__all__ = ["configure", "parse_inject", "run"]
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "action",
+        nargs="?",
+        default="run",
+        choices=["run", "inject", "convert-csv"],
+        help="run (default): live or history; inject: ask a running simulator; "
+        "convert-csv: turn a CSV export into a dataset",
+    )
+    parser.add_argument("--gpus", type=int, default=64, help="fleet size (8 GPUs a node)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--params", help="TOML file of parameter overrides")
+    parser.add_argument(
+        "--randomised",
+        type=int,
+        metavar="SEED",
+        help="draw every parameter with a range from this seed (collector.sim.randomised)",
+    )
+    parser.add_argument("--interval", type=float, help="sampling period, s (live default 1)")
+    parser.add_argument(
+        "--inject",
+        action="append",
+        default=[],
+        metavar="NODE:GPU:KIND[:LEAD_S][@AT_S]",
+        help="force a failure (repeatable)",
+    )
+    hist = parser.add_argument_group("history")
+    hist.add_argument("--days", type=float, help="write DAYS of history to --out")
+    hist.add_argument("--out", help="dataset directory")
+    live = parser.add_argument_group("live")
+    live.add_argument("--service", help="service base URL, e.g. http://127.0.0.1:8765")
+    live.add_argument("--token", help="ingest token (default: $FOREWARN_INGEST_TOKEN)")
+    live.add_argument("--speed", type=float, default=1.0, help="failure dynamics run X faster")
+    live.add_argument("--duration", type=float, help="stop after this many seconds")
+    live.add_argument(
+        "--control-port", type=int, default=8799, help="control API port on 127.0.0.1 (0: off)"
+    )
+    inj = parser.add_argument_group("inject")
+    inj.add_argument("--control", default="http://127.0.0.1:8799", help="control API URL")
+    inj.add_argument("--node")
+    inj.add_argument("--gpu", type=int)
+    inj.add_argument("--kind")
+    inj.add_argument("--lead-s", type=float)
+    conv = parser.add_argument_group("convert-csv")
+    conv.add_argument("--csv", action="append", default=[], help="samples CSV (repeatable)")
+    conv.add_argument("--events-csv")
+    conv.add_argument("--failures-csv")
+
+
+def parse_inject(text: str) -> dict[str, Any]:
+    """``NODE:GPU:KIND[:LEAD_S][@AT_S]`` -> ``{"node", "gpu", "kind", "lead_s", "at_s"}``."""
+    spec, _, at = text.partition("@")
+    parts = spec.split(":")
+    if len(parts) not in (3, 4):
+        raise InvalidInput(f"--inject {text!r}: expected NODE:GPU:KIND[:LEAD_S][@AT_S]")
+    try:
+        out: dict[str, Any] = {
+            "node": parts[0],
+            "gpu": int(parts[1]),
+            "kind": parts[2],
+            "lead_s": float(parts[3]) if len(parts) == 4 else None,
+            "at_s": float(at) if at else 0.0,
+        }
+    except ValueError as exc:
+        raise InvalidInput(f"--inject {text!r}: {exc}") from exc
+    return out
+
+
+def _params(args: argparse.Namespace) -> dict[str, Any]:
+    from collector.sim.config import load_params, randomised
+
+    base = load_params(args.params)
+    return randomised(args.randomised, base) if args.randomised is not None else base
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        if args.action == "inject":
+            return _inject(args)
+        if args.action == "convert-csv":
+            return _convert(args)
+        if args.service:
+            return _live(args)
+        if args.out and args.days:
+            return _history(args)
+        print("forewarn simulate: give --service URL (live) or --days D --out DIR", file=sys.stderr)
+        return 2
+    except ForewarnError as exc:
+        print(f"forewarn simulate: {exc.message}", file=sys.stderr)
+        return 1
+
+
+def _history(args: argparse.Namespace) -> int:
+    from collector.sim.dataset import generate_dataset
+
+    params = _params(args)
+    injections = [parse_inject(t) for t in args.inject]
+    t0 = time.perf_counter()
+    info = generate_dataset(
+        args.out,
+        gpus=args.gpus,
+        days=args.days,
+        interval_s=args.interval,
+        seed=args.seed,
+        params=params,
+        injections=injections,
+    )
+    took = time.perf_counter() - t0
+    print(
+        f"wrote {info.path}: {info.samples:,} samples, {info.events:,} events, "
+        f"{info.failures} failures ({info.manifest['counts']['incidents']} incidents) "
+        f"in {took:.1f} s ({info.samples / max(took, 1e-9):,.0f} samples/s)"
+    )
+    return 0
+
+
+def _inject(args: argparse.Namespace) -> int:
+    import httpx
+
+    if args.node is None or args.gpu is None or args.kind is None:
+        raise InvalidInput("inject needs --node, --gpu and --kind")
+    body: dict[str, Any] = {"node": args.node, "gpu": args.gpu, "kind": args.kind}
+    if args.lead_s is not None:
+        body["lead_s"] = args.lead_s
+    try:
+        resp = httpx.post(args.control.rstrip("/") + "/inject", json=body, timeout=10.0)
+    except httpx.HTTPError as exc:
+        print(f"forewarn simulate inject: cannot reach {args.control}: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(resp.json()))
+    return 0 if resp.status_code == 200 else 1
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from collector.sim.csv_import import convert_csv
+
+    if not args.csv or not args.out:
+        raise InvalidInput("convert-csv needs --csv FILE and --out DIR")
+    info = convert_csv(
+        args.csv,
+        args.out,
+        node=args.node,
+        events_csv=args.events_csv,
+        failures_csv=args.failures_csv,
+    )
+    print(f"wrote {args.out}: {info['samples']:,} samples, {info['events']:,} events")
+    return 0
+
+
+def _live(args: argparse.Namespace) -> int:
+    from collector.push import BatchingPusher, IngestClient
+    from collector.sim.control import ControlServer
+    from collector.simulated import SimulatedSource
+    from forewarn.wire import AgentStatus
+
+    token = args.token or os.environ.get("FOREWARN_INGEST_TOKEN")
+    if not token:
+        raise InvalidInput("live mode needs --token or FOREWARN_INGEST_TOKEN")
+    interval = float(args.interval or 1.0)
+    params = _params(args)
+    params["sampling"]["interval_s"] = interval
+    source = SimulatedSource(args.gpus, seed=args.seed, params=params, speed=args.speed)
+    started = datetime.now(UTC)
+
+    def status(node: str) -> AgentStatus:
+        return AgentStatus(
+            agent_id=f"forewarn-sim/{node}",
+            source="simulated",
+            version=__version__,
+            started_at=started,
+            interval_s=interval,
+        )
+
+    pusher = BatchingPusher(
+        IngestClient(args.service, token),
+        max_rows=5000,
+        max_delay_s=max(1.0, interval),
+        agent_status=status,
+    ).start()
+    control = None
+    if args.control_port:
+        control = ControlServer(source, port=args.control_port).start()
+    pending = sorted((parse_inject(t) for t in args.inject), key=lambda j: j["at_s"])
+    stop = False
+
+    def _stop(*_: object) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, _stop)
+    where = f", control API {control.url}" if control else ""
+    print(
+        f"simulating {source.model.g} GPUs on {source.model.nodes} nodes -> {args.service} "
+        f"every {interval:g} s, speed {args.speed:g}{where}",
+        flush=True,
+    )
+    t0 = time.monotonic()
+    k, last_report = 0, t0
+    try:
+        while not stop:
+            elapsed = time.monotonic() - t0
+            if args.duration is not None and elapsed >= args.duration:
+                break
+            while pending and pending[0]["at_s"] <= elapsed:
+                j = pending.pop(0)
+                print(json.dumps(source.inject(j["node"], j["gpu"], j["kind"], j["lead_s"])))
+            pusher.add(source.read(datetime.now(UTC)))
+            k += 1
+            if time.monotonic() - last_report >= 60.0:
+                last_report = time.monotonic()
+                s, st = pusher.stats, source.status()
+                print(
+                    f"t={elapsed:.0f}s sent={s.sent_total} spooled={s.spooled} "
+                    f"dropped={s.dropped_total} up={st['gpus_up']}/{st['gpus']} "
+                    f"failures={st['failures']}",
+                    flush=True,
+                )
+            time.sleep(max(0.0, t0 + k * interval - time.monotonic()))
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if control is not None:
+            control.close()
+        pusher.close()
+        source.close()
+    s = pusher.stats
+    print(f"stopped: sent {s.sent_total} rows, dropped {s.dropped_total}, spooled {s.spooled}")
+    return 0

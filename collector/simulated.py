@@ -1,0 +1,179 @@
+"""The simulated source: a whole fleet of simulated GPUs behind the ``Source`` protocol.
+
+It answers ``read(now)`` exactly as a hardware source does — one :class:`GpuSample` per GPU
+whose sample reached the collector, and every :class:`Event` since the previous call — from
+the vectorised model in :mod:`collector.sim`. Operators use it to rehearse policies before
+turning on automatic migration; the demo and the end-to-end tests use it as their fleet.
+
+Samples carry the ``now`` they were read at (the wall clock in live mode: the service refuses
+timestamps in the future); ``speed`` makes only the failure dynamics (hazard, precursor growth,
+repair) run faster. ``inject`` forces a failure on a chosen GPU, for demos and tests.
+
+Example::
+
+    src = SimulatedSource(gpus=64, seed=1, speed=60.0)
+    src.inject("sim-node-0002", 3, "memory", lead_s=120)
+    readings = src.read(datetime.now(UTC))
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from typing import Any
+
+import numpy as np
+
+from collector.base import Reading
+from collector.sim.config import FAILURE_KINDS, Params, load_params
+from collector.sim.fleet import FleetModel, Tick
+from forewarn.errors import InvalidInput, NotFound
+from forewarn.wire import Event, GpuSample, to_ms
+
+__all__ = ["SimulatedSource", "tick_rows"]
+
+_OPTIONAL_INT = {"throttle_reasons", "pcie_link_width"}
+
+
+def tick_rows(model: FleetModel, tick: Tick) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The samples and events of a tick as wire JSON objects (``ts`` as Unix seconds)."""
+    idx = np.flatnonzero(tick.present)
+    ts = tick.ts_ms / 1000.0
+    fleet = model.params["fleet"]
+    cols = {k: v[idx].tolist() for k, v in tick.columns.items()}
+    names = list(cols)
+    samples: list[dict[str, Any]] = []
+    for j, g in enumerate(idx.tolist()):
+        row: dict[str, Any] = {
+            "node": model.node_names[model.node_of[g]],
+            "gpu": int(model.gpu_index[g]),
+            "ts": ts,
+            "uuid": model.uuids[g],
+            "vendor": "nvidia",
+            "mem_total_mib": float(fleet["mem_total_mib"]),
+            "pcie_link_width_max": int(fleet["pcie_link_width_max"]),
+            "pcie_link_gen": int(fleet["pcie_link_gen"]),
+        }
+        for k in names:
+            row[k] = cols[k][j]
+        samples.append(row)
+    events = []
+    for ts_ms, n, gpu, kind, xid, msg, src in tick.events:
+        ev: dict[str, Any] = {
+            "node": model.node_names[n],
+            "ts": ts_ms / 1000.0,
+            "kind": kind,
+            "message": msg,
+            "source": src,
+        }
+        if gpu >= 0:
+            ev["gpu"] = gpu
+        if xid >= 0:
+            ev["xid"] = xid
+        events.append(ev)
+    return samples, events
+
+
+class SimulatedSource:
+    """A simulated fleet of ``gpus`` GPUs (8 to a node by default) as one telemetry source.
+
+    Args:
+        gpus: fleet size, rounded up to whole nodes.
+        seed: the fleet and everything that happens to it follow from it.
+        params: a full parameter set or dotted overrides (None: ``defaults.toml``).
+        speed: failure dynamics run this many times faster than the wall clock.
+    """
+
+    name = "simulated"
+
+    def __init__(
+        self,
+        gpus: int = 8,
+        *,
+        seed: int = 0,
+        params: Params | Mapping[str, Any] | None = None,
+        speed: float = 1.0,
+    ) -> None:
+        if gpus < 1:
+            raise InvalidInput("gpus must be at least 1")
+        if not speed > 0:
+            raise InvalidInput("speed must be positive")
+        if params is None:
+            full = load_params()
+        elif "fleet" in params:
+            full = dict(params)
+        else:
+            full = load_params(overrides=params)
+        self.model = FleetModel(gpus, full, seed, speed)
+        self._last: datetime | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+
+    @property
+    def node_names(self) -> list[str]:
+        return list(self.model.node_names)
+
+    def read(self, now: datetime) -> list[Reading]:
+        """Samples at ``now`` and the events since the previous call."""
+        if now.tzinfo is None:
+            now = now.replace(tzinfo=UTC)
+        with self._lock:
+            dt = 0.0 if self._last is None else max(0.0, (now - self._last).total_seconds())
+            self._last = now if self._last is None or now > self._last else self._last
+            tick = self.model.step(dt, to_ms(now))
+            samples, events = tick_rows(self.model, tick)
+        out: list[Reading] = [GpuSample.model_validate(s) for s in samples]
+        out.extend(Event.model_validate(e) for e in events)
+        return out
+
+    def inject(
+        self, node: str | int, gpu: int, kind: str, lead_s: float | None = None
+    ) -> dict[str, Any]:
+        """Force ``kind`` on GPU ``gpu`` of ``node`` (name or index); see ``FleetModel.inject``.
+
+        Returns ``{"node", "gpu", "kind", "fails_in_s"}``.
+
+        Raises:
+            NotFound: no such node or GPU.
+            InvalidInput: an unknown kind or a negative lead.
+        """
+        m = self.model
+        if isinstance(node, int) or (isinstance(node, str) and node.isdigit()):
+            n = int(node)
+        elif node in m.node_names:
+            n = m.node_names.index(node)
+        else:
+            raise NotFound(f"no simulated node {node!r}", details={"node": node})
+        if not 0 <= n < m.nodes or not 0 <= int(gpu) < m.gpn:
+            raise NotFound(f"no GPU {gpu} on node {node!r}", details={"node": node, "gpu": gpu})
+        if kind not in FAILURE_KINDS:
+            raise InvalidInput(f"unknown failure kind {kind!r}", details={"kinds": FAILURE_KINDS})
+        if lead_s is not None and lead_s < 0:
+            raise InvalidInput("lead_s must not be negative")
+        with self._lock:
+            fails_in = m.inject(n, int(gpu), kind, lead_s)
+        return {"node": m.node_names[n], "gpu": int(gpu), "kind": kind, "fails_in_s": fails_in}
+
+    def status(self) -> dict[str, Any]:
+        """Fleet counts for the control API: GPUs up, degrading and failures so far."""
+        m = self.model
+        with self._lock:
+            degrading = int((m.up & m.has_prec & (m.tf >= m.onset_f)).sum())
+            return {
+                "gpus": m.g,
+                "nodes": m.nodes,
+                "gpus_up": int(m.up.sum()),
+                "gpus_degrading": degrading,
+                "failures": len(m.failures),
+                "speed": m.speed,
+                "lemon_nodes": [m.node_names[n] for n in np.flatnonzero(m.lemon).tolist()],
+            }
+
+    def failures(self) -> list[dict[str, Any]]:
+        """Ground truth so far: one dict per GPU failure (see ``failures.parquet``)."""
+        with self._lock:
+            return [dict(f) for f in self.model.failures]
+
+    def close(self) -> None:
+        self._closed = True
