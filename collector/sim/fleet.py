@@ -11,8 +11,8 @@ shows a failure's whole story in minutes while its samples keep real timestamps.
 
 Failure plan: each GPU holds its next gpu-scope failure (time, trace class, whether it shows
 precursors and from when); each node holds its next node-scope incident. Times are drawn from
-exponentials at the calibrated rates (``calibration.py``), lemon nodes' rates are multiplied
-and the rest scaled down so that the fleet mean stays calibrated. After a repair the GPU's
+exponentials at the calibrated rates (``calibration.py``), per GPU-hour in service; lemon
+nodes' rates are multiplied and every rate scaled so that the fleet mean stays calibrated. After a repair the GPU's
 plan is drawn again, its precursor window clipped to the time since it came back.
 """
 
@@ -107,9 +107,10 @@ class FleetModel:
 
         fleet = params["fleet"]
         self.lemon = rng.random(self.nodes) < fleet["lemon_node_fraction"]
-        f, mult = fleet["lemon_node_fraction"], fleet["lemon_hazard_multiplier"]
-        norm = 1.0 / (1.0 - f + f * mult)
-        self.node_mult = np.where(self.lemon, mult, 1.0) * norm
+        # Normalised over the lemons actually drawn, so that every fleet's mean hazard is the
+        # calibrated one whatever its number of lemons.
+        raw_mult = np.where(self.lemon, float(fleet["lemon_hazard_multiplier"]), 1.0)
+        self.node_mult = raw_mult / raw_mult.mean()
         self.gpu_mult = np.repeat(self.node_mult, gpn)
         self.noise_mult = np.repeat(np.where(self.lemon, fleet["lemon_noise_multiplier"], 1.0), gpn)
         self.x8 = rng.random(self.g) < params["noise"]["x8_link_fraction"]
