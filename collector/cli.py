@@ -1,0 +1,150 @@
+"""``forewarn collect``: run the node agent — read the GPUs, push to the service.
+
+Examples::
+
+    forewarn collect --service http://forewarn:8765 --token $TOKEN            # auto: NVML, AMD
+    forewarn collect --source dcgm-exporter --url http://localhost:9400/metrics \\
+        --service http://forewarn:8765 --token $TOKEN --interval-s 15
+    forewarn collect --source simulated --sim-gpus 64 --service http://127.0.0.1:8765 --token T
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+from collector.base import Source
+from forewarn.errors import ForewarnError, SourceUnavailable
+
+__all__ = ["build_sources", "configure", "run"]
+
+log = logging.getLogger("forewarn.collector")
+
+SOURCES = ("auto", "nvml", "amd", "dcgm-exporter", "simulated")
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    env = os.environ.get
+    parser.add_argument("--source", choices=SOURCES, default="auto", help="default %(default)s")
+    parser.add_argument("--url", help="dcgm-exporter metrics URL (with --source dcgm-exporter)")
+    parser.add_argument("--service", default=env("FOREWARN_SERVICE_URL"), help="service base URL")
+    parser.add_argument(
+        "--token",
+        default=env("FOREWARN_INGEST_TOKEN"),
+        help="ingest token (env FOREWARN_INGEST_TOKEN)",
+    )
+    parser.add_argument("--node", default=socket.gethostname(), help="node name (default: host)")
+    parser.add_argument("--interval-s", type=float, default=1.0, help="sampling period")
+    parser.add_argument(
+        "--spool-dir",
+        default=env("FOREWARN_SPOOL_DIR", "var/collector-spool"),
+        help="where batches wait while the service is unreachable",
+    )
+    parser.add_argument("--spool-max-mib", type=float, default=256.0, help="spool bound on disk")
+    parser.add_argument("--kernel-log", help="also read Xids from this log (/dev/kmsg or a file)")
+    parser.add_argument("--batch-max-rows", type=int, default=5000)
+    parser.add_argument("--batch-max-delay-s", type=float, default=1.0)
+    parser.add_argument("--heartbeat-s", type=float, default=10.0)
+    parser.add_argument("--timeout-s", type=float, default=10.0, help="per request to the service")
+    parser.add_argument("--no-gzip", action="store_true")
+    parser.add_argument("--duration-s", type=float, help="stop after this long (default: never)")
+    parser.add_argument("--sim-gpus", type=int, default=8, help="simulated fleet size")
+    parser.add_argument("--sim-seed", type=int, default=0)
+    parser.add_argument("--sim-speed", type=float, default=1.0)
+    parser.add_argument("--log-level", default="info")
+
+
+_AUTO_HELP = (
+    "no GPU source found: NVML ({nvml}); AMD SMI ({amd}).\n"
+    "  NVIDIA: install the driver and `pip install 'forewarn[nvidia]'`;\n"
+    "  AMD: install ROCm and `pip install 'forewarn[amd]'`;\n"
+    "  dcgm-exporter already running: --source dcgm-exporter --url http://localhost:9400/metrics;\n"
+    "  no GPUs (a rehearsal): --source simulated."
+)
+
+
+def _primary(args: argparse.Namespace) -> Source:
+    kind = args.source
+    if kind == "nvml":
+        from collector.nvml import NvmlSource
+
+        return NvmlSource(args.node)
+    if kind == "amd":
+        from collector.amd import AmdSource
+
+        return AmdSource(args.node)
+    if kind == "dcgm-exporter":
+        if not args.url:
+            raise SourceUnavailable("--source dcgm-exporter needs --url http://HOST:9400/metrics")
+        from collector.dcgm_exporter import DcgmExporterSource
+
+        return DcgmExporterSource(args.url, node=args.node)
+    if kind == "simulated":
+        from collector.simulated import SimulatedSource
+
+        return SimulatedSource(args.sim_gpus, seed=args.sim_seed, speed=args.sim_speed)
+    errors = {}
+    for name in ("nvml", "amd"):
+        try:
+            return _primary(argparse.Namespace(**{**vars(args), "source": name}))
+        except SourceUnavailable as exc:
+            errors[name] = exc.message
+    raise SourceUnavailable(_AUTO_HELP.format(**errors))
+
+
+def build_sources(args: argparse.Namespace) -> list[Source]:
+    """The primary source, and the kernel-log source beside it when asked for."""
+    primary = _primary(args)
+    sources: list[Source] = [primary]
+    if args.kernel_log:
+        from collector.kernel_log import KernelLogSource
+
+        bus_ids: Any = getattr(primary, "bus_ids", None) or {}
+        sources.append(KernelLogSource(args.node, args.kernel_log, bus_ids=bus_ids))
+    return sources
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
+    )
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    if not args.service or not args.token:
+        print("forewarn collect: --service URL and --token T are required", file=sys.stderr)
+        return 2
+    from collector.agent import Agent
+    from collector.push import BatchingPusher, IngestClient
+    from collector.spool import DiskSpool
+
+    try:
+        sources = build_sources(args)
+    except ForewarnError as exc:
+        print(f"forewarn collect: {exc.message}", file=sys.stderr)
+        return 3
+    client = IngestClient(args.service, args.token, timeout_s=args.timeout_s, gzip=not args.no_gzip)
+    spool = DiskSpool(Path(args.spool_dir), max_bytes=int(args.spool_max_mib * 2**20))
+    pusher = BatchingPusher(
+        client,
+        spool=spool,
+        max_rows=args.batch_max_rows,
+        max_delay_s=args.batch_max_delay_s,
+        heartbeat_s=args.heartbeat_s,
+    )
+    agent = Agent(sources, pusher, interval_s=args.interval_s, node=args.node)
+    signal.signal(signal.SIGTERM, lambda *_: agent.stop())
+    log.info(
+        "collecting from %s every %.3g s into %s (agent %s)",
+        agent.source_name,
+        args.interval_s,
+        args.service,
+        agent.agent_id,
+    )
+    agent.run(duration_s=args.duration_s)  # closes (flush, spool) on any exit
+    log.info("stopped: %s", agent.describe())
+    return 0
