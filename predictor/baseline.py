@@ -1,0 +1,47 @@
+"""The rule baseline: the health checks production tools run today (DCGM health watches,
+NVSentinel), computed from the same features the model sees.
+
+A GPU is alarmed when any rule fires:
+
+- ``dbe``: an uncorrectable (double-bit) ECC error in the last hour;
+- ``remap``: a row remap is pending, or remapping failed (no spare row left);
+- ``fatal_xid``: one of the fatal Xids 48/63/64/74/79/94/95/119/120 in the last hour;
+- ``thermal``: thermal slowdown asserted in recent samples (at least 20 % of the last 5 min).
+
+The baseline's score is the number of rules firing (0-4), so a threshold of 1 is the rule set
+itself and higher thresholds give the other points of its recall/false-alarm curve.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from predictor.features import FEATURE_NAMES
+
+__all__ = ["RULES", "THRESHOLD", "rule_hits", "score"]
+
+THRESHOLD = 1.0
+RULES: tuple[str, ...] = ("dbe", "remap", "fatal_xid", "thermal")
+_RECENT_S = 3600.0
+_THERMAL_SHARE = 0.2
+
+
+def _col(x: np.ndarray, name: str) -> np.ndarray:
+    return x[:, FEATURE_NAMES.index(name)].astype(np.float64)
+
+
+def rule_hits(features: np.ndarray) -> np.ndarray:
+    """Boolean matrix (rows x :data:`RULES`) of the rules each row trips."""
+    with np.errstate(invalid="ignore"):
+        dbe = _col(features, "since_dbe_s") <= _RECENT_S
+        remap = (np.nan_to_num(_col(features, "remap_pending")) > 0) | (
+            np.nan_to_num(_col(features, "remap_failure")) > 0
+        )
+        fatal = _col(features, "since_fatal_xid_s") <= _RECENT_S
+        thermal = np.nan_to_num(_col(features, "thermal_throttle_5m")) >= _THERMAL_SHARE
+    return np.column_stack([dbe, remap, fatal, thermal])
+
+
+def score(features: np.ndarray) -> np.ndarray:
+    """How many rules each row trips (float, for the evaluation's threshold sweep)."""
+    return rule_hits(features).sum(axis=1).astype(np.float64)

@@ -1,0 +1,147 @@
+"""Reading a labelled dataset (``docs/datasets.md``) and replaying it through the live state.
+
+A dataset directory holds ``manifest.json``, ``samples/`` (Parquet parts), ``events.parquet``
+and ``failures.parquet``. :func:`replay` walks the samples in steps of ``step_s``, folds each
+step into a :class:`predictor.state.FleetState` exactly as the live scorer does with what the
+store received since its last tick, and hands the state to a callback after every step. The
+features a callback computes at time ``t`` are the ones the service would have computed at
+``t`` (the decayed windows do not depend on how the rows were split into steps).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from forewarn.errors import InvalidInput
+from predictor.state import VALUE_COLUMNS, FleetState, SampleBlock
+
+__all__ = ["Dataset", "block_from_table", "load_dataset", "replay", "steps"]
+
+
+@dataclass
+class Dataset:
+    """One labelled fleet history."""
+
+    path: Path
+    manifest: dict[str, Any]
+    samples: SampleBlock
+    events: pd.DataFrame
+    failures: pd.DataFrame
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def start_ms(self) -> int:
+        return int(self.manifest.get("start_ms", self.samples.ts_ms.min()))
+
+    @property
+    def end_ms(self) -> int:
+        return int(self.manifest.get("end_ms", self.samples.ts_ms.max() + 1))
+
+
+def block_from_table(table: pa.Table) -> SampleBlock:
+    """Sample rows of an Arrow table as a :class:`SampleBlock` (null -> NaN), sorted by time."""
+    n = table.num_rows
+    values = np.full((n, len(VALUE_COLUMNS)), np.nan)
+    names = set(table.column_names)
+    for j, name in enumerate(VALUE_COLUMNS):
+        if name in names:
+            col = pc.cast(table.column(name), pa.float64())
+            values[:, j] = col.to_numpy(zero_copy_only=False)
+    ts = table.column("ts_ms").to_numpy().astype(np.int64)
+    node = table.column("node").to_numpy(zero_copy_only=False).astype(object)
+    gpu = table.column("gpu").to_numpy().astype(np.int64)
+    block = SampleBlock(ts, node, gpu, values)
+    if n and not bool((np.diff(ts) >= 0).all()):
+        order = np.argsort(ts, kind="stable")
+        block = SampleBlock(ts[order], node[order], gpu[order], values[order])
+    return block
+
+
+def _read(path: Path, what: str) -> pd.DataFrame:
+    try:
+        return pq.read_table(path).to_pandas()
+    except (OSError, ValueError) as exc:
+        raise InvalidInput(f"cannot read {what} {path}: {exc}") from exc
+
+
+def load_dataset(path: str | Path) -> Dataset:
+    """Read a dataset directory.
+
+    Raises:
+        InvalidInput: no manifest, a manifest of another format, or unreadable Parquet.
+    """
+    root = Path(path)
+    try:
+        manifest = json.loads((root / "manifest.json").read_text("utf-8"))
+    except (OSError, ValueError) as exc:
+        raise InvalidInput(f"{root} is not a dataset (manifest.json: {exc})") from exc
+    if manifest.get("format") != "forewarn-dataset":
+        raise InvalidInput(f"{root}/manifest.json: format is not forewarn-dataset")
+    try:
+        samples = block_from_table(pq.read_table(root / "samples"))
+    except (OSError, ValueError, KeyError) as exc:
+        raise InvalidInput(f"cannot read samples in {root}: {exc}") from exc
+    events = _read(root / "events.parquet", "events")
+    failures = _read(root / "failures.parquet", "failures")
+    if len(events):
+        events = events.sort_values("ts_ms", kind="stable").reset_index(drop=True)
+    return Dataset(root, manifest, samples, events, failures)
+
+
+Sink = Callable[[int, FleetState], None]
+
+
+def replay(
+    dataset: Dataset,
+    sink: Sink,
+    *,
+    step_s: float = 60.0,
+    state: FleetState | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> FleetState:
+    """Feed the dataset to a state in steps of ``step_s``; call ``sink(now_ms, state)`` after
+    each step. ``progress(n)`` is told how many steps were done (for a progress bar).
+
+    Steps end at ``start + k * step_s`` (the last one at the dataset's end); a step takes the
+    rows with ``previous end < ts_ms <= end``.
+    """
+    state = state or FleetState(capacity=max(int(dataset.manifest.get("gpus", 1024)), 16))
+    step_ms = int(step_s * 1000)
+    if step_ms <= 0:
+        raise InvalidInput("step_s must be positive")
+    s_ts = dataset.samples.ts_ms
+    e_ts = dataset.events["ts_ms"].to_numpy(dtype=np.int64) if len(dataset.events) else None
+    start, end = dataset.start_ms, dataset.end_ms
+    edges = np.arange(start + step_ms, end + step_ms, step_ms)
+    edges[-1] = min(edges[-1], max(end, start + 1))
+    prev_s = prev_e = 0
+    for k, now in enumerate(edges):
+        hi_s = int(np.searchsorted(s_ts, now, side="right"))
+        chunk = dataset.samples[prev_s:hi_s] if hi_s > prev_s else None
+        ev = None
+        if e_ts is not None:
+            hi_e = int(np.searchsorted(e_ts, now, side="right"))
+            ev = dataset.events.iloc[prev_e:hi_e] if hi_e > prev_e else None
+            prev_e = hi_e
+        state.update(chunk, ev, now_ms=int(now))
+        prev_s = hi_s
+        sink(int(now), state)
+        if progress is not None:
+            progress(k + 1)
+    return state
+
+
+def steps(dataset: Dataset, step_s: float) -> int:
+    """How many steps :func:`replay` makes (for a progress bar's total)."""
+    span = dataset.end_ms - dataset.start_ms
+    return max(int(np.ceil(span / (step_s * 1000))), 1)

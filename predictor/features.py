@@ -1,0 +1,209 @@
+"""Features of every GPU at an instant, from the decayed window state of :mod:`predictor.state`.
+
+:func:`compute` is the only place features are made, for training and for live scoring alike.
+Each feature has a :class:`Feature` spec (subject, measure, window) so that attributions can be
+turned into plain words (:mod:`predictor.reasons`). Families:
+
+- counter rates per hour over 5 min, 1 h and 24 h for every cumulative counter, the 1 h rate
+  against the GPU's own 7-day rate (growth), against the fleet median and against the other
+  GPUs of its node; lifetime totals of the remap and aggregate ECC counters;
+- temperatures (GPU die, HBM): latest, 5 min mean, slope (°C/h, from the 5 min and 1 h means:
+  a linear trend makes a decayed mean lag by ``slope * tau``), against node, fleet and the
+  GPU's own 24 h mean; power, SM clock and utilisation against the node;
+- throttle time (thermal, power, hardware slowdown) as the share of samples over 5 min / 1 h;
+- PCIe link width against its maximum, row-remap pending/failure, retired-pages pending;
+- events: Xid counts by class, ECC storms, link down, stalls, resets (5 min, 1 h, 24 h) and the
+  time since the last of each (capped at 7 days);
+- telemetry staleness (seconds since the last sample, against the node) and the sample rate
+  of the last 5 min against the last day (missing data).
+
+Windows are normalised by how long the GPU has been watched, so a scorer that started an hour
+ago does not read every 24 h rate as 24 times too small.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from forewarn.wire import COUNTER_FIELDS
+from predictor.state import COLUMN, EVENT_CHANNELS, LATEST, TAU, WINDOWS, FleetState
+
+__all__ = ["FEATURES", "FEATURE_NAMES", "Feature", "compute"]
+
+SINCE_CAP_S = 7 * 86400.0
+_FLOOR_PER_H = 1.0 / 24.0  # one error a day: the floor under every rate ratio
+
+
+@dataclass(frozen=True)
+class Feature:
+    """What a feature measures, for people: ``subject`` (a counter, a reading, an event),
+    ``measure`` (rate, vs_fleet, slope, ...) and the window it covers."""
+
+    name: str
+    subject: str
+    measure: str
+    window: str = ""
+
+
+def _specs() -> list[Feature]:
+    out: list[Feature] = []
+    for c in COUNTER_FIELDS:
+        out += [Feature(f"{c}_rate_{w}", c, "rate", w) for w in ("5m", "1h", "24h")]
+        out += [Feature(f"{c}_rate_1h_vs_{r}", c, f"vs_{r}", "1h") for r in ("own", "fleet")]
+        out.append(Feature(f"{c}_rate_1h_vs_node", c, "vs_node", "1h"))
+    for c in ("ecc_sbe_aggregate", "ecc_dbe_aggregate", "remap_correctable", "remap_uncorrectable"):
+        out.append(Feature(f"{c}_total", c, "total"))
+    for g in ("temp_gpu_c", "temp_mem_c"):
+        out += [
+            Feature(f"{g}_now", g, "now"),
+            Feature(f"{g}_mean_5m", g, "mean", "5m"),
+            Feature(f"{g}_slope", g, "slope", "1h"),
+            Feature(f"{g}_vs_node", g, "vs_node", "5m"),
+            Feature(f"{g}_vs_fleet", g, "vs_fleet", "5m"),
+            Feature(f"{g}_vs_own", g, "vs_own", "24h"),
+        ]
+    for g in ("power_w", "sm_clock_mhz", "util_gpu_pct"):
+        out += [Feature(f"{g}_mean_5m", g, "mean", "5m"), Feature(f"{g}_vs_node", g, "vs_node")]
+    for f in ("thermal_throttle", "power_throttle", "hw_slowdown"):
+        out += [Feature(f"{f}_{w}", f, "share", w) for w in ("5m", "1h")]
+    out.append(Feature("thermal_throttle_5m_vs_node", "thermal_throttle", "vs_node", "5m"))
+    out += [
+        Feature("pcie_width_ratio", "pcie_link_width", "ratio"),
+        Feature("remap_pending", "remap_pending", "flag"),
+        Feature("remap_failure", "remap_failure", "flag"),
+        Feature("retired_pages_pending", "retired_pages_pending", "flag"),
+        Feature("counter_resets_24h", "counter_reset", "count", "24h"),
+        Feature("staleness_s", "telemetry", "staleness"),
+        Feature("staleness_vs_node", "telemetry", "vs_node"),
+        Feature("sample_rate_5m_vs_24h", "telemetry", "sample_rate", "5m"),
+    ]
+    for e in EVENT_CHANNELS:
+        out += [Feature(f"{e}_{w}", e, "count", w) for w in ("5m", "1h", "24h")]
+    out.append(Feature("xid_app_1h_node", "xid_app", "node_count", "1h"))
+    for e in SINCE:
+        out.append(Feature(f"since_{e}_s", e, "since"))
+    return out
+
+
+SINCE: tuple[str, ...] = (
+    "sbe",
+    "dbe",
+    "xid_memory",
+    "xid_nvlink",
+    "xid_bus",
+    "xid_gsp",
+    "xid_app",
+    "ecc_storm",
+    "link_down",
+    "fatal_xid",
+    "counter_reset",
+)
+FEATURES: tuple[Feature, ...] = tuple(_specs())
+FEATURE_NAMES: tuple[str, ...] = tuple(f.name for f in FEATURES)
+
+
+def _node_others(x: np.ndarray, node: np.ndarray, n_nodes: int) -> np.ndarray:
+    """Mean of ``x`` over the other GPUs of each GPU's node (NaN-aware; NaN when alone)."""
+    ok = ~np.isnan(x)
+    x0 = np.where(ok, x, 0.0)
+    sums = np.bincount(node, weights=x0, minlength=n_nodes)
+    cnts = np.bincount(node, weights=ok.astype(np.float64), minlength=n_nodes)
+    den = cnts[node] - ok
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(den > 0, (sums[node] - x0) / np.maximum(den, 1), np.nan)
+
+
+def _fleet_median(x: np.ndarray) -> float:
+    ok = x[~np.isnan(x)]
+    return float(np.median(ok)) if len(ok) else np.nan
+
+
+def compute(state: FleetState, now_ms: int | None = None) -> np.ndarray:
+    """The feature matrix (float32, one row per slot ``0..state.size-1``, columns
+    :data:`FEATURE_NAMES`) at ``now_ms`` (default: the state's clock).
+
+    The state must be at ``now_ms``: windows are decayed to the state's clock, so call
+    ``state.update(..., now_ms=now_ms)`` first (with no rows if nothing arrived).
+    """
+    now = state.now_ms if now_ms is None else int(now_ms)
+    if state.now_ms is None or now != state.now_ms:
+        raise ValueError("the state must be updated to now_ms before computing features")
+    n = state.size
+    acc = state.acc[:n]
+    node = state.node_of[:n]
+    n_nodes = max(len(state.nodes), 1)
+    age = np.maximum((now - state.first_ms[:n]) / 1000.0, 60.0)
+    age = np.where(np.isnan(age), 60.0, age)
+    norm = {w: tau * -np.expm1(-age / tau) for w, tau in WINDOWS.items()}
+    cols: dict[str, np.ndarray] = {}
+    errs = np.seterr(invalid="ignore", divide="ignore")
+    try:
+        seen = ~np.isnan(state.last_counter[:n])
+        for j, c in enumerate(COUNTER_FIELDS):
+            rate = {
+                w: np.where(seen[:, j], acc[:, COLUMN[f"inc:{c}:{w}"]] / norm[w] * 3600.0, np.nan)
+                for w in WINDOWS
+            }
+            for w in ("5m", "1h", "24h"):
+                cols[f"{c}_rate_{w}"] = rate[w]
+            cols[f"{c}_rate_1h_vs_own"] = rate["1h"] / (rate["7d"] + _FLOOR_PER_H)
+            cols[f"{c}_rate_1h_vs_fleet"] = rate["1h"] / (
+                _fleet_median(rate["1h"]) + _FLOOR_PER_H
+            )
+            cols[f"{c}_rate_1h_vs_node"] = rate["1h"] - _node_others(rate["1h"], node, n_nodes)
+        for c in ("ecc_sbe_aggregate", "ecc_dbe_aggregate", "remap_correctable", "remap_uncorrectable"):
+            cols[f"{c}_total"] = state.last_counter[:n, COUNTER_FIELDS.index(c)]
+
+        def mean(g: str, w: str) -> np.ndarray:
+            return acc[:, COLUMN[f"num:{g}:{w}"]] / acc[:, COLUMN[f"den:{g}:{w}"]]
+
+        latest = {name: state.latest[:n, i] for i, name in enumerate(LATEST)}
+        for g in ("temp_gpu_c", "temp_mem_c"):
+            m5, m1h, m24 = mean(g, "5m"), mean(g, "1h"), mean(g, "24h")
+            cols[f"{g}_now"] = latest[g]
+            cols[f"{g}_mean_5m"] = m5
+            cols[f"{g}_slope"] = (m5 - m1h) / (WINDOWS["1h"] - WINDOWS["5m"]) * 3600.0
+            cols[f"{g}_vs_node"] = m5 - _node_others(m5, node, n_nodes)
+            cols[f"{g}_vs_fleet"] = m5 - _fleet_median(m5)
+            cols[f"{g}_vs_own"] = m5 - m24
+        for g in ("power_w", "sm_clock_mhz", "util_gpu_pct"):
+            m5 = mean(g, "5m")
+            cols[f"{g}_mean_5m"] = m5
+            cols[f"{g}_vs_node"] = m5 - _node_others(m5, node, n_nodes)
+        for f in ("thermal_throttle", "power_throttle", "hw_slowdown"):
+            for w in ("5m", "1h"):
+                share = acc[:, COLUMN[f"flag:{f}:{w}"]] / acc[:, COLUMN[f"den:throttle:{w}"]]
+                cols[f"{f}_{w}"] = share
+        tt = cols["thermal_throttle_5m"]
+        cols["thermal_throttle_5m_vs_node"] = tt - _node_others(tt, node, n_nodes)
+        cols["pcie_width_ratio"] = latest["pcie_link_width"] / latest["pcie_link_width_max"]
+        for flag in ("remap_pending", "remap_failure", "retired_pages_pending"):
+            cols[flag] = latest[flag]
+        cols["counter_resets_24h"] = acc[:, COLUMN["reset:24h"]]
+        stale = (now - state.last_ms[:n]) / 1000.0
+        cols["staleness_s"] = stale
+        cols["staleness_vs_node"] = stale - _node_others(stale, node, n_nodes)
+        cols["sample_rate_5m_vs_24h"] = (acc[:, COLUMN["n:5m"]] / norm["5m"]) / (
+            acc[:, COLUMN["n:24h"]] / norm["24h"]
+        )
+        for e in EVENT_CHANNELS:
+            for w in ("5m", "1h", "24h"):
+                cols[f"{e}_{w}"] = acc[:, COLUMN[f"ev:{e}:{w}"]].copy()
+        app = cols["xid_app_1h"]
+        cols["xid_app_1h_node"] = _node_others(app, node, n_nodes)
+        for e in SINCE:
+            since = (now - state.last_time_of(e)) / 1000.0
+            cols[f"since_{e}_s"] = np.where(np.isnan(since), SINCE_CAP_S, np.minimum(since, SINCE_CAP_S))
+    finally:
+        np.seterr(**errs)
+    matrix = np.empty((n, len(FEATURE_NAMES)), dtype=np.float32)
+    for i, name in enumerate(FEATURE_NAMES):
+        col = cols[name]
+        matrix[:, i] = np.where(np.isfinite(col), col, np.nan)
+    return matrix
+
+
+assert len(set(FEATURE_NAMES)) == len(FEATURE_NAMES)
+assert len(TAU) == len(COLUMN)

@@ -1,0 +1,109 @@
+"""The risk model: gradient-boosted trees, a calibration map, a threshold and reasons.
+
+:class:`RiskModel` wraps a LightGBM booster trained on :data:`predictor.features.FEATURE_NAMES`.
+``raw`` is the booster's probability (trained with re-weighted classes, so not a calibrated
+one); ``risk`` maps it through the isotonic calibration fitted on held-out data, so a risk of
+0.2 means about one GPU in five with that score fails within the horizon. ``threshold`` is the
+alarm threshold on ``risk`` chosen at training time for the false-alarm budget in the card.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import lightgbm as lgb
+import numpy as np
+
+from forewarn.errors import InvalidInput
+from predictor.features import FEATURE_NAMES
+from predictor.reasons import MAX_REASONS, top_reasons
+
+__all__ = ["RiskModel", "fit_booster"]
+
+DEFAULT_PARAMS: dict[str, Any] = {
+    "objective": "binary",
+    "learning_rate": 0.05,
+    "num_leaves": 15,
+    "min_data_in_leaf": 40,
+    "feature_fraction": 0.7,
+    "bagging_fraction": 0.8,
+    "bagging_freq": 1,
+    "lambda_l2": 1.0,
+    "max_bin": 63,
+    "verbose": -1,
+    "num_threads": 2,
+}
+DEFAULT_ROUNDS = 300
+
+
+def fit_booster(
+    x: np.ndarray,
+    y: np.ndarray,
+    w: np.ndarray,
+    *,
+    params: dict[str, Any] | None = None,
+    rounds: int = DEFAULT_ROUNDS,
+    seed: int = 0,
+) -> lgb.Booster:
+    """Train the trees on rows ``x`` (columns :data:`FEATURE_NAMES`), labels and weights."""
+    if x.shape[1] != len(FEATURE_NAMES):
+        raise InvalidInput(f"expected {len(FEATURE_NAMES)} feature columns, got {x.shape[1]}")
+    if y.min() == y.max():
+        raise InvalidInput("the training rows hold one class only (no failure within horizon?)")
+    merged = {**DEFAULT_PARAMS, **(params or {}), "seed": seed}
+    data = lgb.Dataset(x, label=y, weight=w, feature_name=list(FEATURE_NAMES), free_raw_data=True)
+    return lgb.train(merged, data, num_boost_round=rounds)
+
+
+@dataclass
+class RiskModel:
+    """A trained model as the scorer and the evaluation use it."""
+
+    booster: lgb.Booster
+    calibration_x: np.ndarray
+    calibration_y: np.ndarray
+    threshold: float
+    card: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        names = tuple(self.booster.feature_name())
+        if names != FEATURE_NAMES:
+            missing = sorted(set(FEATURE_NAMES) ^ set(names))[:5]
+            raise InvalidInput(
+                "the model was trained on other features than this version computes",
+                details={"differences": missing},
+            )
+
+    def raw(self, x: np.ndarray) -> np.ndarray:
+        """The booster's own probability for each row (before calibration)."""
+        if not len(x):
+            return np.zeros(0)
+        return np.asarray(self.booster.predict(x, num_threads=2), dtype=np.float64)
+
+    def calibrate(self, raw: np.ndarray) -> np.ndarray:
+        """Map booster probabilities to calibrated risk (isotonic, piecewise linear)."""
+        if not len(self.calibration_x):
+            return raw
+        return np.interp(raw, self.calibration_x, self.calibration_y)
+
+    def risk(self, x: np.ndarray) -> np.ndarray:
+        """Calibrated probability that the GPU fails within the horizon, per row."""
+        return self.calibrate(self.raw(x))
+
+    def contributions(self, x: np.ndarray) -> np.ndarray:
+        """Per-row, per-feature log-odds attributions (TreeSHAP); last column is the bias."""
+        if not len(x):
+            return np.zeros((0, len(FEATURE_NAMES) + 1))
+        out = self.booster.predict(x, pred_contrib=True, num_threads=2)
+        return np.asarray(out, dtype=np.float64)
+
+    def reasons(self, x: np.ndarray, k: int = MAX_REASONS) -> list[list[str]]:
+        """Up to ``k`` plain-word reasons per row."""
+        return top_reasons(self.contributions(x), x, k)
+
+    def importances(self) -> dict[str, float]:
+        """Total gain of each feature, largest first."""
+        gain = self.booster.feature_importance(importance_type="gain")
+        pairs = sorted(zip(FEATURE_NAMES, gain, strict=True), key=lambda p: -p[1])
+        return {name: float(g) for name, g in pairs}

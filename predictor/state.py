@@ -1,0 +1,416 @@
+"""Incremental per-GPU telemetry state: the one path from raw rows to features.
+
+Training replays a dataset through :class:`FleetState` and the live scorer feeds it what the
+store received since the last tick; both then call :func:`predictor.features.compute`. Nothing
+recomputes a 24 h window from raw rows: every trailing window is an exponentially decayed sum
+whose time constant is the window length (5 min, 1 h, 24 h and 7 days for the GPU's own
+history). Each row contributes ``value * exp(-(now - t_row) / tau)``, so the state at ``now``
+depends only on the rows with ``ts <= now`` and never on how they were split into updates:
+replaying a week in 60 s chunks gives the same numbers as feeding it one tick at a time.
+
+Counters are cumulative as the hardware reports them. An increment is ``value - previous``;
+a value below the previous one is a reset (reboot, driver reload) and counts as ``value``
+errors since the reset; a null leaves the previous value in place, so a gap only spreads
+the increment over the missing samples. Rows older than the newest row already seen for a
+GPU are ignored (a re-sent batch does not count twice).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from forewarn.errors import InvalidInput
+from forewarn.wire import COUNTER_FIELDS
+from predictor.catalog import FATAL_XIDS, XID_CLASSES, xid_class
+
+__all__ = [
+    "EVENT_CHANNELS",
+    "GAUGES",
+    "LATEST",
+    "WINDOWS",
+    "VALUE_COLUMNS",
+    "FleetState",
+    "SampleBlock",
+]
+
+WINDOWS: dict[str, float] = {"5m": 300.0, "1h": 3600.0, "24h": 86400.0, "7d": 604800.0}
+"""Window name -> time constant (s) of its decayed sums."""
+
+GAUGES: tuple[str, ...] = ("temp_gpu_c", "temp_mem_c", "power_w", "sm_clock_mhz", "util_gpu_pct")
+"""Readings whose decayed means are kept (per window 5m, 1h, 24h)."""
+
+LATEST: tuple[str, ...] = (
+    *GAUGES,
+    "pcie_link_width",
+    "pcie_link_width_max",
+    "remap_pending",
+    "remap_failure",
+    "retired_pages_pending",
+)
+"""Readings whose latest non-null value is kept."""
+
+EVENT_CHANNELS: tuple[str, ...] = (
+    *(f"xid_{c}" for c in XID_CLASSES),
+    "ecc_storm",
+    "link_down",
+    "thermal_shutdown",
+    "telemetry_stalled",
+    "counter_reset",
+    "gpu_lost",
+    "power_loss",
+)
+"""Event counters kept per window; Xids by class (``predictor.catalog``)."""
+
+# NVML clock-event reason bits (SOURCES.md): thermal = SW/HW thermal slowdown, power = SW power
+# cap / HW power brake, hw = HW slowdown (thermal or power brake asserted by the board).
+THERMAL_BITS = 0x20 | 0x40
+POWER_BITS = 0x04 | 0x80
+HW_SLOWDOWN_BITS = 0x08
+FLAGS: tuple[tuple[str, int], ...] = (
+    ("thermal_throttle", THERMAL_BITS),
+    ("power_throttle", POWER_BITS),
+    ("hw_slowdown", HW_SLOWDOWN_BITS),
+)
+_LAST_TIMES = ("sbe", "dbe", *EVENT_CHANNELS, "fatal_xid")
+
+
+def _layout() -> tuple[dict[str, int], np.ndarray]:
+    names: list[tuple[str, float]] = []
+    for c in COUNTER_FIELDS:
+        names += [(f"inc:{c}:{w}", t) for w, t in WINDOWS.items()]
+    names += [(f"reset:{w}", WINDOWS[w]) for w in ("1h", "24h")]
+    for g in GAUGES:
+        for w in ("5m", "1h", "24h"):
+            names += [(f"num:{g}:{w}", WINDOWS[w]), (f"den:{g}:{w}", WINDOWS[w])]
+    for w in ("5m", "1h"):
+        names += [(f"flag:{f}:{w}", WINDOWS[w]) for f, _ in FLAGS]
+        names.append((f"den:throttle:{w}", WINDOWS[w]))
+    names += [(f"n:{w}", WINDOWS[w]) for w in ("5m", "1h", "24h")]
+    for e in EVENT_CHANNELS:
+        names += [(f"ev:{e}:{w}", WINDOWS[w]) for w in ("5m", "1h", "24h")]
+    return {n: i for i, (n, _) in enumerate(names)}, np.array([t for _, t in names])
+
+
+COLUMN, TAU = _layout()
+
+VALUE_COLUMNS: tuple[str, ...] = (
+    *COUNTER_FIELDS,
+    *GAUGES,
+    "throttle_reasons",
+    *(c for c in LATEST if c not in GAUGES),
+)
+"""Sample columns the state reads, in the column order of :attr:`SampleBlock.values`."""
+_THROTTLE_AT = VALUE_COLUMNS.index("throttle_reasons")
+_LATEST_AT = np.array([VALUE_COLUMNS.index(c) for c in LATEST])
+_SBE_DBE = (
+    ("sbe", [COUNTER_FIELDS.index("ecc_sbe_volatile"), COUNTER_FIELDS.index("ecc_sbe_aggregate")]),
+    ("dbe", [COUNTER_FIELDS.index("ecc_dbe_volatile"), COUNTER_FIELDS.index("ecc_dbe_aggregate")]),
+)
+
+
+def _base_layout() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For each state column, which base quantity of ``_fold_samples`` feeds it and with
+    which time constant (event columns are fed by ``_fold_events`` and get base -1)."""
+    base = [f"inc:{c}" for c in COUNTER_FIELDS] + ["reset"]
+    base += [f"num:{g}" for g in GAUGES] + [f"den:{g}" for g in GAUGES]
+    base += [f"flag:{f}" for f, _ in FLAGS] + ["den:throttle", "n"]
+    taus = np.unique(TAU)
+    base_of = np.zeros(len(TAU), dtype=np.int64)
+    tau_of = np.zeros(len(TAU), dtype=np.int64)
+    for name, j in COLUMN.items():
+        stem = name.rsplit(":", 1)[0]
+        base_of[j] = base.index(stem) if stem in base else -1
+        tau_of[j] = int(np.searchsorted(taus, TAU[j]))
+    return base_of, tau_of, taus
+
+
+_BASE_OF, _TAU_OF, _TAUS = _base_layout()
+_EVENT_COLUMNS = _BASE_OF < 0
+_BASE_OF[_EVENT_COLUMNS] = 0  # multiplied by a zero mask below
+
+
+class SampleBlock:
+    """Sample rows as arrays: ``ts_ms`` (int64), ``node`` (object), ``gpu`` (int64) and
+    ``values`` (float64, NaN = null, columns :data:`VALUE_COLUMNS`). The replay converts a
+    whole dataset once and slices it; the live scorer converts each tick's frame."""
+
+    __slots__ = ("gpu", "node", "ts_ms", "values")
+
+    def __init__(self, ts_ms: np.ndarray, node: np.ndarray, gpu: np.ndarray, values: np.ndarray):
+        self.ts_ms, self.node, self.gpu, self.values = ts_ms, node, gpu, values
+
+    def __len__(self) -> int:
+        return len(self.ts_ms)
+
+    def __getitem__(self, sl: slice) -> SampleBlock:
+        return SampleBlock(self.ts_ms[sl], self.node[sl], self.gpu[sl], self.values[sl])
+
+    @classmethod
+    def from_frame(cls, frame: pd.DataFrame) -> SampleBlock:
+        """Columns the frame lacks are null; nullable ints and booleans become floats."""
+        values = np.full((len(frame), len(VALUE_COLUMNS)), np.nan)
+        for j, name in enumerate(VALUE_COLUMNS):
+            if name in frame.columns:
+                s = frame[name]
+                if s.dtype == object or str(s.dtype) in ("boolean", "bool"):
+                    s = s.astype("Float64")
+                values[:, j] = s.to_numpy(dtype=np.float64, na_value=np.nan)
+        return cls(
+            frame["ts_ms"].to_numpy(dtype=np.int64),
+            frame["node"].to_numpy(dtype=object),
+            frame["gpu"].to_numpy(dtype=np.int64),
+            values,
+        )
+
+
+def _last_valid(vals: np.ndarray, gstart: np.ndarray, gend: np.ndarray) -> np.ndarray:
+    """Per group (rows gstart..gend) and column, the last non-NaN value (NaN if none)."""
+    rows = np.arange(len(vals))[:, None]
+    idx = np.maximum.accumulate(np.where(np.isnan(vals), -1, rows), axis=0)[gend]
+    ok = idx >= gstart[:, None]
+    out = np.take_along_axis(vals, np.where(ok, idx, 0), axis=0)
+    return np.where(ok, out, np.nan)
+
+
+class FleetState:
+    """Decayed window sums and latest readings for every GPU seen, vectorised over the fleet.
+
+    Example::
+
+        state = FleetState()
+        state.update(samples_frame, events_frame, now_ms=...)
+        names, matrix = predictor.features.compute(state, now_ms)
+    """
+
+    def __init__(self, capacity: int = 1024) -> None:
+        self.now_ms: int | None = None
+        self.size = 0
+        self.nodes: list[str] = []
+        self._node_index: dict[str, int] = {}
+        self._slot_of = np.full((16, 256), -1, dtype=np.int64)
+        self._alloc(capacity)
+
+    # -- slots ---------------------------------------------------------------------------
+    def _alloc(self, cap: int) -> None:
+        def grow(old: np.ndarray | None, shape: tuple[int, ...], fill: float) -> np.ndarray:
+            new = np.full(shape, fill)
+            if old is not None:
+                new[: len(old)] = old
+            return new
+
+        g = getattr
+        self.acc = grow(g(self, "acc", None), (cap, len(TAU)), 0.0)
+        self.last_counter = grow(g(self, "last_counter", None), (cap, len(COUNTER_FIELDS)), np.nan)
+        self.latest = grow(g(self, "latest", None), (cap, len(LATEST)), np.nan)
+        self.last_time = grow(g(self, "last_time", None), (cap, len(_LAST_TIMES)), np.nan)
+        self.first_ms = grow(g(self, "first_ms", None), (cap,), np.nan)
+        self.last_ms = grow(g(self, "last_ms", None), (cap,), np.nan)
+        self.node_of = grow(g(self, "node_of", None), (cap,), -1).astype(np.int64)
+        self.gpu_of = grow(g(self, "gpu_of", None), (cap,), -1).astype(np.int64)
+        self.capacity = cap
+
+    def slots(self, node: np.ndarray, gpu: np.ndarray, *, create: bool = True) -> np.ndarray:
+        """Slot index of each (node, gpu); new GPUs get a slot (or -1 when ``create`` is off)."""
+        uniq, inverse = np.unique(np.asarray(node, dtype=object), return_inverse=True)
+        node_idx = np.empty(len(uniq), dtype=np.int64)
+        for i, name in enumerate(uniq):
+            idx = self._node_index.get(name)
+            if idx is None:
+                if not create:
+                    node_idx[i] = -1
+                    continue
+                idx = len(self.nodes)
+                self.nodes.append(str(name))
+                self._node_index[name] = idx
+                if idx >= len(self._slot_of):
+                    extra = np.full((len(self._slot_of), 256), -1, dtype=np.int64)
+                    self._slot_of = np.vstack([self._slot_of, extra])
+            node_idx[i] = idx
+        n = node_idx[inverse]
+        g = np.asarray(gpu, dtype=np.int64)
+        if len(g) and (g.min() < 0 or g.max() > 255):
+            raise InvalidInput("gpu index out of range 0..255")
+        found = np.where(n >= 0, self._slot_of[np.maximum(n, 0), g], -1)
+        missing = (found < 0) & (n >= 0)
+        if missing.any() and create:
+            pairs = np.unique(np.stack([n[missing], g[missing]], axis=1), axis=0)
+            need = self.size + len(pairs)
+            if need > self.capacity:
+                self._alloc(max(need, 2 * self.capacity))
+            new = np.arange(self.size, need)
+            self._slot_of[pairs[:, 0], pairs[:, 1]] = new
+            self.node_of[new], self.gpu_of[new] = pairs[:, 0], pairs[:, 1]
+            self.size = need
+            found = self._slot_of[n, g]
+        return found
+
+    # -- updates -------------------------------------------------------------------------
+    def _advance(self, now_ms: int) -> None:
+        if self.now_ms is not None:
+            if now_ms < self.now_ms:
+                raise InvalidInput(f"state is at {self.now_ms} ms, cannot go back to {now_ms}")
+            dt = (now_ms - self.now_ms) / 1000.0
+            if dt > 0:
+                self.acc[: self.size] *= np.exp(-dt / TAU)
+        self.now_ms = now_ms
+
+    def update(
+        self,
+        samples: pd.DataFrame | SampleBlock | None,
+        events: pd.DataFrame | None = None,
+        *,
+        now_ms: int,
+    ) -> None:
+        """Fold in the samples and events with ``ts_ms <= now_ms`` and move the clock to it.
+
+        Args:
+            samples: rows with the store's sample columns (``ts_ms``, ``node``, ``gpu``, ...);
+                any order; columns the source does not report may be absent.
+            events: rows with ``ts_ms``, ``node``, ``gpu`` (null: the whole node), ``kind``,
+                ``xid``; each event must be given once.
+            now_ms: the state's new clock (ms since the epoch), not before the previous one.
+
+        Raises:
+            InvalidInput: a row after ``now_ms`` or a clock that goes back.
+        """
+        self._advance(int(now_ms))
+        if samples is not None and len(samples):
+            self._fold_samples(samples)
+        if events is not None and len(events):
+            self._fold_events(events)
+
+    def _fold_samples(self, samples: pd.DataFrame | SampleBlock) -> None:
+        block = samples if isinstance(samples, SampleBlock) else SampleBlock.from_frame(samples)
+        now = self.now_ms
+        assert now is not None
+        t = block.ts_ms
+        if t.max() > now:
+            raise InvalidInput("a sample is newer than the update's now_ms")
+        slot = self.slots(block.node, block.gpu)
+        fresh = ~(t <= self.last_ms[slot])  # NaN last_ms: never seen, keep
+        order = np.lexsort((t, slot))
+        order = order[fresh[order]]
+        if not len(order):
+            return
+        t, slot = t[order], slot[order]
+        dup = np.r_[False, (slot[1:] == slot[:-1]) & (t[1:] == t[:-1])]
+        if dup.any():
+            order, t, slot = order[~dup], t[~dup], slot[~dup]
+        values = block.values[order]
+        single = len(slot) == 1 or bool((slot[1:] != slot[:-1]).all())
+        if single:  # one row per GPU (the live tick): groups are the rows themselves
+            starts = ends = gstart = np.arange(len(slot))
+        else:
+            starts = np.flatnonzero(np.r_[True, slot[1:] != slot[:-1]])
+            ends = np.r_[starts[1:] - 1, len(slot) - 1]
+            gstart = np.repeat(starts, np.diff(np.r_[starts, len(slot)]))
+        uslot = slot[starts]
+        nc = len(COUNTER_FIELDS)
+        vals = values[:, :nc]
+
+        # Counter increments, robust to resets and nulls.
+        valid = ~np.isnan(vals)
+        if single:
+            prev = self.last_counter[slot]
+        else:
+            rows = np.arange(len(vals))[:, None]
+            acc_idx = np.maximum.accumulate(np.where(valid, rows, -1), axis=0)
+            prev_idx = np.vstack([np.full((1, nc), -1), acc_idx[:-1]])
+            prev = np.where(
+                prev_idx >= gstart[:, None],
+                np.take_along_axis(vals, np.maximum(prev_idx, 0), axis=0),
+                self.last_counter[slot],
+            )
+        inc = vals - prev
+        reset = valid & (inc < 0)
+        inc = np.where(reset, vals, inc)
+        inc = np.where(valid & ~np.isnan(prev), inc, 0.0)
+        last_c = vals if single else _last_valid(vals, starts, ends)
+        self.last_counter[uslot] = np.where(np.isnan(last_c), self.last_counter[uslot], last_c)
+        tf = t.astype(np.float64)
+        for key, cols in _SBE_DBE:
+            hit = np.where((inc[:, cols] > 0).any(axis=1), tf, -np.inf)
+            when = hit if single else np.maximum.reduceat(hit, starts)
+            k = _LAST_TIMES.index(key)
+            self.last_time[uslot, k] = np.where(np.isfinite(when), when, self.last_time[uslot, k])
+
+        # Base quantities (one column each), spread over their windows by _BASE_OF / _TAU_OF.
+        gauges = values[:, nc : nc + len(GAUGES)]
+        g_ok = ~np.isnan(gauges)
+        thr = values[:, _THROTTLE_AT]
+        thr_ok = ~np.isnan(thr)
+        bits = np.where(thr_ok, thr, 0).astype(np.int64)
+        flags = np.column_stack([(bits & mask) != 0 for _, mask in FLAGS])
+        base = np.column_stack(
+            [
+                inc,
+                reset.any(axis=1),
+                np.where(g_ok, gauges, 0.0),
+                g_ok,
+                flags,
+                thr_ok,
+                np.ones(len(t)),
+            ]
+        )
+        decay = np.exp(-((now - t) / 1000.0)[:, None] / _TAUS[None, :])
+        contrib = base[:, _BASE_OF] * decay[:, _TAU_OF]
+        contrib[:, _EVENT_COLUMNS] = 0.0
+        if single:
+            self.acc[uslot] += contrib
+        else:
+            self.acc[uslot] += np.add.reduceat(contrib, starts, axis=0)
+        latest = values[:, _LATEST_AT]
+        last_g = latest if single else _last_valid(latest, starts, ends)
+        self.latest[uslot] = np.where(np.isnan(last_g), self.latest[uslot], last_g)
+        self.last_ms[uslot] = t[ends]
+        self.first_ms[uslot] = np.where(
+            np.isnan(self.first_ms[uslot]), t[starts], self.first_ms[uslot]
+        )
+
+    def _fold_events(self, frame: pd.DataFrame) -> None:
+        now = self.now_ms
+        assert now is not None
+        t = frame["ts_ms"].to_numpy(dtype=np.int64)
+        if t.max() > now:
+            raise InvalidInput("an event is newer than the update's now_ms")
+        kinds = frame["kind"].astype(str).to_numpy()
+        xids = pd.to_numeric(frame["xid"], errors="coerce").to_numpy(dtype=np.float64)
+        gpu = pd.to_numeric(frame["gpu"], errors="coerce").to_numpy(dtype=np.float64)
+        nodes = frame["node"].astype(str).to_numpy()
+        chan = np.empty(len(frame), dtype=object)
+        for i, (k, x) in enumerate(zip(kinds, xids, strict=True)):
+            if k == "xid":
+                chan[i] = f"xid_{xid_class(int(x))}" if not np.isnan(x) else "xid_other"
+            else:
+                chan[i] = k if k in EVENT_CHANNELS else None
+        fatal = np.isin(np.nan_to_num(xids, nan=-1).astype(np.int64), list(FATAL_XIDS))
+        fatal &= kinds == "xid"
+        per_gpu = ~np.isnan(gpu)
+        slot_list = [self.slots(nodes[per_gpu], gpu[per_gpu].astype(np.int64))]
+        rows = [np.flatnonzero(per_gpu)]
+        for i in np.flatnonzero(~per_gpu):  # node-level events reach every GPU of the node
+            n = self._node_index.get(nodes[i])
+            targets = np.flatnonzero(self.node_of[: self.size] == n) if n is not None else []
+            slot_list.append(np.asarray(targets, dtype=np.int64))
+            rows.append(np.full(len(targets), i))
+        slot = np.concatenate(slot_list)
+        row = np.concatenate(rows).astype(np.int64)
+        for s, r in zip(slot, row, strict=True):
+            c = chan[r]
+            when = float(t[r])
+            if fatal[r]:
+                k = _LAST_TIMES.index("fatal_xid")
+                self.last_time[s, k] = np.fmax(self.last_time[s, k], when)
+            if c is None:
+                continue
+            k = _LAST_TIMES.index(c)
+            self.last_time[s, k] = np.fmax(self.last_time[s, k], when)
+            for w in ("5m", "1h", "24h"):
+                j = COLUMN[f"ev:{c}:{w}"]
+                self.acc[s, j] += np.exp(-(now - when) / 1000.0 / TAU[j])
+
+    def last_time_of(self, key: str) -> np.ndarray:
+        """Per slot, when ``key`` (``sbe``, ``dbe``, an event channel, ``fatal_xid``) last
+        happened, in ms (NaN: never)."""
+        return self.last_time[: self.size, _LAST_TIMES.index(key)]

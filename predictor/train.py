@@ -1,0 +1,261 @@
+"""Training: sampled feature rows, a split by node and by time, trees, calibration, threshold.
+
+1. Each dataset is replayed through the live feature path (60 s steps by default). Rows are
+   kept by stratum, each with weight ``1 / keep probability`` so that the weighted rows still
+   stand for the whole fleet: every row within ``context_s`` (6 h) before a failure of its GPU
+   (positives and the hard negatives just before them), ``active_rate`` (25 %) of rows where
+   anything happens (a counter moves, a hardware event, throttling, an outlier temperature, a
+   narrow link, stale telemetry), ``quiet_rate`` (1 %) of the rest.
+2. Split, so that validation never sees what training saw: nodes are hashed into a training
+   and a validation group (``val_node_frac``, whole nodes, so node-mates and node-scope failures
+   do not straddle), and time is cut at ``val_from`` of each dataset: training rows end one
+   horizon before the cut (their labels look one horizon ahead), validation rows start at it.
+3. The trees are fitted with the positives re-weighted to a tenth of the negatives' weight
+   (class imbalance).
+4. The validation rows are replayed again in full (every step, every validation GPU), scored,
+   and an isotonic map from booster output to observed failure frequency is fitted on them;
+   the alarm threshold is the one of best event-level recall whose false alarms stay within
+   ``max_false_alarms`` per 1,000 GPU-days on that validation replay.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from sklearn.isotonic import IsotonicRegression
+
+from forewarn import __version__
+from forewarn.errors import InvalidInput
+from predictor import baseline, evaluate
+from predictor.dataset import Dataset, replay
+from predictor.features import FEATURE_NAMES, compute
+from predictor.labels import Labeller, failure_table
+from predictor.model import DEFAULT_PARAMS, DEFAULT_ROUNDS, RiskModel, fit_booster
+from predictor.scored import score_dataset
+from predictor.state import FleetState
+
+__all__ = ["TrainConfig", "activity", "collect", "split_masks", "train"]
+
+Progress = Callable[[str, int], None]
+
+
+@dataclass
+class TrainConfig:
+    step_s: float = 60.0
+    horizon_s: float = 1800.0
+    lead_min_s: float = 120.0
+    merge_s: float = 600.0
+    context_s: float = 6 * 3600.0
+    active_rate: float = 0.25
+    quiet_rate: float = 0.01
+    val_node_frac: float = 0.3
+    val_from: float = 0.6
+    max_false_alarms: float = 2.0
+    rounds: int = DEFAULT_ROUNDS
+    seed: int = 0
+
+
+def _cols(*names: str) -> list[int]:
+    return [FEATURE_NAMES.index(n) for n in names]
+
+
+_RATE_1H = [i for i, n in enumerate(FEATURE_NAMES) if n.endswith("_rate_1h")]
+_HW_EVENTS_24H = [
+    i
+    for i, n in enumerate(FEATURE_NAMES)
+    if n.endswith("_24h") and not n.startswith(("xid_app", "counter_reset", "telemetry"))
+    and ("xid_" in n or n.split("_24h")[0] in ("ecc_storm", "link_down", "thermal_shutdown"))
+]
+
+
+def activity(x: np.ndarray) -> np.ndarray:
+    """Rows where anything happens: the stratum sampled more densely than the quiet rest."""
+    with np.errstate(invalid="ignore"):
+        moving = np.nansum(x[:, _RATE_1H], axis=1) > 0
+        events = np.nansum(x[:, _HW_EVENTS_24H], axis=1) > 0.05
+        thr = np.nansum(x[:, _cols("thermal_throttle_1h", "hw_slowdown_1h")], axis=1) > 0
+        temp = np.nan_to_num(np.abs(x[:, _cols("temp_gpu_c_vs_node")[0]])) > 3.0
+        narrow = np.nan_to_num(x[:, _cols("pcie_width_ratio")[0]], nan=1.0) < 1.0
+        remap = np.nansum(x[:, _cols("remap_pending", "remap_failure")], axis=1) > 0
+        stale = np.nan_to_num(x[:, _cols("staleness_s")[0]]) > 120.0
+    return moving | events | thr | temp | narrow | remap | stale
+
+
+def _node_in_val(nodes: Sequence[str], frac: float, seed: int) -> np.ndarray:
+    return np.array([zlib.crc32(f"{seed}:{n}".encode()) % 10_000 < frac * 10_000 for n in nodes])
+
+
+def split_masks(
+    node_is_val: np.ndarray, ts_ms: np.ndarray, cut_ms: int, horizon_s: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """(train, validation) masks: training nodes before ``cut - horizon``, validation nodes
+    from ``cut`` on."""
+    train = ~node_is_val & (ts_ms <= cut_ms - horizon_s * 1000)
+    val = node_is_val & (ts_ms >= cut_ms)
+    return train, val
+
+
+def _cut_ms(ds: Dataset, cfg: TrainConfig) -> int:
+    return int(ds.start_ms + cfg.val_from * (ds.end_ms - ds.start_ms))
+
+
+def collect(
+    ds: Dataset, cfg: TrainConfig, progress: Callable[[int], None] | None = None
+) -> dict[str, np.ndarray]:
+    """Sampled training rows of one dataset: ``x``, ``y``, ``w``, ``ts_ms``, ``val`` (node
+    in the validation group) — only rows on the training side of the split."""
+    fails = failure_table(ds.failures, int(ds.manifest.get("gpus_per_node", 8)))
+    labeller = Labeller(fails, cfg.horizon_s)
+    rng = np.random.default_rng(cfg.seed)
+    cut = _cut_ms(ds, cfg)
+    out: dict[str, list[np.ndarray]] = {k: [] for k in ("x", "y", "w", "ts_ms")}
+
+    def sink(now_ms: int, state: FleetState) -> None:
+        if state.size == 0 or now_ms > cut - cfg.horizon_s * 1000:
+            return
+        x = compute(state, now_ms)
+        lab = labeller.at(state, now_ms)
+        is_val = _node_in_val(state.nodes, cfg.val_node_frac, cfg.seed)[state.node_of[: state.size]]
+        rate = np.where(activity(x), cfg.active_rate, cfg.quiet_rate)
+        rate = np.where(lab.until_s <= cfg.context_s, 1.0, rate)
+        keep = lab.keep & ~is_val & (rng.random(state.size) < rate)
+        idx = np.flatnonzero(keep)
+        out["x"].append(x[idx])
+        out["y"].append(lab.y[idx])
+        out["w"].append(1.0 / rate[idx])
+        out["ts_ms"].append(np.full(len(idx), now_ms, dtype=np.int64))
+
+    replay(ds, sink, step_s=cfg.step_s, progress=progress)
+    return {k: np.concatenate(v) if v else np.zeros(0) for k, v in out.items()}
+
+
+def train(
+    datasets: Sequence[Dataset],
+    cfg: TrainConfig | None = None,
+    *,
+    progress: Progress | None = None,
+) -> RiskModel:
+    """Train, calibrate and pick the threshold; the returned model carries its card.
+
+    ``progress(phase, steps_done)`` is called as the replays advance (phases ``collect`` and
+    ``validate``, one step per replayed ``step_s``).
+
+    Raises:
+        InvalidInput: no dataset, or no failure within the horizon on the training side.
+    """
+    cfg = cfg or TrainConfig()
+    if not datasets:
+        raise InvalidInput("no dataset to train on")
+    parts = []
+    for ds in datasets:
+        parts.append(collect(ds, cfg, None if progress is None else lambda n: progress("collect", n)))
+    x = np.vstack([p["x"] for p in parts])
+    y = np.concatenate([p["y"] for p in parts]).astype(np.int8)
+    w = np.concatenate([p["w"] for p in parts])
+    if not len(y) or y.sum() == 0:
+        raise InvalidInput("no failure within the horizon on the training side of the split")
+    w = np.where(y == 1, w * 0.1 * w[y == 0].sum() / w[y == 1].sum(), w)
+    booster = fit_booster(x, y, w, rounds=cfg.rounds, seed=cfg.seed)
+    uncalibrated = RiskModel(booster, np.zeros(0), np.zeros(0), 0.5)
+
+    tables, raws, labels = [], [], []
+    for ds in datasets:
+        cut = _cut_ms(ds, cfg)
+
+        def select(now_ms: int, state: FleetState, cut: int = cut) -> np.ndarray:
+            is_val = _node_in_val(state.nodes, cfg.val_node_frac, cfg.seed)
+            return is_val[state.node_of[: state.size]] & (now_ms >= cut)
+
+        scored = score_dataset(
+            ds,
+            {"raw": uncalibrated.raw},
+            step_s=cfg.step_s,
+            horizon_s=cfg.horizon_s,
+            select=select,
+            progress=None if progress is None else lambda n: progress("validate", n),
+        )
+        raws.append(scored.rows["raw"].to_numpy())
+        labels.append(scored.rows["y"].to_numpy())
+        tables.append(scored)
+    raw_all, y_all = np.concatenate(raws), np.concatenate(labels)
+    iso = IsotonicRegression(y_min=0.0, y_max=1.0, out_of_bounds="clip", increasing=True)
+    if 0 < y_all.sum() < len(y_all):
+        iso.fit(raw_all, y_all)
+        cx, cy = np.asarray(iso.X_thresholds_), np.asarray(iso.y_thresholds_)
+    else:  # no failure in validation: keep the booster's own probabilities
+        cx, cy = np.array([0.0, 1.0]), np.array([0.0, 1.0])
+    model = RiskModel(booster, cx, cy, 0.5)
+
+    params = evaluate.Params(cfg.lead_min_s, cfg.horizon_s, cfg.merge_s)
+    joined = _join(tables, cfg.horizon_s)
+    table = evaluate.ScoreTable(joined[0], joined[1], step_s=cfg.step_s, params=params)
+    # Sweep the raw score (finer than the stepwise calibrated one), report the risk.
+    points = evaluate.curve(table, "raw")
+    raw_thr = evaluate.choose_threshold(points, cfg.max_false_alarms)
+    model.threshold = float(model.calibrate(np.array([raw_thr]))[0])
+    table.rows["risk"] = model.calibrate(table.rows["raw"].to_numpy())
+    val_model = evaluate.metrics(table, "raw", raw_thr)
+    val_model["threshold"] = model.threshold
+    val_base = evaluate.metrics(table, "baseline", baseline.THRESHOLD)
+    model.card = _card(datasets, cfg, model, len(y), int(y.sum()), val_model, val_base)
+    model.card["raw_threshold"] = raw_thr
+    return model
+
+
+def _join(tables: list[Any], horizon_s: float) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Stack scored replays of several datasets with disjoint slot numbers."""
+    rows, fails, offset = [], [], 0
+    for t in tables:
+        r = t.rows.copy()
+        f = t.failures.copy()
+        r["slot"] += offset
+        f["slot"] = np.where(f["slot"] >= 0, f["slot"] + offset, -1)
+        # a GPU outside the validation group has no scored rows: its failures do not count
+        scored_slots = np.unique(r["slot"].to_numpy())
+        f.loc[~np.isin(f["slot"], scored_slots), "slot"] = -1
+        cut_ts = r["ts_ms"].min() if len(r) else 0
+        f.loc[f["ts_ms"] < cut_ts + horizon_s * 1000, "in_window"] = False
+        rows.append(r)
+        fails.append(f)
+        offset += t.state.size
+    return pd.concat(rows, ignore_index=True), pd.concat(fails, ignore_index=True)
+
+
+def _card(
+    datasets: Sequence[Dataset],
+    cfg: TrainConfig,
+    model: RiskModel,
+    n_rows: int,
+    n_pos: int,
+    val_model: dict[str, Any],
+    val_base: dict[str, Any],
+) -> dict[str, Any]:
+    return {
+        "format": "forewarn-model",
+        "version": 1,
+        "forewarn_version": __version__,
+        "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "kind": "lightgbm-binary",
+        "target": f"hardware failure within {cfg.horizon_s:.0f} s",
+        "threshold": model.threshold,
+        "features": list(FEATURE_NAMES),
+        "hyper_parameters": {**DEFAULT_PARAMS, "rounds": cfg.rounds, "seed": cfg.seed},
+        "training": {**asdict(cfg), "rows": n_rows, "positive_rows": n_pos},
+        "data": [
+            {k: v for k, v in ds.manifest.items() if k != "params"} | {"path": str(ds.path)}
+            for ds in datasets
+        ],
+        "data_params": [ds.manifest.get("params") for ds in datasets],
+        "metrics": {"validation": {"model": val_model, "baseline": val_base}},
+        "calibration": {
+            "method": "isotonic",
+            "x": model.calibration_x.tolist(),
+            "y": model.calibration_y.tolist(),
+        },
+    }
