@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 
 __all__ = ["configure", "run"]
 
@@ -16,6 +17,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="SQLAlchemy URL (default: FOREWARN_DATABASE_URL, else SQLite in the data dir)",
     )
     parser.add_argument("--data-dir", help="data directory (default: FOREWARN_DATA_DIR or ./var)")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="service processes (default 1); they share the database, SQLite included",
+    )
     parser.add_argument("--log-level", default="info")
 
 
@@ -24,15 +31,25 @@ def run(args: argparse.Namespace) -> int:
 
     from api.app import create_app
     from api.settings import Settings
+    from store import Store
 
-    overrides = {}
     if args.database_url:
-        overrides["database_url"] = args.database_url
+        os.environ["FOREWARN_DATABASE_URL"] = args.database_url
     if args.data_dir:
-        overrides["data_dir"] = args.data_dir
-    settings = Settings(**overrides)
+        os.environ["FOREWARN_DATA_DIR"] = args.data_dir
+    settings = Settings()  # refuses unsafe production settings before anything starts
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("alembic").setLevel(logging.WARNING)
-    app = create_app(settings)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    options = {
+        "host": args.host,
+        "port": args.port,
+        "log_level": args.log_level,
+        "access_log": False,
+    }
+    if args.workers > 1:
+        # Each worker process builds its own app from the same FOREWARN_* environment.
+        Store.open(settings.resolved_database_url()).close()  # migrate once, before the fork
+        uvicorn.run("api.app:create_app", factory=True, workers=args.workers, **options)
+    else:
+        uvicorn.run(create_app(settings), **options)
     return 0

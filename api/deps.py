@@ -17,11 +17,11 @@ from store import Store
 __all__ = ["SettingsDep", "StoreDep", "require"]
 
 
-def get_store(request: Request) -> Store:
+async def get_store(request: Request) -> Store:
     return request.app.state.store  # type: ignore[no-any-return]
 
 
-def get_settings(request: Request) -> Settings:
+async def get_settings(request: Request) -> Settings:
     return request.app.state.settings  # type: ignore[no-any-return]
 
 
@@ -43,7 +43,7 @@ def _scopes_of(request: Request) -> frozenset[str]:
 def require(scope: str):  # type: ignore[no-untyped-def]
     """A dependency that lets the request through only with a token holding ``scope``."""
 
-    def check(request: Request) -> frozenset[str]:
+    async def check(request: Request) -> frozenset[str]:  # async: no thread hop per request
         scopes = _scopes_of(request)
         if scope not in scopes:
             raise Forbidden(f"this token lacks the '{scope}' scope")

@@ -7,17 +7,18 @@ as the hardware reports them (they may reset to zero on a driver reload or reboo
 means "this GPU or source does not report it", never zero. ``docs/telemetry.md`` lists every
 field with its source API.
 
-Timestamps are UTC. On the wire they are ISO 8601 strings or Unix seconds; in the store they
-are integer milliseconds since the epoch (``ts_ms``).
+Timestamps are absolute: on the wire, ISO 8601 strings with an offset (``Z``) or Unix seconds;
+a naive timestamp is refused. In the store they are integer milliseconds since the epoch, UTC
+(``ts_ms``).
 """
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import datetime
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field
 
 __all__ = [
     "COUNTER_FIELDS",
@@ -48,13 +49,10 @@ SCHEMA_VERSION = 1
 MAX_COUNTER = 2**48
 
 
-def _utc(value: datetime) -> datetime:
-    if value.tzinfo is None:
-        return value.replace(tzinfo=UTC)
-    return value.astimezone(UTC)
-
-
-UtcDatetime = Annotated[datetime, AfterValidator(_utc)]
+# A timestamp must say where it is: ISO 8601 with an offset ("Z" or "+00:00") or Unix seconds
+# (read as UTC). A naive time is refused rather than guessed, and no per-row Python validator
+# runs (it would cost a tenth of the ingest path).
+UtcDatetime = AwareDatetime
 Counter = Annotated[int, Field(ge=0, le=MAX_COUNTER)]
 Celsius = Annotated[float, Field(ge=-60.0, le=250.0, allow_inf_nan=False)]
 Percent = Annotated[float, Field(ge=0.0, le=100.0, allow_inf_nan=False)]

@@ -14,15 +14,19 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import pandas as pd
 from sqlalchemy import Connection, Engine, text
 
+from forewarn.errors import StoreUnavailable
 from store import reads, writes
 from store.engine import default_database_url, make_engine
 from store.migrate import current_revision, head_revision, upgrade
+from store.writer import GroupWriter
 
 __all__ = ["Store", "default_database_url"]
 
@@ -32,6 +36,14 @@ class Store:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+        # SQLite allows one writer at a time: writes go through one group-committing thread.
+        # PostgreSQL takes concurrent writers: a small pool, as large as the connection pool.
+        self._writer = None
+        if engine.dialect.name == "sqlite":
+            database = engine.url.database
+            lock = Path(f"{database}.write-lock") if database and database != ":memory:" else None
+            self._writer = GroupWriter(engine, lock_path=lock)
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="store-write")
 
     @classmethod
     def open(cls, url: str, *, migrate: bool = True) -> Store:
@@ -61,9 +73,28 @@ class Store:
             yield connection
 
     def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+        self._pool.shutdown(wait=True)
         self.engine.dispose()
 
     # Writes -------------------------------------------------------------------------------
+
+    def submit(
+        self,
+        *,
+        samples: Sequence[writes.SampleRow] = (),
+        events: Sequence[writes.EventRow] = (),
+        agent: tuple[str, dict[str, Any]] | None = None,
+    ) -> Future[tuple[int, int]]:
+        """Queue samples, events and a heartbeat for one transaction; don't wait for it.
+
+        The future resolves to (new samples, new events) once committed — the rest were
+        already stored — or raises what the database raised.
+        """
+        if self._writer is not None:
+            return self._writer.submit(samples, events, agent)
+        return self._pool.submit(self._write_now, samples, events, agent)
 
     def write(
         self,
@@ -71,12 +102,28 @@ class Store:
         samples: Sequence[writes.SampleRow] = (),
         events: Sequence[writes.EventRow] = (),
         agent: tuple[str, dict[str, Any]] | None = None,
+        timeout_s: float = 60.0,
     ) -> tuple[int, int]:
-        """Store samples, events and a heartbeat in one transaction.
+        """Store samples, events and a heartbeat in one transaction, and wait for it.
 
         Returns:
             (new samples, new events); the rest were already stored.
+
+        Raises:
+            StoreUnavailable: the database did not commit within ``timeout_s``.
         """
+        future = self.submit(samples=samples, events=events, agent=agent)
+        try:
+            return future.result(timeout=timeout_s)
+        except TimeoutError:
+            raise StoreUnavailable(f"database write not committed in {timeout_s} s") from None
+
+    def _write_now(
+        self,
+        samples: Sequence[writes.SampleRow],
+        events: Sequence[writes.EventRow],
+        agent: tuple[str, dict[str, Any]] | None,
+    ) -> tuple[int, int]:
         with self.engine.begin() as tx:
             stored_samples = writes.insert_samples(tx, samples)
             stored_events = writes.insert_events(tx, events)

@@ -11,6 +11,7 @@ PostgreSQL takes ``COPY`` into a per-connection staging table, then one
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import itemgetter
 from typing import Any
 
 from sqlalchemy import Connection, insert, text
@@ -163,7 +164,7 @@ def _chunks(items: list[Any], size: int) -> list[list[Any]]:
     return [items[i : i + size] for i in range(0, len(items), size)]
 
 
-_VALUE_FIELDS = SAMPLE_COLUMNS[5:]
+_values = itemgetter(*SAMPLE_COLUMNS[5:])
 
 
 def sample_row(sample: GpuSample) -> SampleRow:
@@ -175,7 +176,7 @@ def sample_row(sample: GpuSample) -> SampleRow:
         int(d["ts"].timestamp() * 1000),
         d["uuid"],
         d["vendor"].value,
-        *[d[name] for name in _VALUE_FIELDS],
+        *_values(d),
     )
 
 
