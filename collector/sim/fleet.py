@@ -12,8 +12,9 @@ shows a failure's whole story in minutes while its samples keep real timestamps.
 Failure plan: each GPU holds its next gpu-scope failure (time, trace class, whether it shows
 precursors and from when); each node holds its next node-scope incident. Times are drawn from
 exponentials at the calibrated rates (``calibration.py``), per GPU-hour in service; lemon
-nodes' rates are multiplied and every rate scaled so that the fleet mean stays calibrated. After a repair the GPU's
-plan is drawn again, its precursor window clipped to the time since it came back.
+nodes' rates are multiplied and every rate scaled so that the fleet mean stays calibrated.
+After a repair the GPU's plan is drawn again, its precursor window clipped to the time since
+it came back.
 """
 
 from __future__ import annotations

@@ -194,3 +194,43 @@ def test_live_mode_streams_into_the_service(live_service) -> None:  # type: igno
     assert any(e["kind"] == "gpu_lost" and e["gpu"] == 5 for e in events)
     gpus = httpx.get(f"{live_service.url}/v1/gpus", headers=headers).json()
     assert len(gpus["data"]) == 16
+
+
+def test_convert_nvidia_smi_csv(tmp_path: Path) -> None:
+    import pandas as pd
+
+    from collector.sim.csv_import import convert_csv
+    from collector.sim.schema import SAMPLE_COLUMNS, sample_dtypes
+
+    data = Path(__file__).parent / "data"
+    out = tmp_path / "real"
+    rc = cli.main(
+        [
+            "simulate",
+            "convert-csv",
+            "--csv",
+            str(data / "nvidia_smi_sample.csv"),
+            "--node",
+            "host-a",
+            "--failures-csv",
+            str(data / "failures_sample.csv"),
+            "--out",
+            str(out),
+        ]
+    )
+    assert rc == 0
+    s = pd.read_parquet(out / "samples")
+    assert tuple(s.columns) == SAMPLE_COLUMNS
+    assert {c: str(t) for c, t in s.dtypes.items()} == sample_dtypes()
+    assert len(s) == 4 and set(s["node"]) == {"host-a"}
+    last = s.iloc[-1]
+    assert last["ts_ms"] == int(datetime(2026, 11, 30, 12, 0, 10, tzinfo=UTC).timestamp() * 1000)
+    assert pd.isna(last["power_w"]) and last["throttle_reasons"] == 0x24
+    assert last["pcie_link_width"] == 8 and bool(last["remap_pending"]) is True
+    assert s["ecc_deferred"].isna().all()
+    f = pd.read_parquet(out / "failures.parquet")
+    assert f.loc[0, "kind"] == "pcie" and bool(f.loc[0, "has_precursors"])
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["interval_s"] == 10.0 and manifest["gpus"] == 2
+    with pytest.raises(InvalidInput):
+        convert_csv([data / "nvidia_smi_sample.csv"], tmp_path / "x")  # no node given
