@@ -1,0 +1,624 @@
+"""The job agent: starts the ranks and the warm spares, hosts the store, moves ranks.
+
+One :class:`Agent` per job (per node, see ``docs/migration.md`` for several nodes). It
+
+- hosts the rendezvous ``TCPStore`` in its own process, so the store never dies with a rank;
+- starts ``nproc`` active processes and ``spares`` warm spares of the same command, each
+  with ``FOREWARN_*`` variables saying its slot and role;
+- accepts migration commands (:meth:`Agent.submit`, reached through the local HTTP endpoint
+  of :mod:`migrator.endpoint` by ``forewarn migrate`` and later by the service), assigns a
+  spare and posts the command where the ranks look at their next step boundary;
+- watches its processes and the survivors' reports: a rank that dies or wedges is replaced by
+  a spare rebuilt from a healthy replica; with no spare left the job is paused and says so,
+  and fails after ``pause_timeout_s``;
+- reports each migration (:class:`forewarn.wire.MigrationReport`) to its log, its report
+  file, its endpoint and, if given, the service.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from forewarn.errors import Conflict, InvalidInput, NoSpareAvailable, StateNotReplicated
+from forewarn.wire import JobRegistration, MigrationReason, MigrationReport, Placement
+from migrator import protocol as P
+from migrator.faults import FaultPlan
+
+__all__ = ["Agent", "AgentConfig", "Slot"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class AgentConfig:
+    """How to run one job. Timeouts in seconds."""
+
+    command: list[str]
+    nproc: int
+    spares: int = 1
+    job_id: str = "job"
+    backend: str = "gloo"
+    timeout_s: float = 30.0
+    """Bound on every collective and transfer: a wedged peer is seen after it."""
+    detect_grace_s: float | None = None
+    """After the first sign of a failure, how long survivors have to report (None: timeout_s).
+    A rank that neither reports nor exits by then is declared wedged and killed."""
+    pause_timeout_s: float = 600.0
+    """How long a job waits, paused, for a spare before it fails."""
+    refill_spares: bool = False
+    """Start a new spare on the slot a planned or preventive migration freed (drills, or a
+    cluster that swaps or checks the GPU before it is reused)."""
+    host: str = "127.0.0.1"
+    store_port: int = 0
+    http_port: int | None = 0
+    """Port of the local command endpoint; 0 picks one, None serves none."""
+    service_url: str | None = None
+    faults: FaultPlan | None = None
+    log_dir: Path | None = None
+    report_path: Path | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    node: str = field(default_factory=lambda: socket.gethostname().split(".")[0] or "localhost")
+
+
+@dataclass
+class Slot:
+    """One process of the job."""
+
+    index: int
+    role: str  # active | spare | assigned | retired | done | dead
+    proc: subprocess.Popen[bytes] | None = None
+    rank: int | None = None
+
+    def placement(self, node: str, backend: str) -> Placement:
+        role = "active" if self.role in ("active", "assigned") else "spare"
+        gpu = self.index if backend == "nccl" else None
+        pid = self.proc.pid if self.proc else None
+        return Placement(
+            rank=self.rank if self.rank is not None else self.index,
+            node=node,
+            gpu=gpu,
+            pid=pid,
+            role=role,
+        )
+
+
+@dataclass
+class _Migration:
+    migration_id: str
+    reason: MigrationReason
+    ranks: list[int]
+    sources: dict[int, int]
+    targets: dict[int, int]
+    gen: int
+    started: float
+    detail: str | None = None
+
+
+class Agent:
+    """Run a job; see the module docstring. Use :meth:`run` (blocks until the job ends)."""
+
+    def __init__(self, config: AgentConfig) -> None:
+        self.cfg = config
+        self.store = dist.TCPStore(
+            config.host,
+            config.store_port,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=config.timeout_s + 30),
+        )
+        self.store_address = f"{config.host}:{self.store.port}"
+        self.lock = threading.RLock()
+        self.slots: list[Slot] = []
+        self.roster: dict[int, int] = {}
+        self.gen = 0
+        self.status = "starting"
+        self.message = ""
+        self.reports: list[MigrationReport] = []
+        self.inflight: _Migration | None = None
+        self.agent_url: str | None = None
+        self._recovery: dict[str, Any] | None = None
+        self._pause_deadline: float | None = None
+        self._endpoint: Any = None
+
+    # -- processes --------------------------------------------------------------------------
+
+    def _spawn(self, index: int, rank: int | None) -> Slot:
+        env = dict(os.environ)
+        env.update(self.cfg.env)
+        env.update(
+            FOREWARN_STORE=self.store_address,
+            FOREWARN_SLOT=str(index),
+            FOREWARN_WORLD_SIZE=str(self.cfg.nproc),
+            FOREWARN_INITIAL_RANK="" if rank is None else str(rank),
+            FOREWARN_JOB_ID=self.cfg.job_id,
+            FOREWARN_BACKEND=self.cfg.backend,
+            FOREWARN_TIMEOUT_S=str(self.cfg.timeout_s),
+            FOREWARN_AGENT_URL=self.agent_url or "",
+            FOREWARN_FAULTS=self.cfg.faults.to_json() if self.cfg.faults else "",
+            FOREWARN_LOCAL_SLOT=str(index),
+        )
+        out: Any = None
+        if self.cfg.log_dir is not None:
+            self.cfg.log_dir.mkdir(parents=True, exist_ok=True)
+            out = open(self.cfg.log_dir / f"slot{index}.log", "ab")  # noqa: SIM115
+        proc = subprocess.Popen(
+            self.cfg.command, env=env, stdout=out, stderr=subprocess.STDOUT if out else None
+        )
+        if out is not None:
+            out.close()
+        slot = Slot(index, "active" if rank is not None else "spare", proc, rank)
+        self.slots.append(slot)
+        return slot
+
+    def _kill(self, slot: Slot) -> None:
+        if slot.proc is not None and slot.proc.poll() is None:
+            slot.proc.send_signal(signal.SIGKILL)
+            slot.proc.wait(timeout=30)
+
+    def registration(self) -> JobRegistration:
+        with self.lock:
+            live = [s for s in self.slots if s.role in ("active", "spare", "assigned")]
+            return JobRegistration(
+                job_id=self.cfg.job_id,
+                world_size=self.cfg.nproc,
+                spares=sum(1 for s in live if s.role == "spare"),
+                placement=[s.placement(self.cfg.node, self.cfg.backend) for s in live],
+                agent_url=self.agent_url,
+            )
+
+    # -- commands ---------------------------------------------------------------------------
+
+    def _free_spare(self) -> Slot | None:
+        spares = [s for s in self.slots if s.role == "spare" and s.proc and s.proc.poll() is None]
+        # A warm spare (model and optimizer allocated, waiting) first: one still starting
+        # would make the ranks wait for it at the handover step.
+        spares.sort(key=lambda s: not self.store.check([f"slot{s.index}/ready"]))
+        return spares[0] if spares else None
+
+    def _replica_for(self, lost: set[int]) -> int | None:
+        healthy = [r for r in range(self.cfg.nproc) if r not in lost]
+        return healthy[0] if healthy else None
+
+    def submit(
+        self,
+        *,
+        rank: int,
+        reason: str = "planned",
+        migration_id: str | None = None,
+        job_id: str | None = None,
+        detail: str | None = None,
+    ) -> str:
+        """Move ``rank`` to a spare at the next step boundary; returns the migration id.
+
+        Raises:
+            InvalidInput: unknown job or rank, or an unplanned reason.
+            Conflict: the job is not running, or another migration is in flight (retry).
+            NoSpareAvailable: every spare is taken.
+        """
+        why = MigrationReason(reason)
+        if why is MigrationReason.UNPLANNED:
+            raise InvalidInput(
+                "unplanned migrations are the agent's own; ask planned or preventive"
+            )
+        if job_id is not None and job_id != self.cfg.job_id:
+            raise InvalidInput(f"this agent runs job {self.cfg.job_id!r}, not {job_id!r}")
+        if not 0 <= rank < self.cfg.nproc:
+            raise InvalidInput(f"rank {rank} is not in 0..{self.cfg.nproc - 1}")
+        with self.lock:
+            if self.status != "running":
+                raise Conflict(f"the job is {self.status}", details={"status": self.status})
+            if self.inflight is not None or self._recovery is not None:
+                raise Conflict("another migration is in progress; retry when it ends")
+            spare = self._free_spare()
+            if spare is None:
+                raise NoSpareAvailable(f"job {self.cfg.job_id} has no free spare")
+            mid = migration_id or uuid.uuid4().hex[:12]
+            replica = self._replica_for({rank})
+            spare.role, spare.rank = "assigned", rank
+            P.put_json(
+                self.store,
+                P.assign_key(spare.index),
+                {"mode": "peer", "gen": self.gen + 1, "rank": rank, "migration_id": mid},
+            )
+            P.put_json(
+                self.store,
+                P.cmd_key(self.gen),
+                {"migration_id": mid, "rank": rank, "replica": replica, "reason": reason},
+            )
+            self.inflight = _Migration(
+                mid,
+                why,
+                [rank],
+                {rank: self.roster[rank]},
+                {rank: spare.index},
+                self.gen,
+                time.monotonic(),
+                detail,
+            )
+            log.info(
+                "migration %s: rank %d (slot %d) -> slot %d, %s",
+                mid,
+                rank,
+                self.roster[rank],
+                spare.index,
+                reason,
+            )
+            return mid
+
+    # -- the watch loop ---------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Start the processes and supervise the job; returns the exit code (0: completed)."""
+        if self.cfg.http_port is not None:
+            from migrator.endpoint import serve
+
+            self._endpoint = serve(self, self.cfg.host, self.cfg.http_port)
+            self.agent_url = f"http://{self.cfg.host}:{self._endpoint.server_port}"
+        with self.lock:
+            for i in range(self.cfg.nproc + self.cfg.spares):
+                self._spawn(i, i if i < self.cfg.nproc else None)
+            self.roster = {r: r for r in range(self.cfg.nproc)}
+            P.put_json(self.store, P.roster_key(0), self.roster)
+            self.status = "running"
+        self._register()
+        try:
+            code = self._watch()
+        finally:
+            self._shutdown()
+        return code
+
+    def _watch(self) -> int:
+        while True:
+            with self.lock:
+                code = self._tick()
+            if code is not None:
+                return code
+            time.sleep(0.01)
+
+    def _tick(self) -> int | None:
+        now = time.monotonic()
+        exited = {
+            s.index: s.proc.returncode
+            for s in self.slots
+            if s.proc is not None and s.proc.poll() is not None and s.role != "dead"
+        }
+        for slot in self.slots:
+            if slot.index not in exited:
+                continue
+            if slot.role == "retired" or (
+                slot.role == "active"
+                and exited[slot.index] == 0
+                and self.store.check([f"done/{slot.rank}"])
+            ):
+                slot.role = "done" if slot.role == "active" else "retired"
+                continue
+            if slot.role in ("active", "assigned", "spare") and exited[slot.index] != 0:
+                log.warning(
+                    "slot %d (%s, rank %s) exited with %s",
+                    slot.index,
+                    slot.role,
+                    slot.rank,
+                    exited[slot.index],
+                )
+                was = slot.role
+                slot.role = "dead"
+                if was == "assigned":
+                    self._spare_died(slot)
+            elif slot.role == "active" and exited[slot.index] == 0:
+                # The source of a handover exits 0 once the spare has its state.
+                slot.role = "retired"
+        self._progress_migration()
+        self._progress_recovery(now)
+        if self.status == "failed":
+            return 1
+        active = [s for s in self.slots if s.role == "active"]
+        if not active and all(s.role in ("done", "retired", "dead", "spare") for s in self.slots):
+            if any(s.role == "done" for s in self.slots) and self.inflight is None:
+                self.status = "completed"
+                return 0
+        return None
+
+    def _spare_died(self, slot: Slot) -> None:
+        m = self.inflight
+        if m is None or slot.index not in m.targets.values():
+            return
+        if m.reason is MigrationReason.UNPLANNED:
+            self._fail(f"the spare for rank(s) {m.ranks} died while taking over")
+            return
+        self.store.set(f"m/{m.migration_id}/aborted", "spare died")
+        self._finish(m, "failed", error="the spare died during the handover")
+        self.inflight = None
+
+    def _progress_migration(self) -> None:
+        m = self.inflight
+        if m is None:
+            return
+        base = f"m/{m.migration_id}"
+        for rank, src in m.sources.items():
+            if self.store.check([f"{base}/fallback/{rank}"]) and src is not None:
+                self._kill(self.slots[src])  # the spare gave up on it: it must not come back
+        if not all(self.store.check([f"{base}/received/{r}"]) for r in m.ranks):
+            return
+        others = [r for r in range(self.cfg.nproc) if r not in m.ranks]
+        if not all(self.store.check([f"{base}/pause/{r}"]) for r in others):
+            return
+        reports = [
+            json.loads(self.store.get(f"{base}/report/{r}"))
+            for r in m.ranks
+            if self.store.check([f"{base}/report/{r}"])
+        ]
+        if len(reports) < len(m.ranks):
+            return
+        pauses = [float(self.store.get(f"{base}/pause/{r}")) for r in others]
+        pause = max(pauses) if pauses else max(r["joined_s"] for r in reports)
+        for rank in m.ranks:
+            target = self.slots[m.targets[rank]]
+            target.role = "active"
+            source = m.sources.get(rank)
+            if source is not None and self.slots[source].role == "active":
+                self.slots[source].role = "retired"
+            self.roster[rank] = target.index
+        self.gen += 1
+        P.put_json(self.store, P.roster_key(self.gen), self.roster)
+        self._finish(
+            m,
+            "completed",
+            step=reports[0]["step"],
+            pause_s=pause,
+            transfer_s=max(r["transfer_s"] for r in reports),
+            bytes_moved=sum(r["bytes"] for r in reports),
+            steps_lost=1 if m.reason is MigrationReason.UNPLANNED else 0,
+            error=None
+            if all(r["source"] == "peer" for r in reports) or m.reason is MigrationReason.UNPLANNED
+            else "the source failed mid-transfer; rebuilt from a replica",
+        )
+        self.inflight = None
+        self._recovery = None
+        self.status = "running"
+        if self.cfg.refill_spares and m.reason is not MigrationReason.UNPLANNED:
+            for src in m.sources.values():
+                self._refill(src)
+
+    def _refill(self, freed: int) -> None:
+        slot = self.slots[freed]
+        if slot.proc is not None:
+            try:
+                slot.proc.wait(timeout=self.cfg.timeout_s)
+            except subprocess.TimeoutExpired:
+                self._kill(slot)
+        self._spawn(len(self.slots), None)
+        self._register()
+
+    # -- unplanned --------------------------------------------------------------------------
+
+    def _progress_recovery(self, now: float) -> None:
+        g = self.gen
+        if self._recovery is None:
+            if self.inflight is not None and self.inflight.reason is MigrationReason.UNPLANNED:
+                return
+            lost = [
+                s
+                for s in self.slots
+                if s.role == "dead" and s.rank is not None and self.roster.get(s.rank) == s.index
+            ]
+            reported = int(self.store.add(P.alive_count_key(g), 0))
+            if not lost and not reported:
+                return
+            grace = self.cfg.detect_grace_s
+            self._recovery = {
+                "gen": g,
+                "deadline": now + (self.cfg.timeout_s if grace is None else grace),
+                "decided": False,
+            }
+            log.warning(
+                "generation %d: failure suspected (%d lost, %d reports)", g, len(lost), reported
+            )
+        rec = self._recovery
+        if rec["decided"]:
+            if self.status == "paused":
+                self._retry_paused(now)
+            return
+        alive: dict[int, dict[str, Any]] = {}
+        dead: list[int] = []
+        for rank, index in self.roster.items():
+            if self.store.check([P.alive_key(g, rank)]):
+                alive[rank] = P.get_json(self.store, P.alive_key(g, rank))
+            elif self.slots[index].role in ("dead", "retired", "done"):
+                dead.append(rank)
+        undecided = [r for r in self.roster if r not in alive and r not in dead]
+        if undecided and now < rec["deadline"]:
+            return
+        for rank in undecided:  # neither reported nor exited within the bound: wedged
+            log.warning("rank %d did not answer within the bound: declared lost", rank)
+            slot = self.slots[self.roster[rank]]
+            self._kill(slot)
+            slot.role = "dead"
+            dead.append(rank)
+        rec["decided"] = True
+        rec["dead"] = sorted(dead)
+        rec["alive"] = alive
+        if self.inflight is not None and set(self.inflight.ranks) != set(dead):
+            self._fail("a rank failed during a planned migration of another rank")
+            return
+        if not dead:
+            P.put_json(self.store, P.recovery_key(g), {"status": "none"})
+            self._recovery = None
+            return
+        if any(self.store.check([f"slot{self.roster[r]}/unique"]) for r in self.roster):
+            self._fail(
+                f"rank(s) {dead} lost; the job registered rank-unique state, which no "
+                "replica holds: restart from a checkpoint",
+                code=StateNotReplicated.code,
+            )
+            return
+        steps = {a["step"] for a in alive.values()}
+        if len(steps) > 1 or any(a["stepped"] for a in alive.values()):
+            self._fail(
+                f"survivors disagree on the last completed step ({sorted(steps)}): "
+                "a collective failed after optimizer.step() on some of them"
+            )
+            return
+        self._place_spares(now)
+
+    def _place_spares(self, now: float) -> None:
+        rec = self._recovery
+        assert rec is not None
+        g, dead = rec["gen"], rec["dead"]
+        planned = self.inflight
+        spares = [s for s in self.slots if s.role == "spare" and s.proc and s.proc.poll() is None]
+        if planned is not None:  # the source died before its handover: reuse its spare
+            spares = [self.slots[planned.targets[r]] for r in dead] + spares
+        if len(spares) < len(dead):
+            msg = (
+                f"job {self.cfg.job_id} paused at step {min(a['step'] for a in rec['alive'].values())}: "
+                f"rank(s) {dead} lost and {len(spares)} spare(s) left; it fails in "
+                f"{self.cfg.pause_timeout_s:.0f} s unless a spare appears"
+            )
+            if self.status != "paused":
+                print(f"forewarn launch: {msg}", file=sys.stderr, flush=True)
+                self._pause_deadline = now + self.cfg.pause_timeout_s
+            self.status, self.message = "paused", msg
+            P.put_json(self.store, P.recovery_key(g), {"status": "paused", "message": msg})
+            return
+        mid = planned.migration_id if planned is not None else uuid.uuid4().hex[:12]
+        replica = self._replica_for(set(dead))
+        targets = {}
+        for rank, spare in zip(dead, spares, strict=False):
+            spare.role, spare.rank = "assigned", rank
+            targets[rank] = spare.index
+            if planned is None:
+                P.put_json(
+                    self.store,
+                    P.assign_key(spare.index),
+                    {"mode": "replica", "gen": g + 1, "rank": rank, "migration_id": mid},
+                )
+        P.put_json(
+            self.store,
+            P.recovery_key(g),
+            {
+                "status": "plan",
+                "gen": g + 1,
+                "replacements": dead,
+                "replica": replica,
+                "migration_id": mid,
+            },
+        )
+        self.inflight = _Migration(
+            mid, MigrationReason.UNPLANNED, dead, {r: self.roster[r] for r in dead}, targets, g, now
+        )
+        log.warning(
+            "recovery %s: rank(s) %s -> slot(s) %s from replica rank %s",
+            mid,
+            dead,
+            list(targets.values()),
+            replica,
+        )
+
+    def _retry_paused(self, now: float) -> None:
+        assert self._recovery is not None
+        if self._free_spare() is not None:
+            self._place_spares(now)
+            if self.status != "paused":
+                self.status = "running"
+            return
+        if self._pause_deadline is not None and now >= self._pause_deadline:
+            self._fail(self.message + " — no spare came", code=NoSpareAvailable.code)
+
+    def _fail(self, message: str, code: str = "migration_error") -> None:
+        log.error("%s", message)
+        print(
+            f"forewarn launch: job {self.cfg.job_id} failed: {message}", file=sys.stderr, flush=True
+        )
+        self.status, self.message = "failed", message
+        if self._recovery is not None:
+            P.put_json(
+                self.store,
+                P.recovery_key(self._recovery["gen"]),
+                {"status": "failed", "code": code, "message": message},
+            )
+        if self.inflight is not None:
+            P.put_json(
+                self.store,
+                f"m/{self.inflight.migration_id}/failed",
+                {"code": code, "message": message},
+            )
+            self._finish(self.inflight, "failed", error=message)
+            self.inflight = None
+
+    # -- reporting --------------------------------------------------------------------------
+
+    def _finish(self, m: _Migration, outcome: str, **fields: Any) -> None:
+        rank = m.ranks[0]
+        src = m.sources.get(rank)
+        tgt = m.targets.get(rank)
+        report = MigrationReport(
+            migration_id=m.migration_id,
+            job_id=self.cfg.job_id,
+            rank=rank,
+            outcome=outcome,  # type: ignore[arg-type]
+            source=self.slots[src].placement(self.cfg.node, self.cfg.backend)
+            if src is not None
+            else None,
+            target=self.slots[tgt].placement(self.cfg.node, self.cfg.backend)
+            if tgt is not None
+            else None,
+            finished_at=datetime.now(UTC),
+            **fields,
+        )
+        self.reports.append(report)
+        mb = (report.bytes_moved or 0) / 1e6
+        print(
+            f"forewarn launch: migration {m.migration_id} ({m.reason.value}) rank {rank} "
+            f"{outcome} at step {report.step}: pause {report.pause_s or 0:.3f} s, transfer "
+            f"{report.transfer_s or 0:.3f} s, {mb:.1f} MB",
+            file=sys.stderr,
+            flush=True,
+        )
+        if self.cfg.report_path is not None:
+            with open(self.cfg.report_path, "a") as fh:
+                fh.write(report.model_dump_json() + "\n")
+        self._post("/v1/migrations/reports", report.model_dump(mode="json"))
+
+    def _register(self) -> None:
+        self._post("/v1/jobs", self.registration().model_dump(mode="json"))
+
+    def _post(self, path: str, body: dict[str, Any]) -> None:
+        if not self.cfg.service_url:
+            return
+        import httpx
+
+        try:
+            httpx.post(self.cfg.service_url.rstrip("/") + path, json=body, timeout=5.0)
+        except httpx.HTTPError as exc:  # the job must not stop because the service is down
+            log.warning("could not reach the service at %s: %s", self.cfg.service_url, exc)
+
+    def _shutdown(self) -> None:
+        for slot in self.slots:
+            if slot.role == "spare" and slot.proc and slot.proc.poll() is None:
+                P.put_json(self.store, P.assign_key(slot.index), {"mode": "exit"})
+        deadline = time.monotonic() + 10
+        for slot in self.slots:
+            if slot.proc is None:
+                continue
+            try:
+                slot.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self._kill(slot)
+        if self._endpoint is not None:
+            self._endpoint.shutdown()
+            self._endpoint.server_close()

@@ -1,0 +1,92 @@
+"""DistributedDataParallel that survives a change of process group.
+
+:class:`ElasticDDP` is the module a training script calls; it holds a real
+``torch.nn.parallel.DistributedDataParallel`` and rebuilds it on every rank whenever the job
+moves to a new process-group generation. Rebuilding on *every* rank (survivors and the spare
+alike) keeps DDP's internal state — bucket readiness, the one-time bucket rebuild and its
+broadcast from rank 0 — in step across ranks. The bucket layout is carried over: survivors
+reuse their current layout and a spare receives it with the state, so each gradient element
+is reduced with the same neighbours, in the same order, as before the swap (with three or
+more ranks gloo's ring sums depend on that order, so bitwise equality does too).
+
+The rebuilt DDP skips its initial broadcast (``init_sync=False``): the parameters are
+already equal on every rank, bit for bit, by construction of the handover.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+__all__ = ["ElasticDDP"]
+
+
+@contextlib.contextmanager
+def _bucket_plan(layout: list[list[int]] | None, cap_bytes: int) -> Iterator[None]:
+    """Make DDP's constructor adopt ``layout`` instead of computing its first bucket plan."""
+    if layout is None:
+        yield
+        return
+    original = dist._compute_bucket_assignment_by_size
+
+    def fixed(*_: Any, **__: Any) -> tuple[list[list[int]], list[int]]:
+        # DDP reverses the plan it is given (gradients arrive last layer first).
+        return list(reversed(layout)), [cap_bytes] * len(layout)
+
+    dist._compute_bucket_assignment_by_size = fixed  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        dist._compute_bucket_assignment_by_size = original  # type: ignore[attr-defined]
+
+
+class ElasticDDP(torch.nn.Module):
+    """A DDP-wrapped module whose process group the job may replace between steps.
+
+    Build it with ``job.ddp(module, **ddp_kwargs)``; call it like the module. ``module``
+    stays the owner of the parameters (give ``module.parameters()`` to the optimizer).
+    """
+
+    def __init__(self, module: torch.nn.Module, **ddp_kwargs: Any) -> None:
+        super().__init__()
+        self.module = module
+        ddp_kwargs.pop("process_group", None)
+        ddp_kwargs.pop("init_sync", None)
+        self._kwargs = ddp_kwargs
+        object.__setattr__(self, "_ddp", None)  # not a submodule: no duplicate state_dict
+
+    @property
+    def ddp(self) -> DDP:
+        if self._ddp is None:
+            raise RuntimeError("ElasticDDP is used before its job joined a process group")
+        return self._ddp
+
+    def layout(self) -> list[list[int]] | None:
+        """The current bucket plan as lists of parameter indices (DDP's own order)."""
+        if self._ddp is None:
+            return None
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        index = {id(p): i for i, p in enumerate(params)}
+        buckets = self._ddp.reducer._get_zeros_like_grad_buckets()
+        return [[index[id(p)] for p in b.parameters()] for b in buckets]
+
+    def rebuild(
+        self, group: dist.ProcessGroup, layout: list[list[int]] | None, *, initial: bool = False
+    ) -> None:
+        """Wrap the module anew on ``group`` with bucket plan ``layout`` (None: DDP's).
+
+        ``initial``: the job's first group; DDP then broadcasts rank 0's parameters and
+        buffers as it always does.
+        """
+        cap = int(self._kwargs.get("bucket_cap_mb", 25) * 1024 * 1024)
+        with _bucket_plan(layout, cap):
+            ddp = DDP(self.module, process_group=group, init_sync=initial, **self._kwargs)
+        object.__setattr__(self, "_ddp", ddp)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.ddp(*args, **kwargs)

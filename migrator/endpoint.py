@@ -1,0 +1,139 @@
+"""The agent's local command endpoint (HTTP/JSON) and its client.
+
+``forewarn launch`` serves a small HTTP endpoint beside the job (stdlib ``http.server``, on
+the agent's host, an ephemeral port by default) and writes its address to a job file,
+``$FOREWARN_RUN_DIR/<job-id>.json`` (default ``$XDG_RUNTIME_DIR/forewarn`` or the temp
+directory). ``forewarn migrate --job ID`` finds it there; the service will use the same
+routes through ``JobRegistration.agent_url``.
+
+Routes::
+
+    POST /v1/migrations          {"rank", "reason"?, "job_id"?, "migration_id"?, "detail"?}
+                                 -> 202 {"migration_id", "status": "accepted"}
+    GET  /v1/migrations          -> {"data": [MigrationReport...], "count"}
+    GET  /v1/migrations/{id}     -> MigrationReport | 202 {"status": "in_progress"} | 404
+    GET  /v1/job                 -> JobRegistration + {"status", "message", "generation"}
+
+Errors are ``{"error": {"code", "message", "retryable", "details"}}`` with the status of the
+:mod:`forewarn.errors` class (409 conflict / no spare, 422 invalid input, 404).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from forewarn.errors import ForewarnError, InvalidInput, NotFound
+
+if TYPE_CHECKING:
+    from migrator.agent import Agent
+
+__all__ = ["job_file", "read_job_file", "serve", "write_job_file"]
+
+
+def run_dir() -> Path:
+    base = os.environ.get("FOREWARN_RUN_DIR")
+    if base:
+        return Path(base)
+    return Path(os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()) / "forewarn"
+
+
+def job_file(job_id: str) -> Path:
+    return run_dir() / f"{job_id}.json"
+
+
+def write_job_file(job_id: str, info: dict[str, Any]) -> Path:
+    path = job_file(job_id)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(info))
+    tmp.replace(path)
+    return path
+
+
+def read_job_file(job_id: str) -> dict[str, Any]:
+    path = job_file(job_id)
+    try:
+        return dict(json.loads(path.read_text()))
+    except FileNotFoundError:
+        raise NotFound(f"no running job {job_id!r} on this host ({path} is missing)") from None
+
+
+def _handler(agent: Agent) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, format: str, *args: Any) -> None:  # quiet by default
+            pass
+
+        def _send(self, status: int, body: Any) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _error(self, exc: ForewarnError) -> None:
+            self._send(exc.status, exc.to_json())
+
+        def do_GET(self) -> None:
+            try:
+                if self.path == "/v1/job":
+                    body = agent.registration().model_dump(mode="json")
+                    body.update(status=agent.status, message=agent.message, generation=agent.gen)
+                    self._send(200, body)
+                elif self.path == "/v1/migrations":
+                    data = [r.model_dump(mode="json") for r in agent.reports]
+                    self._send(200, {"data": data, "count": len(data)})
+                elif self.path.startswith("/v1/migrations/"):
+                    mid = self.path.rsplit("/", 1)[1]
+                    for r in agent.reports:
+                        if r.migration_id == mid:
+                            self._send(200, r.model_dump(mode="json"))
+                            return
+                    m = agent.inflight
+                    if m is not None and m.migration_id == mid:
+                        self._send(202, {"migration_id": mid, "status": "in_progress"})
+                        return
+                    raise NotFound(f"no migration {mid!r}")
+                else:
+                    raise NotFound(f"no route {self.path}")
+            except ForewarnError as exc:
+                self._error(exc)
+
+        def do_POST(self) -> None:
+            try:
+                if self.path != "/v1/migrations":
+                    raise NotFound(f"no route {self.path}")
+                length = int(self.headers.get("Content-Length") or 0)
+                try:
+                    body = json.loads(self.rfile.read(length) or b"{}")
+                    rank = int(body["rank"])
+                except (ValueError, KeyError, TypeError) as exc:
+                    raise InvalidInput(f"expected JSON with an integer 'rank' ({exc})") from None
+                mid = agent.submit(
+                    rank=rank,
+                    reason=str(body.get("reason", "planned")),
+                    migration_id=body.get("migration_id"),
+                    job_id=body.get("job_id"),
+                    detail=body.get("detail"),
+                )
+                self._send(202, {"migration_id": mid, "status": "accepted"})
+            except ValueError as exc:
+                self._error(InvalidInput(str(exc)))
+            except ForewarnError as exc:
+                self._error(exc)
+
+    return Handler
+
+
+def serve(agent: Agent, host: str, port: int) -> ThreadingHTTPServer:
+    """Serve the agent's endpoint in a daemon thread; the caller shuts it down."""
+    server = ThreadingHTTPServer((host, port), _handler(agent))
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="forewarn-agent-http", daemon=True).start()
+    return server

@@ -1,0 +1,99 @@
+"""Fault injection for migration tests and demos: kill, wedge or migrate a rank at a step.
+
+A :class:`FaultPlan` is a list of faults, each tied to a rank, a step and a point inside the
+step. The launcher hands the plan to every process it starts (``FOREWARN_FAULTS``, JSON);
+the job fires each fault at its point, once per job (the store counts firings, so the
+spare that replaces a killed rank does not kill itself again when it redoes the step).
+
+Points inside a step:
+
+- ``step_start``: entering ``with step:``;
+- ``forward``: the first registered model's forward pre-hook (mid-step, before any
+  collective of the step);
+- ``backward``: the gradient hook of the first model's first parameter, which fires late in
+  the backward pass while DDP's bucket all-reduces are in flight (mid-collective);
+- ``before_optimizer``: the first optimizer's step pre-hook (after the gradient all-reduce);
+- ``transfer``: while this rank is sending its state to a spare, after the first tensor.
+
+Kinds: ``kill`` (SIGKILL: the process vanishes), ``wedge`` (SIGSTOP: alive, silent; only a
+timeout can tell), ``migrate`` (the rank asks its agent, over the agent's HTTP endpoint, to
+migrate ``target`` — the same path ``forewarn migrate`` takes).
+
+Example::
+
+    plan = FaultPlan().migrate_at(0, 10, reason="preventive").fail_at(1, 25, where="backward")
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+__all__ = ["Fault", "FaultPlan"]
+
+Point = Literal["step_start", "forward", "backward", "before_optimizer", "transfer"]
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: Literal["kill", "wedge", "migrate"]
+    rank: int
+    step: int
+    where: Point = "forward"
+    reason: str = "planned"
+    target: int | None = None
+
+
+@dataclass
+class FaultPlan:
+    """Faults to inject into a job; build with the chaining helpers below."""
+
+    faults: list[Fault] = field(default_factory=list)
+
+    def fail_at(self, rank: int, step: int, *, where: Point = "forward") -> FaultPlan:
+        """SIGKILL the process holding ``rank`` at ``step`` (at ``where`` in the step)."""
+        self.faults.append(Fault("kill", rank, step, where))
+        return self
+
+    def wedge_at(self, rank: int, step: int, *, where: Point = "forward") -> FaultPlan:
+        """SIGSTOP the process holding ``rank``: it stays alive and never answers."""
+        self.faults.append(Fault("wedge", rank, step, where))
+        return self
+
+    def migrate_at(
+        self, rank: int, step: int, *, reason: str = "planned", target: int | None = None
+    ) -> FaultPlan:
+        """At the start of ``step``, ``rank`` asks the agent to migrate ``target`` (itself)."""
+        self.faults.append(Fault("migrate", rank, step, "step_start", reason, target))
+        return self
+
+    def to_json(self) -> str:
+        return json.dumps([asdict(f) for f in self.faults])
+
+    @classmethod
+    def from_json(cls, text: str | None) -> FaultPlan:
+        return cls([Fault(**f) for f in json.loads(text)] if text else [])
+
+    def due(self, where: Point, rank: int, step: int) -> list[tuple[int, Fault]]:
+        return [
+            (i, f)
+            for i, f in enumerate(self.faults)
+            if f.where == where and f.rank == rank and f.step == step
+        ]
+
+    def fire(self, where: Point, rank: int, step: int, *, store: Any, job: Any) -> None:
+        """Fire every fault due at this point, each at most once per job."""
+        for i, fault in self.due(where, rank, step):
+            if store.add(f"fault/{i}", 1) != 1:
+                continue
+            if fault.kind == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif fault.kind == "wedge":
+                os.kill(os.getpid(), signal.SIGSTOP)
+            else:
+                job.request_migration(
+                    fault.rank if fault.target is None else fault.target, fault.reason
+                )

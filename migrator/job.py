@@ -1,0 +1,357 @@
+"""The in-job library: register what makes up the training state, mark the step boundaries.
+
+A training script started by ``forewarn launch`` builds a :class:`Job` from its environment,
+registers its model(s), optimizer(s), LR scheduler(s), grad scaler and data position, and runs
+its loop through :meth:`Job.steps`::
+
+    job = Job.from_env()
+    model = GPT(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 100)
+    job.register(model=model, optimizer=opt, scheduler=sched, data=batches)
+    ddp = job.ddp(model)                  # or job.all_reduce(...) in a plain loop
+    for step in job.steps(1000):
+        with step:
+            x, y = batches.next()
+            loss = loss_fn(ddp(x), y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+        if step.ok:
+            log(step.index, loss.item())
+
+Every process of the job runs the same script. Active ranks join process-group generation 0
+and train. Spares build their model and optimizer, then wait inside ``job.steps()`` until the
+agent gives them a rank; they receive its state in place and continue at the step where it
+stopped. A source whose rank moved to a spare leaves the loop with ``SystemExit(0)``.
+
+At each step boundary the job snapshots this rank's own state (RNG, data position), mirrors it
+to the agent's store and checks for a migration command: one local pickle and two store round
+trips (tens of microseconds; ``benchmarks/migration.py`` measures it against a plain loop).
+
+If a collective fails inside ``with step:`` because a peer died or wedged, the step's context
+manager reports to the agent, waits for its decision, puts back this rank's state as it was
+at the boundary, and — once a spare has taken the dead rank's place — the loop runs the same
+step again. Any other exception propagates unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from migrator import protocol as P
+from migrator.ddp import ElasticDDP
+from migrator.faults import FaultPlan
+from migrator.groups import Graveyard, new_group
+from migrator.handover import HandoverMixin
+from migrator.state import DataPosition, Registry, capture_rank_state
+
+__all__ = ["Job", "Step"]
+
+log = logging.getLogger(__name__)
+
+
+def _seq(one: Any, many: Sequence[Any] | None) -> list[Any]:
+    out = [] if one is None else [one]
+    return out + list(many or ())
+
+
+class Step:
+    """One attempt at one training step; use as ``with step:``.
+
+    Attributes:
+        index: the step number (0-based).
+        ok: the body finished without error.
+        redo: the body failed because a peer was lost; the job recovered and the loop will
+            run this step again.
+    """
+
+    def __init__(self, job: Job, index: int) -> None:
+        self.job = job
+        self.index = index
+        self.ok = False
+        self.redo = False
+
+    def __enter__(self) -> Step:
+        self.job._stepped = False
+        return self
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+        if exc is None:
+            self.ok = True
+            return False
+        if isinstance(exc, RuntimeError):
+            self.redo = self.job._recover(exc, self.index)
+            return self.redo
+        return False
+
+
+class Job(HandoverMixin):
+    """One process of a migratable job (an active rank or a warm spare).
+
+    Args:
+        store: a client of the agent's rendezvous store.
+        slot: this process's slot, its identity for the agent (not its rank).
+        world_size: number of active ranks (unchanged by migrations).
+        initial_rank: the rank this process starts with; None for a spare.
+        job_id: the job's name.
+        backend: ``"gloo"`` or ``"nccl"``.
+        timeout_s: bound on every collective, transfer and wait (a wedged peer is declared
+            lost after it).
+        faults: a fault-injection plan (tests and demos).
+        agent_url: the agent's HTTP endpoint (for :meth:`request_migration`).
+        device: this rank's CUDA device, for NCCL.
+        mirror: mirror the rank state to the store at each boundary (needed to rebuild a
+            dead rank from a replica).
+    """
+
+    def __init__(
+        self,
+        *,
+        store: Any,
+        slot: int,
+        world_size: int,
+        initial_rank: int | None,
+        job_id: str = "job",
+        backend: str = "gloo",
+        timeout_s: float = 30.0,
+        faults: FaultPlan | None = None,
+        agent_url: str | None = None,
+        device: torch.device | None = None,
+        mirror: bool = True,
+    ) -> None:
+        self.store = store
+        self.slot = slot
+        self.world_size = world_size
+        self.job_id = job_id
+        self.backend = backend
+        self.timeout_s = timeout_s
+        self.faults = faults or FaultPlan()
+        self.agent_url = agent_url
+        self.device = device
+        self.mirror = mirror
+        self.registry = Registry()
+        self.rank: int | None = initial_rank
+        self.gen = 0
+        self.group: dist.ProcessGroup | None = None
+        self.events: list[dict[str, Any]] = []
+        self._ddps: list[ElasticDDP] = []
+        self._graveyard = Graveyard()
+        self._next = 0
+        self._current = 0
+        self._stop: int | None = None
+        self._cmd: dict[str, Any] | None = None
+        self._snapshot: bytes | None = None
+        self._stepped = False
+        self._started = False
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Job:
+        """Build the job from the variables ``forewarn launch`` sets (``FOREWARN_*``)."""
+        env = os.environ if environ is None else environ
+        host, port = env["FOREWARN_STORE"].rsplit(":", 1)
+        timeout_s = float(env.get("FOREWARN_TIMEOUT_S", "30"))
+        store = dist.TCPStore(
+            host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s + 30)
+        )
+        initial = env.get("FOREWARN_INITIAL_RANK", "")
+        kwargs: dict[str, Any] = {
+            "store": store,
+            "slot": int(env["FOREWARN_SLOT"]),
+            "world_size": int(env["FOREWARN_WORLD_SIZE"]),
+            "initial_rank": int(initial) if initial else None,
+            "job_id": env.get("FOREWARN_JOB_ID", "job"),
+            "backend": env.get("FOREWARN_BACKEND", "gloo"),
+            "timeout_s": timeout_s,
+            "faults": FaultPlan.from_json(env.get("FOREWARN_FAULTS")),
+            "agent_url": env.get("FOREWARN_AGENT_URL") or None,
+        }
+        if kwargs["backend"] == "nccl":
+            local = int(env.get("LOCAL_RANK", env.get("FOREWARN_LOCAL_SLOT", "0")))
+            kwargs["device"] = torch.device("cuda", local)
+            torch.cuda.set_device(kwargs["device"])
+        kwargs.update(overrides)
+        return cls(**kwargs)
+
+    # -- registration -----------------------------------------------------------------------
+
+    def register(
+        self,
+        *,
+        model: torch.nn.Module | None = None,
+        models: Sequence[torch.nn.Module] | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        optimizers: Sequence[torch.optim.Optimizer] | None = None,
+        scheduler: Any = None,
+        schedulers: Sequence[Any] | None = None,
+        scaler: Any = None,
+        data: DataPosition | None = None,
+        rank_unique: bool = False,
+    ) -> None:
+        """Say what the training state is. Call once, before :meth:`steps`.
+
+        Args:
+            model, models: modules whose ``state_dict`` is the model state (unwrapped,
+                not the DDP wrapper).
+            optimizer, optimizers: their optimizers.
+            scheduler, schedulers: LR schedulers (anything with ``state_dict``).
+            scaler: a ``torch.amp.GradScaler``.
+            data: the data position: ``state_dict()``/``load_state_dict()`` covering all
+                that is rank-specific (shard, offset, epoch, shuffle seed).
+            rank_unique: the model or optimizer state differs between ranks (FSDP, tensor
+                parallel shards). Planned and preventive migrations still work (the rank
+                itself sends it); rebuilding a dead rank from a replica is refused.
+        """
+        self.registry = Registry(
+            models=_seq(model, models),
+            optimizers=_seq(optimizer, optimizers),
+            schedulers=_seq(scheduler, schedulers),
+            scaler=scaler,
+            data=data,
+            rank_unique=rank_unique,
+        )
+        for opt in self.registry.optimizers:
+            opt.register_step_post_hook(self._on_optimizer_step)
+
+    def _on_optimizer_step(self, *_: Any) -> None:
+        self._stepped = True
+
+    def ddp(self, module: torch.nn.Module, **ddp_kwargs: Any) -> ElasticDDP:
+        """Wrap ``module`` in DDP on the job's current process group, whatever it becomes."""
+        wrapped = ElasticDDP(module, **ddp_kwargs)
+        self._ddps.append(wrapped)
+        if self.group is not None:
+            wrapped.rebuild(self.group, None, initial=True)
+        return wrapped
+
+    # -- collectives ------------------------------------------------------------------------
+
+    def all_reduce(
+        self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
+    ) -> torch.Tensor:
+        """All-reduce ``tensor`` in place on the current generation (bounded by the timeout)."""
+        if self.group is None:
+            raise RuntimeError("all_reduce before the job joined a process group")
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = op
+        self.group.allreduce([tensor], opts).wait(timedelta(seconds=self.timeout_s))
+        return tensor
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    @property
+    def step_index(self) -> int:
+        """The next step to run (equal on every rank at a boundary)."""
+        return self._next
+
+    @property
+    def is_spare(self) -> bool:
+        return self.group is None
+
+    def start(self) -> None:
+        """Join generation 0, or as a spare wait for a rank. :meth:`steps` calls it."""
+        if self._started:
+            return
+        self._started = True
+        self._install_fault_hooks()
+        if self.registry.rank_unique:
+            self.store.set(f"slot{self.slot}/unique", "1")
+        if self.rank is None:
+            self._serve_as_spare()
+        else:
+            self._join(0, self.rank, None, initial=True)
+
+    def steps(self, total: int) -> Iterator[Step]:
+        """Yield one :class:`Step` per step from the current one up to ``total``.
+
+        A step lost to a dead peer is yielded again. On the source of a migration the loop
+        ends with ``SystemExit(0)`` at the handover boundary.
+        """
+        self.start()
+        while self._next < total:
+            k = self._next
+            self._boundary(k)
+            step = Step(self, k)
+            self._current = k
+            yield step
+            if step.ok:
+                self._next = k + 1
+        self.store.set(f"done/{self.rank}", str(self.slot))
+
+    def _boundary(self, k: int) -> None:
+        assert self.rank is not None
+        self._snapshot = capture_rank_state(k, self.registry.data)
+        if self.mirror:
+            self.store.set(P.mirror_key(self.rank), self._snapshot)
+        self.faults.fire("step_start", self.rank, k, store=self.store, job=self)
+        if self._stop is None and self.store.check([P.cmd_key(self.gen)]):
+            # The first rank to see the command fixes S = its step + 1: every other rank
+            # reads the store again at its next boundary, after this write (each step's
+            # collectives order them), and none can be past S already.
+            self._cmd = P.get_json(self.store, P.cmd_key(self.gen))
+            self._stop = int(self.store.compare_set(P.stop_key(self.gen), "", str(k + 1)))
+        if self._stop is not None:
+            if k > self._stop:
+                raise RuntimeError(f"rank {self.rank} passed the handover step {self._stop}")
+            if k == self._stop:
+                self._handover(k)
+
+    def _join(
+        self, gen: int, rank: int, layouts: list[Any] | None, *, initial: bool = False
+    ) -> None:
+        group = new_group(
+            self.store,
+            f"g{gen}/pg",
+            rank=rank,
+            size=self.world_size,
+            backend=self.backend,
+            timeout_s=self.timeout_s,
+            device=self.device,
+        )
+        for i, wrapped in enumerate(self._ddps):
+            wrapped.rebuild(group, layouts[i] if layouts else None, initial=initial)
+        self.group, self.gen, self.rank = group, gen, rank
+        self._stop, self._cmd = None, None
+
+    def layouts(self) -> list[Any]:
+        return [d.layout() for d in self._ddps]
+
+    def _install_fault_hooks(self) -> None:
+        points = {f.where for f in self.faults.faults}
+        reg = self.registry
+
+        def fire(where: Any) -> None:
+            if self.rank is not None:
+                self.faults.fire(where, self.rank, self._current, store=self.store, job=self)
+
+        if "forward" in points and reg.models:
+            reg.models[0].register_forward_pre_hook(lambda *_: fire("forward"))
+        if "backward" in points and reg.models:
+            first = next(p for p in reg.models[0].parameters() if p.requires_grad)
+            first.register_hook(lambda g: (fire("backward"), g)[1])
+        if "before_optimizer" in points and reg.optimizers:
+            reg.optimizers[0].register_step_pre_hook(lambda *_: fire("before_optimizer"))
+
+    def request_migration(self, rank: int, reason: str = "planned") -> str:
+        """Ask the agent to migrate ``rank`` at the next boundary; returns the migration id."""
+        import httpx
+
+        if not self.agent_url:
+            raise RuntimeError("no agent URL (FOREWARN_AGENT_URL) to send the request to")
+        body = {"job_id": self.job_id, "rank": rank, "reason": reason}
+        resp = httpx.post(f"{self.agent_url}/v1/migrations", json=body, timeout=self.timeout_s)
+        resp.raise_for_status()
+        return str(resp.json()["migration_id"])
+
+    def note(self, event: str, **fields: Any) -> None:
+        self.events.append({"event": event, "t": time.time(), **fields})
+        log.info("%s %s", event, fields)

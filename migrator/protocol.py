@@ -1,0 +1,142 @@
+"""The control protocol between the job agent and its ranks: store keys and bounded waits.
+
+Everything the agent and the processes of a job say to each other goes through the
+rendezvous store the agent hosts (a ``torch.distributed.TCPStore``), so that no message lives
+in a process that may die. This module names every key in one place and gives the one
+primitive every participant uses to wait: a poll with a deadline. Nothing here blocks without
+a timeout.
+
+Key map (``g`` is a process-group generation, ``r`` a rank, ``s`` a process slot)::
+
+    gen                      current generation (agent)
+    g{g}/roster              JSON {rank: slot} of generation g (agent)
+    g{g}/pg/...              gloo/NCCL rendezvous of generation g (PrefixStore)
+    g{g}/cmd                 planned/preventive migration for generation g (agent)
+    g{g}/stop                the step S all ranks hand over at (first rank to see cmd)
+    g{g}/alive/{r}           a survivor's report after a failed collective (rank)
+    g{g}/alive_n             how many survivors reported (counter)
+    g{g}/recovery            the agent's decision after a failure
+    slot{s}/assign           what a spare is to become (agent)
+    slot{s}/unique           the process registered rank-unique state
+    rs/{r}                   mirror of rank r's own state (RNG, data position) at its last
+                             step boundary, for rebuilding it from a replica
+    m/{id}/...               progress and timings of migration ``id``
+    x/{id}/...               point-to-point transfer groups of migration ``id``
+    fault/{i}                fault-injection bookkeeping (each fault fires once per job)
+    done/{r}                 rank r finished its last step
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from forewarn.errors import MigrationError
+
+__all__ = [
+    "HandoverTimeout",
+    "alive_count_key",
+    "alive_key",
+    "assign_key",
+    "cmd_key",
+    "first_present",
+    "get_json",
+    "mirror_key",
+    "put_json",
+    "recovery_key",
+    "roster_key",
+    "stop_key",
+    "wait_json",
+]
+
+POLL_S = 0.005
+
+
+class HandoverTimeout(MigrationError):
+    """A participant did not do its part of a handover within the bound."""
+
+    code = "handover_timeout"
+    retryable = True
+
+
+def roster_key(gen: int) -> str:
+    return f"g{gen}/roster"
+
+
+def cmd_key(gen: int) -> str:
+    return f"g{gen}/cmd"
+
+
+def stop_key(gen: int) -> str:
+    return f"g{gen}/stop"
+
+
+def alive_key(gen: int, rank: int) -> str:
+    return f"g{gen}/alive/{rank}"
+
+
+def alive_count_key(gen: int) -> str:
+    return f"g{gen}/alive_n"
+
+
+def recovery_key(gen: int) -> str:
+    return f"g{gen}/recovery"
+
+
+def assign_key(slot: int) -> str:
+    return f"slot{slot}/assign"
+
+
+def mirror_key(rank: int) -> str:
+    return f"rs/{rank}"
+
+
+def put_json(store: Any, key: str, value: Any) -> None:
+    store.set(key, json.dumps(value, separators=(",", ":")))
+
+
+def get_json(store: Any, key: str) -> Any:
+    return json.loads(store.get(key))
+
+
+def first_present(
+    store: Any,
+    keys: Sequence[str],
+    *,
+    timeout_s: float,
+    what: str,
+    abort: Callable[[], str | None] | None = None,
+) -> str:
+    """Wait until one of ``keys`` exists and return it (the first in ``keys`` order).
+
+    Args:
+        keys: store keys to watch.
+        timeout_s: seconds to wait at most.
+        what: what is awaited, for the error message.
+        abort: called between polls; a non-None return ends the wait with that reason.
+
+    Raises:
+        HandoverTimeout: none of the keys appeared within ``timeout_s``, or ``abort`` fired.
+    """
+    deadline = time.monotonic() + timeout_s
+    poll = POLL_S
+    while True:
+        for key in keys:
+            if store.check([key]):
+                return key
+        if abort is not None and (reason := abort()) is not None:
+            raise HandoverTimeout(f"gave up waiting for {what}: {reason}")
+        if time.monotonic() >= deadline:
+            raise HandoverTimeout(
+                f"waited {timeout_s:.1f} s for {what}", details={"keys": list(keys)}
+            )
+        time.sleep(poll)
+        poll = min(poll * 1.5, 0.05)
+
+
+def wait_json(store: Any, key: str, *, timeout_s: float, what: str) -> Any:
+    """Wait for ``key`` (bounded, see :func:`first_present`) and decode its JSON value."""
+    first_present(store, [key], timeout_s=timeout_s, what=what)
+    return get_json(store, key)

@@ -1,0 +1,91 @@
+"""Launch the tiny job under a real agent and compare runs bit for bit."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from forewarn.wire import MigrationReport
+from migrator.agent import Agent, AgentConfig
+from migrator.faults import FaultPlan
+
+SCRIPT = Path(__file__).with_name("train_tiny.py")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class Run:
+    code: int
+    out: Path
+    reports: list[MigrationReport]
+    agent: Agent
+
+    def steps(self) -> dict[tuple[int, int], dict[str, Any]]:
+        """(rank, step) -> the logged row of the attempt that finished."""
+        rows: dict[tuple[int, int], dict[str, Any]] = {}
+        for path in sorted(self.out.glob("log.slot*.jsonl")):
+            for line in path.read_text().splitlines():
+                row = json.loads(line)
+                key = (row["rank"], row["step"])
+                assert key not in rows, f"step {key} finished twice"
+                rows[key] = row
+        return rows
+
+    def final(self, rank: int) -> dict[str, Any]:
+        return torch.load(self.out / f"final.rank{rank}.pt", weights_only=True)
+
+    def log(self, slot: int) -> str:
+        return (self.out / "logs" / f"slot{slot}.log").read_text()
+
+
+def launch(
+    out: Path,
+    *,
+    nproc: int = 2,
+    spares: int = 1,
+    plan: FaultPlan | None = None,
+    steps: int = 40,
+    mode: str = "ddp",
+    timeout_s: float = 10.0,
+    script_args: tuple[str, ...] = (),
+    **config: Any,
+) -> Run:
+    cmd = [sys.executable, str(SCRIPT), "--out", str(out), "--steps", str(steps)]
+    cmd += ["--mode", mode, *script_args]
+    cfg = AgentConfig(
+        command=cmd,
+        nproc=nproc,
+        spares=spares,
+        timeout_s=timeout_s,
+        faults=plan,
+        log_dir=out / "logs",
+        env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+        **config,
+    )
+    agent = Agent(cfg)
+    code = agent.run()
+    return Run(code, out, list(agent.reports), agent)
+
+
+def assert_same(base: Run, run: Run, *, nproc: int = 2) -> None:
+    """Final parameters and optimizer state torch.equal; per-step losses and samples equal."""
+    assert run.code == 0, f"the job failed: {run.agent.message}"
+    b, r = base.steps(), run.steps()
+    assert sorted(b) == sorted(r), "different (rank, step) pairs finished"
+    for key in b:
+        assert b[key]["loss"] == r[key]["loss"], f"loss differs at rank/step {key}"
+        assert b[key]["samples"] == r[key]["samples"], f"samples differ at {key}"
+    for rank in range(nproc):
+        fb, fr = base.final(rank), run.final(rank)
+        for name, t in fb["model"].items():
+            assert torch.equal(t, fr["model"][name]), f"rank {rank} {name} differs"
+        for pid, st in fb["opt"]["state"].items():
+            for k, v in st.items():
+                assert torch.equal(v, fr["opt"]["state"][pid][k]), f"opt {pid}.{k} differs"
+        assert fb["opt"]["param_groups"] == fr["opt"]["param_groups"]
+        assert fb["sched"] == fr["sched"]

@@ -1,0 +1,89 @@
+"""A tiny migratable training job for the migrator tests (run by the agent, not by pytest).
+
+Uses every RNG a script may use (dropout: torch; noise: NumPy; a random scale: Python),
+an Adam optimizer, a StepLR scheduler and a sharded data position, so a handover that
+forgets any of them shows up as a different loss. Writes one JSON line per finished step to
+``OUT/log.slot<slot>.jsonl`` and the final state of each rank to ``OUT/final.rank<r>.pt``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from migrator import Job, ShardedIndices
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--mode", choices=["ddp", "plain"], default="ddp")
+    ap.add_argument("--width", type=int, default=32)
+    ap.add_argument("--unique", action="store_true", help="declare rank-unique state")
+    args = ap.parse_args()
+
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    job = Job.from_env()
+    rank = job.rank if job.rank is not None else 0
+    random.seed(1000 + rank)
+    np.random.seed(2000 + rank)
+    torch.manual_seed(3000 + rank)  # per-rank dropout stream; parameters are built below
+    gen = torch.Generator().manual_seed(7)
+    x_all = torch.randn(512, 8, generator=gen)
+    y_all = torch.randn(512, 4, generator=gen)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(8, args.width),
+            torch.nn.Dropout(0.1),
+            torch.nn.Tanh(),
+            torch.nn.Linear(args.width, 4),
+        )
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.7)
+    batches = ShardedIndices(512, 8, rank=rank, world_size=job.world_size, seed=5)
+    job.register(model=model, optimizer=opt, scheduler=sched, data=batches, rank_unique=args.unique)
+    net = job.ddp(model) if args.mode == "ddp" else model
+    args.out.mkdir(parents=True, exist_ok=True)
+    log = open(args.out / f"log.slot{job.slot}.jsonl", "a")  # noqa: SIM115
+
+    for step in job.steps(args.steps):
+        with step:
+            idx = batches.next()
+            noise = torch.from_numpy(np.random.normal(0, 0.01, size=(len(idx), 8))).float()
+            x = x_all[idx] * (1 + 0.01 * random.random()) + noise
+            loss = torch.nn.functional.mse_loss(net(x), y_all[idx])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            if args.mode == "plain":
+                for p in model.parameters():
+                    job.all_reduce(p.grad)
+                    p.grad.div_(job.world_size)
+            opt.step()
+            sched.step()
+        if step.ok:
+            row = {
+                "rank": job.rank,
+                "step": step.index,
+                "loss": loss.item().hex(),
+                "samples": idx.tolist(),
+                "pid": os.getpid(),
+            }
+            log.write(json.dumps(row) + "\n")
+            log.flush()
+    torch.save(
+        {"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()},
+        args.out / f"final.rank{job.rank}.pt",
+    )
+
+
+if __name__ == "__main__":
+    main()
