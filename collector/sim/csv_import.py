@@ -31,7 +31,7 @@ import numpy as np
 import pandas as pd
 
 from collector.sim.dataset import write_parquet_frame
-from collector.sim.schema import EVENT_COLUMNS, SAMPLE_COLUMNS, sample_dtypes
+from collector.sim.schema import EVENT_COLUMNS, FAILURE_COLUMNS, SAMPLE_COLUMNS, sample_dtypes
 from forewarn import __version__
 from forewarn.errors import InvalidInput
 
@@ -174,8 +174,9 @@ def _failures(path: str | Path | None) -> pd.DataFrame:
         "recovered_ts_ms": "Int64",
     }
     if path is None:
-        return pd.DataFrame({c: pd.Series([], dtype=t) for c, t in types.items()})
-    raw = pd.read_csv(path, dtype=str, keep_default_na=False)
+        raw = pd.DataFrame({"ts_ms": [], "node": [], "gpu": []}, dtype=str)
+    else:
+        raw = pd.read_csv(path, dtype=str, keep_default_na=False)
     df = pd.DataFrame({"ts_ms": _ts_ms(raw, str(path))})
     df["node"], df["gpu"] = raw["node"], _value(raw["gpu"], "Int64")
     df["kind"] = raw["kind"].str.strip() if "kind" in raw else "other"
@@ -190,7 +191,15 @@ def _failures(path: str | Path | None) -> pd.DataFrame:
         df["recovered_ts_ms"] = _ts_ms(pd.DataFrame({"ts": raw["recovered_ts"]}), str(path))
     else:
         df["recovered_ts_ms"] = pd.NA
-    return df.astype(types).sort_values(["ts_ms", "node", "gpu"], kind="stable")
+    df = df.astype(types).sort_values(["ts_ms", "node", "gpu"], kind="stable")
+    df["trace_class"] = pd.Series([""] * len(df), dtype="str", index=df.index)
+    df["scope"] = pd.Series(["gpu"] * len(df), dtype="str", index=df.index)
+    df["incident_id"] = np.arange(1, len(df) + 1, dtype=np.int64)
+    df["precursor_onset_ts_ms"] = pd.array([pd.NA] * len(df), dtype="Int64")
+    df["injected"] = False
+    df["in_window"] = True
+    df["uuid"] = pd.Series([""] * len(df), dtype="str", index=df.index)
+    return df.reset_index(drop=True)[list(FAILURE_COLUMNS)]
 
 
 def convert_csv(

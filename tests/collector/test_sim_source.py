@@ -200,7 +200,7 @@ def test_convert_nvidia_smi_csv(tmp_path: Path) -> None:
     import pandas as pd
 
     from collector.sim.csv_import import convert_csv
-    from collector.sim.schema import SAMPLE_COLUMNS, sample_dtypes
+    from collector.sim.schema import FAILURE_COLUMNS, SAMPLE_COLUMNS, sample_dtypes
 
     data = Path(__file__).parent / "data"
     out = tmp_path / "real"
@@ -229,6 +229,7 @@ def test_convert_nvidia_smi_csv(tmp_path: Path) -> None:
     assert last["pcie_link_width"] == 8 and bool(last["remap_pending"]) is True
     assert s["ecc_deferred"].isna().all()
     f = pd.read_parquet(out / "failures.parquet")
+    assert tuple(f.columns) == FAILURE_COLUMNS
     assert f.loc[0, "kind"] == "pcie" and bool(f.loc[0, "has_precursors"])
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["interval_s"] == 10.0 and manifest["gpus"] == 2
