@@ -22,7 +22,9 @@ def samples(readings: list) -> dict[int, GpuSample]:
 def test_hopper_reports_row_remapping_and_volta_retired_pages() -> None:
     nv = FakeNvml(
         [
-            FakeGpu(remap=(3, 1, 1, 0), ecc={"sbe_vol": 5, "dbe_vol": 1, "sbe_agg": 9, "dbe_agg": 2}),
+            FakeGpu(
+                remap=(3, 1, 1, 0), ecc={"sbe_vol": 5, "dbe_vol": 1, "sbe_agg": 9, "dbe_agg": 2}
+            ),
             FakeGpu(arch="volta", has_nvlink=False, retired_sbe=2, retired_pending=1),
         ]
     )
@@ -33,11 +35,17 @@ def test_hopper_reports_row_remapping_and_volta_retired_pages() -> None:
         src.close()
     h, v = by[0], by[1]
     assert (h.remap_correctable, h.remap_uncorrectable, h.remap_pending, h.remap_failure) == (
-        3, 1, True, False,
+        3,
+        1,
+        True,
+        False,
     )
     assert h.retired_pages_sbe is None and h.retired_pages_pending is None
     assert (h.ecc_sbe_volatile, h.ecc_dbe_volatile, h.ecc_sbe_aggregate, h.ecc_dbe_aggregate) == (
-        5, 1, 9, 2,
+        5,
+        1,
+        9,
+        2,
     )
     assert h.nvlink_crc_flit == 0 and h.power_w == 300.0 and h.mem_total_mib == 80 * 1024
     assert v.retired_pages_sbe == 2 and v.retired_pages_pending is True
@@ -54,13 +62,21 @@ def test_legacy_getters_give_the_same_sample_as_field_values() -> None:
     finally:
         new.close(), old.close()
     for gpu in (0, 1):
-        for name in ("ecc_sbe_volatile", "remap_correctable", "remap_pending", "pcie_replay",
-                     "retired_pages_dbe", "retired_pages_pending"):
+        for name in (
+            "ecc_sbe_volatile",
+            "remap_correctable",
+            "remap_pending",
+            "pcie_replay",
+            "retired_pages_dbe",
+            "retired_pages_pending",
+        ):
             assert getattr(a[gpu], name) == getattr(b[gpu], name), (gpu, name)
 
 
 def test_unsupported_getter_is_null_not_a_crash() -> None:
-    nv = FakeNvml([FakeGpu(unsupported={"nvmlDeviceGetPowerUsage", "nvmlDeviceGetUtilizationRates"})])
+    nv = FakeNvml(
+        [FakeGpu(unsupported={"nvmlDeviceGetPowerUsage", "nvmlDeviceGetUtilizationRates"})]
+    )
     src = NvmlSource("n1", nvml=nv, events=False)
     s = samples(src.read(NOW))[0]
     src.close()
@@ -81,7 +97,9 @@ def test_lost_gpu_becomes_one_event_the_others_keep_reporting_and_recovery_is_se
     clock[0] = 11.0
     third = src.read(NOW)
     src.close()
-    assert [(e.gpu, e.kind) for e in third if isinstance(e, Event)] == [(1, EventKind.GPU_RECOVERED)]
+    assert [(e.gpu, e.kind) for e in third if isinstance(e, Event)] == [
+        (1, EventKind.GPU_RECOVERED)
+    ]
 
 
 def test_every_gpu_lost_is_source_unavailable_after_the_events() -> None:
@@ -121,8 +139,12 @@ def test_xid_and_dbe_events_arrive_labelled_and_deduplicated() -> None:
 
 @pytest.mark.parametrize(
     ("raw", "want"),
-    [("00000000:3B:00.0", "0000:3b:00"), ("0000:3b:00", "0000:3b:00"), (b"0000:1A:00.0", "0000:1a:00"),
-     ("3b:00.0", "0000:3b:00")],
+    [
+        ("00000000:3B:00.0", "0000:3b:00"),
+        ("0000:3b:00", "0000:3b:00"),
+        (b"0000:1A:00.0", "0000:1a:00"),
+        ("3b:00.0", "0000:3b:00"),
+    ],
 )
 def test_bus_ids_normalise(raw: str | bytes, want: str) -> None:
     assert normalise_bus_id(raw) == want

@@ -52,7 +52,7 @@ class AmdSmiRetCode(IntEnum):
     UNKNOWN_ERROR = 0xFFFFFFFF
 
 
-class AmdSmiException(Exception):  # noqa: N818 - the real package's name
+class AmdSmiException(Exception):
     pass
 
 
@@ -61,7 +61,9 @@ class AmdSmiLibraryException(AmdSmiException):
         err_code = abs(err_code)
         super().__init__(err_code)
         self.err_code = err_code
-        self.err_info = AmdSmiRetCode(err_code).name if err_code in AmdSmiRetCode._value2member_map_ else "?"
+        self.err_info = (
+            AmdSmiRetCode(err_code).name if err_code in AmdSmiRetCode._value2member_map_ else "?"
+        )
 
     def __str__(self) -> str:
         return f"An error occured with code: {self.err_code}({self.err_info})"
@@ -269,13 +271,19 @@ class FakeAmdSmi:
     def amdsmi_get_power_info(self, h: _Handle) -> dict[str, Any]:
         g = self._gpu(h, "amdsmi_get_power_info")
         return {
-            "current_socket_power": g.power_w, "average_socket_power": NA, "gfx_voltage": NA,
-            "soc_voltage": NA, "mem_voltage": NA, "power_limit": 750_000_000,
+            "current_socket_power": g.power_w,
+            "average_socket_power": NA,
+            "gfx_voltage": NA,
+            "soc_voltage": NA,
+            "mem_voltage": NA,
+            "power_limit": 750_000_000,
         }
 
     def amdsmi_get_temp_metric(self, h: _Handle, sensor: Any, metric: Any) -> int:
         g = self._gpu(h, "amdsmi_get_temp_metric")
-        if not isinstance(sensor, AmdSmiTemperatureType) or not isinstance(metric, AmdSmiTemperatureMetric):
+        if not isinstance(sensor, AmdSmiTemperatureType) or not isinstance(
+            metric, AmdSmiTemperatureMetric
+        ):
             raise AmdSmiException("Invalid parameter")
         value = {0: g.edge_c, 1: g.hotspot_c, 2: g.hbm_c}.get(int(sensor))
         if value is None:
@@ -285,7 +293,13 @@ class FakeAmdSmi:
     def amdsmi_get_clock_info(self, h: _Handle, clk: AmdSmiClkType) -> dict[str, Any]:
         g = self._gpu(h, "amdsmi_get_clock_info")
         mhz = g.mem_mhz if clk == AmdSmiClkType.MEM else g.gfx_mhz
-        return {"clk": mhz, "min_clk": 500, "max_clk": mhz + 100, "clk_locked": NA, "clk_deep_sleep": NA}
+        return {
+            "clk": mhz,
+            "min_clk": 500,
+            "max_clk": mhz + 100,
+            "clk_locked": NA,
+            "clk_deep_sleep": NA,
+        }
 
     def amdsmi_get_gpu_ecc_count(self, h: _Handle, block: AmdSmiGpuBlock) -> dict[str, int]:
         g = self._gpu(h, "amdsmi_get_gpu_ecc_count")
@@ -302,7 +316,12 @@ class FakeAmdSmi:
     def amdsmi_get_gpu_bad_page_info(self, h: _Handle) -> list[dict[str, Any]]:
         g = self._gpu(h, "amdsmi_get_gpu_bad_page_info")
         return [
-            {"value": i, "page_address": addr, "page_size": 4096, "status": AmdSmiMemoryPageStatus(st)}
+            {
+                "value": i,
+                "page_address": addr,
+                "page_size": 4096,
+                "status": AmdSmiMemoryPageStatus(st),
+            }
             for i, (addr, st) in enumerate(g.bad_pages)
         ]
 
@@ -312,19 +331,32 @@ class FakeAmdSmi:
     def amdsmi_get_pcie_info(self, h: _Handle) -> dict[str, Any]:
         g = self._gpu(h, "amdsmi_get_pcie_info")
         return {
-            "pcie_static": {"max_pcie_width": 16, "max_pcie_speed": 32000, "pcie_interface_version": 5,
-                            "slot_type": "OAM"},
-            "pcie_metric": {"pcie_width": g.pcie_width, "pcie_speed": 32000, "pcie_bandwidth": NA,
-                            "pcie_replay_count": g.pcie_replay, "pcie_l0_to_recovery_count": 0},
+            "pcie_static": {
+                "max_pcie_width": 16,
+                "max_pcie_speed": 32000,
+                "pcie_interface_version": 5,
+                "slot_type": "OAM",
+            },
+            "pcie_metric": {
+                "pcie_width": g.pcie_width,
+                "pcie_speed": 32000,
+                "pcie_bandwidth": NA,
+                "pcie_replay_count": g.pcie_replay,
+                "pcie_l0_to_recovery_count": 0,
+            },
         }
 
     def amdsmi_get_gpu_metrics_info(self, h: _Handle) -> dict[str, Any]:
         g = self._gpu(h, "amdsmi_get_gpu_metrics_info")
         return {
-            "temperature_edge": g.edge_c, "temperature_hotspot": g.hotspot_c,
-            "throttle_status": g.throttle_status, "indep_throttle_status": NA,
-            "pcie_link_width": g.pcie_width, "pcie_replay_count_acc": g.pcie_replay,
-            "average_gfx_activity": g.gfx_activity, "current_socket_power": g.power_w,
+            "temperature_edge": g.edge_c,
+            "temperature_hotspot": g.hotspot_c,
+            "throttle_status": g.throttle_status,
+            "indep_throttle_status": NA,
+            "pcie_link_width": g.pcie_width,
+            "pcie_replay_count_acc": g.pcie_replay,
+            "average_gfx_activity": g.gfx_activity,
+            "current_socket_power": g.power_w,
         }
 
     def amdsmi_gpu_xgmi_error_status(self, h: _Handle) -> AmdSmiXgmiStatus:
