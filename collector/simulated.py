@@ -137,6 +137,7 @@ class SimulatedSource:
         Raises:
             NotFound: no such node or GPU.
             InvalidInput: an unknown kind or a negative lead.
+            Conflict: the GPU is out of service (failed and not yet repaired).
         """
         m = self.model
         if isinstance(node, int) or (isinstance(node, str) and node.isdigit()):

@@ -10,7 +10,8 @@ A small HTTP server on localhost (stdlib ``http.server``, one thread), for demos
 - ``GET /failures``: the ground truth so far (one object per GPU failure);
 - ``GET /healthz``.
 
-Errors are ``{"error": {"code", "message", ...}}`` with the status of the
+Errors are ``{"error": {"code", "message", ...}}`` (409 ``conflict`` for a GPU out of
+service) with the status of the
 :mod:`forewarn.errors` class. It binds to 127.0.0.1 by default: it has no authentication.
 """
 

@@ -29,6 +29,7 @@ from collector.sim import precursors
 from collector.sim.calibration import Calibration
 from collector.sim.config import FAILURE_KINDS, Params
 from collector.sim.workload import Workload
+from forewarn.errors import Conflict
 
 __all__ = ["CounterState", "FleetModel", "Tick"]
 
@@ -196,9 +197,23 @@ class FleetModel:
         for the kinds that have them; None draws it from the kind's lead-time distribution
         (none at all for the kinds without warning). Node-scope kinds (power_loss) take the
         whole node.
+
+        Raises:
+            Conflict: the GPU (for power_loss: every GPU of the node) is out of service.
         """
         k = FAILURE_KINDS.index(kind)
         cls = self.cal.first_class_of(kind)
+        on_node = slice(node * self.gpn, (node + 1) * self.gpn)
+        target = (
+            self.up[on_node].any()
+            if self.cal.classes[cls].scope == "node"
+            else self.up[node * self.gpn + gpu]
+        )
+        if not target:
+            raise Conflict(
+                f"{self.node_names[node]} GPU {gpu} is out of service (failed, under repair)",
+                details={"node": self.node_names[node], "gpu": gpu},
+            )
         spec = self.params["kinds"][kind]
         if lead_s is None:
             lead_f = float(self._lead(np.array([k]))[0]) if spec["precursor_prob"] > 0 else 0.0

@@ -111,6 +111,10 @@ def test_control_api_injects_and_reports() -> None:
         assert status["gpus"] == 16 and status["gpus_up"] == 15 and status["failures"] == 1
         (f,) = httpx.get(f"{server.url}/failures").json()["data"]
         assert f["kind"] == "gpu_lost" and not f["has_precursors"]
+        again = httpx.post(
+            f"{server.url}/inject", json={"node": "sim-node-0000", "gpu": 3, "kind": "memory"}
+        )
+        assert again.status_code == 409 and again.json()["error"]["code"] == "conflict"
     finally:
         server.close()
 
