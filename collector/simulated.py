@@ -99,12 +99,7 @@ class SimulatedSource:
             raise InvalidInput("gpus must be at least 1")
         if not speed > 0:
             raise InvalidInput("speed must be positive")
-        if params is None:
-            full = load_params()
-        elif "fleet" in params:
-            full = dict(params)
-        else:
-            full = load_params(overrides=params)
+        full = load_params(overrides=params)
         self.model = FleetModel(gpus, full, seed, speed)
         self._last: datetime | None = None
         self._lock = threading.Lock()

@@ -62,11 +62,10 @@ def _prepare(
         raise InvalidInput("gpus must be at least 1")
     if not days > 0:
         raise InvalidInput("days must be positive")
-    if params is None:
-        full = load_params()
-    else:
-        full = load_params(overrides=params) if "fleet" not in params else dict(params)
-        validate(full)
+    # A full set (a manifest's params, randomised()) or dotted overrides: both are merged onto
+    # a fresh copy of the defaults, so the caller's dict is never changed and keys that an
+    # older manifest lacks take their defaults.
+    full = load_params(overrides=params)
     if interval_s is not None:
         full["sampling"]["interval_s"] = float(interval_s)
         validate(full)

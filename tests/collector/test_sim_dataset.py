@@ -245,4 +245,9 @@ def test_same_seed_same_bytes(tmp_path: Path) -> None:
         "samples/part-00000.parquet",
     }
     assert a == b
+    manifest = json.loads(a["manifest.json"])
+    generate_dataset(
+        tmp_path / "d", seed=manifest["seed"], gpus=16, days=0.1, params=manifest["params"]
+    )  # the manifest is enough to regenerate
+    assert files(tmp_path / "d") == a
     assert a["samples/part-00000.parquet"] != c["samples/part-00000.parquet"]
