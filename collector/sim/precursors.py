@@ -198,8 +198,9 @@ def terminal(
 def app_xids(m: FleetModel, nodes: np.ndarray, ts_ms: int, events: list[EventRow]) -> None:
     """An application crash on each node: the same Xid on every GPU of its job."""
     mix = m.params["noise"]["app_xid_mix"]
-    codes = np.array([int(k) for k in mix])
-    w = np.array([float(v) for v in mix.values()])
+    pairs = sorted((int(k), float(v)) for k, v in mix.items())  # key order must not matter
+    codes = np.array([c for c, _ in pairs])
+    w = np.array([v for _, v in pairs])
     picks = codes[m.rng.choice(codes.size, nodes.size, p=w / w.sum())]
     for n, xid in zip(nodes.tolist(), picks.tolist(), strict=True):
         for g in range(n * m.gpn, (n + 1) * m.gpn):
