@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 
 import orjson
 from fastapi import APIRouter, Request
-from pydantic import TypeAdapter, ValidationError
+from pydantic import Field, TypeAdapter, ValidationError
 from starlette.responses import Response
 
 from api.deps import SettingsDep, StoreDep, require
@@ -36,7 +36,7 @@ from forewarn.wire import Event, GpuSample, IngestBatch, IngestResult, RowError
 from store import Store
 from store.writes import event_row, sample_row
 
-__all__ = ["Prepared", "prepare_batch", "process_batch", "router"]
+__all__ = ["Prepared", "prepare_batch", "prepare_body", "process_batch", "router"]
 
 router = APIRouter(tags=["ingest"])
 
@@ -68,17 +68,23 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+def gunzip(raw: bytes, limit: int) -> bytes:
+    """Inflate a gzip body, refusing (413) past ``limit`` bytes without inflating the rest."""
+    inflater = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
+    try:
+        out = inflater.decompress(raw, limit + 1)
+    except zlib.error as exc:
+        raise InvalidInput(f"body is not valid gzip: {exc}") from None
+    if len(out) > limit or inflater.unconsumed_tail:
+        raise PayloadTooLarge(f"decompressed body exceeds the {limit}-byte limit")
+    return out
+
+
 def decode(raw: bytes, encoding: str | None, limit: int) -> Any:
     """Decompress (gzip or identity) and parse JSON."""
     encoding = (encoding or "identity").strip().lower()
     if encoding == "gzip":
-        inflater = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
-        try:
-            raw = inflater.decompress(raw, limit + 1)
-        except zlib.error as exc:
-            raise InvalidInput(f"body is not valid gzip: {exc}") from None
-        if len(raw) > limit or inflater.unconsumed_tail:
-            raise PayloadTooLarge(f"decompressed body exceeds the {limit}-byte limit")
+        raw = gunzip(raw, limit)
     elif encoding != "identity":
         raise UnsupportedEncoding(f"Content-Encoding '{encoding}' is not supported (use gzip)")
     try:
@@ -163,6 +169,42 @@ def process_batch(
     return prepared.result(*stored)
 
 
+class _ValidBatch(IngestBatch):
+    """An ingest batch whose every row is valid: the fast path, parsed and checked in one pass."""
+
+    samples: list[GpuSample] = Field(default_factory=list, max_length=100_000)  # type: ignore[assignment]
+    events: list[Event] = Field(default_factory=list, max_length=100_000)  # type: ignore[assignment]
+
+
+def prepare_body(
+    raw: bytes, encoding: str | None, *, settings: Settings, now_ms: int | None = None
+) -> Prepared:
+    """Decompress, parse and validate a request body.
+
+    Nearly every batch is entirely valid, and for those pydantic parses the JSON and checks
+    every row in one pass (a third cheaper than parsing first). Anything it refuses goes the
+    row-by-row way of :func:`prepare_batch`, which says what is wrong and keeps the rest.
+    """
+    limit = settings.max_body_bytes
+    if (encoding or "identity").strip().lower() == "gzip":
+        raw = gunzip(raw, limit)
+        encoding = None
+    try:
+        batch = _ValidBatch.model_validate_json(raw)
+    except ValidationError:
+        return prepare_batch(decode(raw, encoding, limit), settings=settings, now_ms=now_ms)
+    return _prepare(
+        batch,
+        batch.samples,
+        list(range(len(batch.samples))),
+        batch.events,
+        list(range(len(batch.events))),
+        [],
+        settings=settings,
+        now_ms=now_ms,
+    )
+
+
 def prepare_batch(payload: Any, *, settings: Settings, now_ms: int | None = None) -> Prepared:
     """Validate one decoded batch: the part of ingest that touches neither HTTP nor the DB."""
     if not isinstance(payload, dict):
@@ -174,13 +216,27 @@ def prepare_batch(payload: Any, *, settings: Settings, now_ms: int | None = None
         first = details[0]
         where = ".".join(str(p) for p in first["loc"]) or "body"
         raise InvalidInput(f"{where}: {first['msg']}", details=details) from None
-
-    now_ms = int(time.time() * 1000) if now_ms is None else now_ms
-    lo_ms = now_ms - int(settings.max_sample_age_s * 1000)
-    hi_ms = now_ms + int(settings.max_clock_skew_s * 1000)
     errors: list[RowError] = []
     samples, s_idx = _validate_rows(_SAMPLES, batch.samples, "sample", errors)
     events, e_idx = _validate_rows(_EVENTS, batch.events, "event", errors)
+    return _prepare(batch, samples, s_idx, events, e_idx, errors, settings=settings, now_ms=now_ms)
+
+
+def _prepare(
+    batch: IngestBatch,
+    samples: list[GpuSample],
+    s_idx: list[int],
+    events: list[Event],
+    e_idx: list[int],
+    errors: list[RowError],
+    *,
+    settings: Settings,
+    now_ms: int | None,
+) -> Prepared:
+    """The checks beyond the schema (node, time bounds), and rows in store order."""
+    now_ms = int(time.time() * 1000) if now_ms is None else now_ms
+    lo_ms = now_ms - int(settings.max_sample_age_s * 1000)
+    hi_ms = now_ms + int(settings.max_clock_skew_s * 1000)
     checks = {"node": batch.node, "lo_ms": lo_ms, "hi_ms": hi_ms, "errors": errors, "ts_pos": 2}
     sample_rows = _check_rows([sample_row(s) for s in samples], s_idx, kind="sample", **checks)  # type: ignore[arg-type]
     event_rows = _check_rows([event_row(e) for e in events], e_idx, kind="event", **checks)  # type: ignore[arg-type]
@@ -212,10 +268,9 @@ async def ingest(request: Request, store: StoreDep, settings: SettingsDep) -> Re
     metrics = request.app.state.metrics
     try:
         raw = await read_body(request, settings.max_body_bytes)
-        payload = decode(raw, request.headers.get("content-encoding"), settings.max_body_bytes)
         # Validation is CPU-bound Python: it runs on the event loop (a thread would only add
         # GIL hand-offs); the database write runs off it and is awaited.
-        prepared = prepare_batch(payload, settings=settings)
+        prepared = prepare_body(raw, request.headers.get("content-encoding"), settings=settings)
         future = store.submit(
             samples=prepared.samples, events=prepared.events, agent=prepared.agent
         )
