@@ -46,6 +46,13 @@ def test_year_of_1024_gpus_reproduces_mttf_and_mix() -> None:
     for kind, share in Calibration(params).kind_mix().items():
         sd = math.sqrt(share * (1 - share) / n)
         assert abs(seen[kind] / n - share) <= 4 * sd + 1e-9, (kind, seen[kind] / n, share)
+    # Lemon nodes are repeat offenders: about lemon_hazard_multiplier times the others' rate.
+    lemons = {model.node_names[i] for i in range(model.nodes) if model.lemon[i]}
+    assert lemons
+    on_lemon = sum(f["node"] in lemons for f in model.failures)
+    share = len(lemons) / model.nodes
+    ratio = (on_lemon / share) / ((len(model.failures) - on_lemon) / (1 - share))
+    assert 5.0 < ratio < 20.0, ratio
     # Node-scope incidents take every GPU of the node that was in service.
     node_rows = Counter(f["incident_id"] for f in model.failures if f["scope"] == "node")
     assert node_rows and max(node_rows.values()) == 8
