@@ -49,6 +49,7 @@ from forewarn.errors import (
     ForewarnError,
     InvalidInput,
     PayloadTooLarge,
+    ServiceUnavailable,
     Unauthorized,
 )
 from forewarn.wire import AgentStatus, Event, GpuSample, IngestBatch, IngestResult
@@ -63,18 +64,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("forewarn.collector.push")
-
-
-class ServiceUnavailable(ForewarnError):
-    """The service cannot be reached or answered 429/5xx; the same batch may succeed later."""
-
-    code = "service_unavailable"
-    status = 503
-    retryable = True
-
-    def __init__(self, message: str, *, retry_after_s: float | None = None) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
 
 
 def batch_body(

@@ -9,6 +9,7 @@
     ├── Conflict                       the request clashes with current state
     ├── Unauthorized / Forbidden
     ├── SourceUnavailable              a telemetry source (NVML, AMD SMI, a URL) cannot be read
+    ├── ServiceUnavailable             the Forewarn service cannot be reached (retryable)
     ├── StoreUnavailable               the database cannot be reached (retryable)
     └── MigrationError                 a migration cannot proceed
         ├── NoSpareAvailable
@@ -32,6 +33,7 @@ __all__ = [
     "NoSpareAvailable",
     "NotFound",
     "PayloadTooLarge",
+    "ServiceUnavailable",
     "SourceUnavailable",
     "StateNotReplicated",
     "StoreUnavailable",
@@ -103,6 +105,18 @@ class SourceUnavailable(ForewarnError):
     code = "source_unavailable"
     status = 503
     retryable = True
+
+
+class ServiceUnavailable(ForewarnError):
+    """The service cannot be reached or answered 429/5xx; the same request may succeed later."""
+
+    code = "service_unavailable"
+    status = 503
+    retryable = True
+
+    def __init__(self, message: str, *, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class StoreUnavailable(ForewarnError):
