@@ -30,7 +30,7 @@ import uuid
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch.distributed as dist
 
@@ -85,7 +85,9 @@ class Slot:
     rank: int | None = None
 
     def placement(self, node: str, backend: str) -> Placement:
-        role = "active" if self.role in ("active", "assigned") else "spare"
+        role: Literal["active", "spare"] = (
+            "active" if self.role in ("active", "assigned") else "spare"
+        )
         gpu = self.index if backend == "nccl" else None
         pid = self.proc.pid if self.proc else None
         return Placement(
@@ -327,10 +329,11 @@ class Agent:
         if self.status == "failed":
             return 1
         active = [s for s in self.slots if s.role == "active"]
-        if not active and all(s.role in ("done", "retired", "dead", "spare") for s in self.slots):
-            if any(s.role == "done" for s in self.slots) and self.inflight is None:
-                self.status = "completed"
-                return 0
+        ended = all(s.role in ("done", "retired", "dead", "spare") for s in self.slots)
+        finished = any(s.role == "done" for s in self.slots) and self.inflight is None
+        if not active and ended and finished:
+            self.status = "completed"
+            return 0
         return None
 
     def _spare_died(self, slot: Slot) -> None:
@@ -484,8 +487,9 @@ class Agent:
         if planned is not None:  # the source died before its handover: reuse its spare
             spares = [self.slots[planned.targets[r]] for r in dead] + spares
         if len(spares) < len(dead):
+            at = min(a["step"] for a in rec["alive"].values())
             msg = (
-                f"job {self.cfg.job_id} paused at step {min(a['step'] for a in rec['alive'].values())}: "
+                f"job {self.cfg.job_id} paused at step {at}: "
                 f"rank(s) {dead} lost and {len(spares)} spare(s) left; it fails in "
                 f"{self.cfg.pause_timeout_s:.0f} s unless a spare appears"
             )

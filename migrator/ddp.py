@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -64,7 +64,7 @@ class ElasticDDP(torch.nn.Module):
     def ddp(self) -> DDP:
         if self._ddp is None:
             raise RuntimeError("ElasticDDP is used before its job joined a process group")
-        return self._ddp
+        return cast(DDP, self._ddp)
 
     def layout(self) -> list[list[int]] | None:
         """The current bucket plan as lists of parameter indices (DDP's own order)."""
@@ -72,7 +72,8 @@ class ElasticDDP(torch.nn.Module):
             return None
         params = [p for p in self.module.parameters() if p.requires_grad]
         index = {id(p): i for i, p in enumerate(params)}
-        buckets = self._ddp.reducer._get_zeros_like_grad_buckets()
+        ddp: Any = self._ddp
+        buckets = ddp.reducer._get_zeros_like_grad_buckets()
         return [[index[id(p)] for p in b.parameters()] for b in buckets]
 
     def rebuild(

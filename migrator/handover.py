@@ -21,16 +21,13 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from forewarn.errors import MigrationError, NoSpareAvailable, StateNotReplicated
 from migrator import protocol as P
 from migrator.groups import pair_group
 from migrator.state import restore_rank_state
 from migrator.transport import PGTransport
-
-if TYPE_CHECKING:
-    from migrator.job import Job
 
 __all__ = ["HandoverMixin"]
 
@@ -51,9 +48,13 @@ def _raise_failed(store: Any, key: str) -> None:
 class HandoverMixin:
     """Handover procedures of :class:`migrator.job.Job` (kept apart for length)."""
 
+    group: Any
+    _stop: int | None
+    _cmd: dict[str, Any] | None
+
     # -- sending ----------------------------------------------------------------------------
 
-    def _send(self: Job, prefix: str, *, step: int, rank_state: bytes | None) -> Any:
+    def _send(self: Any, prefix: str, *, step: int, rank_state: bytes | None) -> Any:
         group = pair_group(
             self.store, prefix, sender=True, backend=self.backend, timeout_s=self.timeout_s
         )
@@ -73,7 +74,7 @@ class HandoverMixin:
         finally:
             self._graveyard.bury(group, broken=False)
 
-    def _receive(self: Job, prefix: str) -> tuple[dict[str, Any], Any]:
+    def _receive(self: Any, prefix: str) -> tuple[dict[str, Any], Any]:
         group = pair_group(
             self.store, prefix, sender=False, backend=self.backend, timeout_s=self.timeout_s
         )
@@ -86,7 +87,7 @@ class HandoverMixin:
 
     # -- planned / preventive ---------------------------------------------------------------
 
-    def _handover(self: Job, step: int) -> None:
+    def _handover(self: Any, step: int) -> None:
         cmd = self._cmd
         assert cmd is not None and self.rank is not None
         mid, src, replica = cmd["migration_id"], cmd["rank"], cmd["replica"]
@@ -129,7 +130,7 @@ class HandoverMixin:
 
     # -- unplanned --------------------------------------------------------------------------
 
-    def _recover(self: Job, exc: BaseException, step: int) -> bool:
+    def _recover(self: Any, exc: BaseException, step: int) -> bool:
         """Handle a failed collective at ``step``; True: the step is to be run again."""
         if self.group is None or self.rank is None:
             return False
@@ -179,7 +180,7 @@ class HandoverMixin:
 
     # -- spare ------------------------------------------------------------------------------
 
-    def _serve_as_spare(self: Job) -> None:
+    def _serve_as_spare(self: Any) -> None:
         key = P.assign_key(self.slot)
         self.store.set(f"slot{self.slot}/ready", "1")
         while not self.store.check([key]):

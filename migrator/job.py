@@ -235,9 +235,7 @@ class Job(HandoverMixin):
 
     # -- collectives ------------------------------------------------------------------------
 
-    def all_reduce(
-        self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
-    ) -> torch.Tensor:
+    def all_reduce(self, tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
         """All-reduce ``tensor`` in place on the current generation (bounded by the timeout)."""
         if self.group is None:
             raise RuntimeError("all_reduce before the job joined a process group")
@@ -337,7 +335,12 @@ class Job(HandoverMixin):
             reg.models[0].register_forward_pre_hook(lambda *_: fire("forward"))
         if "backward" in points and reg.models:
             first = next(p for p in reg.models[0].parameters() if p.requires_grad)
-            first.register_hook(lambda g: (fire("backward"), g)[1])
+
+            def on_grad(grad: torch.Tensor) -> torch.Tensor:
+                fire("backward")
+                return grad
+
+            first.register_hook(on_grad)
         if "before_optimizer" in points and reg.optimizers:
             reg.optimizers[0].register_step_pre_hook(lambda *_: fire("before_optimizer"))
 

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-__all__ = ["PGTransport", "Transport", "TransferStats"]
+__all__ = ["PGTransport", "TransferStats", "Transport"]
 
 
 class TransferStats:

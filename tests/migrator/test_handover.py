@@ -1,0 +1,102 @@
+"""End-to-end: real agent, real processes, gloo on CPU; every run compared bit for bit.
+
+Each launch costs process start-up (torch import), so launches are shared: one uninterrupted
+baseline per training mode, and scenarios combined where their events do not overlap.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from migrator.faults import FaultPlan
+from tests.migrator.harness import Run, assert_same, launch
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def base_ddp(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    run = launch(tmp_path_factory.mktemp("base_ddp"), spares=0, steps=40)
+    assert run.code == 0 and run.reports == []
+    return run
+
+
+@pytest.fixture(scope="module")
+def base_plain(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    run = launch(tmp_path_factory.mktemp("base_plain"), spares=0, steps=20, mode="plain")
+    assert run.code == 0
+    return run
+
+
+def test_preventive_then_planned_is_bitwise_identical(base_ddp: Run, tmp_path: Path) -> None:
+    """(a) 2 active + 1 spare, preventive at step 10, planned at 25."""
+    plan = FaultPlan().migrate_at(0, 10, reason="preventive").migrate_at(1, 25)
+    run = launch(tmp_path, spares=1, plan=plan, refill_spares=True)
+    assert_same(base_ddp, run)
+    assert [(r.rank, r.outcome, r.step, r.steps_lost) for r in run.reports] == [
+        (0, "completed", 11, 0),
+        (1, "completed", 26, 0),
+    ]
+    assert all(r.bytes_moved and r.bytes_moved > 0 and r.pause_s is not None for r in run.reports)
+    # The steps before the handover ran in the sources, the steps after in the spares.
+    pids = {(row["rank"], row["step"]): row["pid"] for row in run.steps().values()}
+    assert pids[(0, 10)] != pids[(0, 11)] and pids[(1, 25)] != pids[(1, 26)]
+    assert pids[(0, 11)] == pids[(0, 39)]
+
+
+def test_source_killed_mid_transfer_then_rank_killed_mid_step(
+    base_ddp: Run, tmp_path: Path
+) -> None:
+    """(c) the source dies mid-transfer: replica fallback; (b) SIGKILL mid-collective."""
+    plan = (
+        FaultPlan()
+        .migrate_at(0, 4)
+        .fail_at(0, 5, where="transfer")
+        .fail_at(1, 15, where="backward")
+    )
+    run = launch(tmp_path, spares=2, plan=plan)
+    assert_same(base_ddp, run)
+    first, second = run.reports
+    assert (first.rank, first.outcome, first.step) == (0, "completed", 5)
+    assert first.error and "replica" in first.error
+    assert (second.rank, second.outcome, second.step, second.steps_lost) == (1, "completed", 15, 1)
+
+
+def test_rank0_migrated_twice_with_a_reused_spare_plain_loop(
+    base_plain: Run, tmp_path: Path
+) -> None:
+    """(d) rank 0 moves twice; the second time onto the spare started in the freed slot."""
+    plan = FaultPlan().migrate_at(0, 3).migrate_at(0, 8)
+    run = launch(tmp_path, spares=1, plan=plan, steps=20, mode="plain", refill_spares=True)
+    assert_same(base_plain, run)
+    first, second = run.reports
+    assert first.rank == second.rank == 0 and first.outcome == second.outcome == "completed"
+    assert first.target and second.source and first.target.pid == second.source.pid
+    # Each move freed a slot that got a new spare; the second move used the first refill.
+    slots = run.agent.slots
+    assert len(slots) == 5 and second.target and slots[3].proc
+    assert second.target.pid == slots[3].proc.pid
+
+
+def test_wedged_peer_is_detected_within_the_bound(base_plain: Run, tmp_path: Path) -> None:
+    """(e) SIGSTOP: alive but silent. Survivors time out, the agent kills it, a spare runs on."""
+    timeout_s = 2.0
+    plan = FaultPlan().wedge_at(1, 6)
+    run = launch(tmp_path, spares=1, plan=plan, steps=20, mode="plain", timeout_s=timeout_s)
+    assert_same(base_plain, run)
+    (report,) = run.reports
+    assert (report.rank, report.step, report.steps_lost) == (1, 6, 1)
+    # Detection (collective timeout + grace) plus the rebuild, well under the bound.
+    assert report.pause_s is not None and report.pause_s < 2 * timeout_s + 10
+    assert "did not answer" in run.agent.message or run.agent.status == "completed"
+
+
+def test_rank_unique_state_moves_planned_and_is_refused_from_a_replica(tmp_path: Path) -> None:
+    plan = FaultPlan().migrate_at(0, 2).fail_at(1, 5)
+    run = launch(tmp_path, spares=2, plan=plan, steps=20, script_args=("--unique",))
+    assert run.code == 1
+    assert run.reports[0].outcome == "completed" and run.reports[0].step == 3
+    assert run.agent.status == "failed" and "rank-unique" in run.agent.message
+    assert "StateNotReplicated" in run.log(0) + run.log(2)

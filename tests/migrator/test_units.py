@@ -1,0 +1,127 @@
+"""In-process tests of the parts: state listing, in-place transfer, data position, faults."""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from forewarn.errors import MigrationError
+from migrator.data import ShardedIndices
+from migrator.faults import FaultPlan
+from migrator.groups import pair_group
+from migrator.state import Registry, capture_rank_state, restore_rank_state
+from migrator.transport import PGTransport
+
+
+def _trained(seed: int) -> Registry:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    for _ in range(3):
+        model(torch.randn(5, 4)).sum().backward()
+        opt.step()
+        sched.step()
+    return Registry(models=[model], optimizers=[opt], schedulers=[sched])
+
+
+def test_transfer_lands_in_place_and_equal() -> None:
+    src, dst = _trained(1), _trained(2)
+    dst.optimizers[0].state.clear()  # a spare's optimizer has no state yet
+    store = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=20)
+    )
+    weight = dst.models[0][0].weight
+    ptr = weight.data_ptr()
+    got: dict[str, object] = {}
+
+    def client() -> dist.TCPStore:
+        return dist.TCPStore(
+            "127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=20)
+        )
+
+    def receive() -> None:
+        group = pair_group(client(), "x", sender=False, backend="gloo", timeout_s=10)
+        meta, stats = PGTransport(group).recv(lambda m: dst.prepare(m["manifest"]), timeout_s=10)
+        dst.apply_meta(meta)
+        got["bytes"] = stats.bytes
+
+    t = threading.Thread(target=receive)
+    t.start()
+    group = pair_group(client(), "x", sender=True, backend="gloo", timeout_s=10)
+    PGTransport(group).send(src.meta(), [x for _, x in src.tensors()], timeout_s=10)
+    t.join(timeout=30)
+    assert not t.is_alive()
+    assert weight.data_ptr() == ptr, "parameters must be received in place"
+    for (n, a), (m, b) in zip(src.tensors(), dst.tensors(), strict=True):
+        assert n == m and torch.equal(a, b)
+    assert dst.schedulers[0].state_dict() == src.schedulers[0].state_dict()
+    assert dst.optimizers[0].param_groups[0]["lr"] == src.optimizers[0].param_groups[0]["lr"]
+    assert int(got["bytes"]) >= src.nbytes()  # type: ignore[call-overload]
+
+
+def test_mismatched_model_is_refused() -> None:
+    src = _trained(1)
+    other = Registry(models=[torch.nn.Linear(4, 7)])
+    with pytest.raises(MigrationError, match="sender has"):
+        other.prepare(src.manifest())
+
+
+def test_rank_state_round_trip_restores_every_rng() -> None:
+    import random
+
+    import numpy as np
+
+    data = ShardedIndices(100, 4, rank=1, world_size=2)
+    data.next()
+    blob = capture_rank_state(7, data)
+    expect = (random.random(), np.random.rand(), torch.rand(1), data.next())
+    data2 = ShardedIndices(100, 4, rank=0, world_size=2)
+    assert restore_rank_state(blob, data2) == 7
+    got = (random.random(), np.random.rand(), torch.rand(1), data2.next())
+    assert expect[0] == got[0] and expect[1] == got[1]
+    assert torch.equal(expect[2], got[2]) and torch.equal(expect[3], got[3])
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    n=st.integers(16, 200),
+    batch=st.integers(1, 8),
+    world=st.integers(1, 3),
+    cut=st.integers(0, 40),
+)
+def test_sharded_indices_resume_anywhere(n: int, batch: int, world: int, cut: int) -> None:
+    if n < batch * world:
+        return
+    a = ShardedIndices(n, batch, rank=world - 1, world_size=world, seed=3)
+    for _ in range(cut):
+        a.next()
+    b = ShardedIndices(n, batch, rank=0, world_size=world, seed=3)
+    b.load_state_dict(a.state_dict())
+    for _ in range(5):
+        assert torch.equal(a.next(), b.next())
+
+
+def test_fault_plan_json_and_once_per_job() -> None:
+    plan = FaultPlan().fail_at(1, 3, where="backward").migrate_at(0, 2, reason="preventive")
+    again = FaultPlan.from_json(plan.to_json())
+    assert again == plan
+    assert [f.kind for _, f in again.due("backward", 1, 3)] == ["kill"]
+    assert again.due("backward", 0, 3) == []
+
+    calls: list[tuple[int, str]] = []
+
+    class Job:
+        def request_migration(self, rank: int, reason: str) -> None:
+            calls.append((rank, reason))
+
+    store = dist.HashStore()
+    for _ in range(3):
+        again.fire("step_start", 0, 2, store=store, job=Job())
+    assert calls == [(0, "preventive")]
