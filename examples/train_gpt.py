@@ -24,40 +24,10 @@ from torch import nn
 from migrator import Job, ShardedIndices
 
 WORDS = [
-    *[
-        "the",
-        "a",
-        "one",
-        "every",
-        "some",
-        "spare",
-        "rank",
-        "node",
-        "step",
-        "loss",
-        "model",
-        "grad",
-        "warm",
-        "cold",
-        "fast",
-        "slow",
-    ],
-    *[
-        "gpu",
-        "moves",
-        "keeps",
-        "trains",
-        "fails",
-        "waits",
-        "learns",
-        "sends",
-        "runs",
-        "checks",
-        "saves",
-        "bright",
-        "quiet",
-    ],
-]
+    "the", "a", "one", "every", "some", "spare", "rank", "node", "step", "loss", "model",
+    "grad", "warm", "cold", "fast", "slow", "gpu", "moves", "keeps", "trains", "fails",
+    "waits", "learns", "sends", "runs", "checks", "saves", "bright", "quiet", "early",
+]  # fmt: skip
 
 
 def corpus(n_chars: int, seed: int = 0) -> str:

@@ -1,0 +1,102 @@
+"""``forewarn launch`` and ``forewarn migrate`` as an operator runs them: a job that loses a
+rank with no spare left pauses, says so, refuses commands, and fails after its pause bound."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from migrator.endpoint import read_job_file
+from migrator.faults import FaultPlan
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = Path(__file__).with_name("train_tiny.py")
+
+
+def _forewarn(*args: str, env: dict[str, str], **kw: object) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "forewarn", *args],
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        **kw,
+    )  # type: ignore[call-overload]
+
+
+@pytest.mark.slow
+def test_no_spare_left_pauses_refuses_and_fails(tmp_path: Path) -> None:
+    env = dict(
+        os.environ,
+        FOREWARN_RUN_DIR=str(tmp_path / "run"),
+        PYTHONPATH=str(ROOT),
+        OMP_NUM_THREADS="1",
+    )
+    plan = FaultPlan().fail_at(1, 3).to_json()
+    launch = _forewarn(
+        "launch",
+        "--nproc",
+        "2",
+        "--spares",
+        "0",
+        "--job-id",
+        "t1",
+        "--timeout-s",
+        "5",
+        "--pause-timeout-s",
+        "6",
+        "--faults",
+        plan,
+        "--log-dir",
+        str(tmp_path / "logs"),
+        "--",
+        sys.executable,
+        str(SCRIPT),
+        "--out",
+        str(tmp_path / "out"),
+        "--steps",
+        "20",
+        env=env,
+    )
+    try:
+        os.environ["FOREWARN_RUN_DIR"] = env["FOREWARN_RUN_DIR"]
+        deadline = time.monotonic() + 90
+        status = None
+        while time.monotonic() < deadline and status != "paused":
+            time.sleep(0.2)
+            try:
+                url = read_job_file("t1")["agent_url"]
+                status = httpx.get(f"{url}/v1/job", timeout=5).json()["status"]
+            except Exception:  # the job file or endpoint is not there yet
+                continue
+        assert status == "paused"
+        refused = subprocess.run(
+            [sys.executable, "-m", "forewarn", "migrate", "--job", "t1", "--rank", "0"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert refused.returncode == 1 and "paused" in refused.stderr
+        _, err = launch.communicate(timeout=60)
+    finally:
+        os.environ.pop("FOREWARN_RUN_DIR", None)
+        if launch.poll() is None:
+            launch.kill()
+            launch.communicate(timeout=30)
+    assert launch.returncode == 1
+    assert "paused at step 3" in err and "no spare" in err
+    missing = subprocess.run(
+        [sys.executable, "-m", "forewarn", "migrate", "--job", "t1", "--rank", "0"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert missing.returncode == 2  # the job file went away with the job
