@@ -4,7 +4,9 @@ The loop owns the clock. Tick k is due at ``start + k * interval_s`` on the mono
 so the rate does not drift however long a read takes; a tick that falls more than one
 interval behind (a stalled read, a suspended process) is skipped, counted and the schedule
 realigned, never made up in a burst. Every sample of one tick carries the same wall-clock
-timestamp, which is what makes the service's (node, gpu, ts) idempotency work on replay.
+timestamp, which is what makes the service's (node, gpu, ts) idempotency work on replay; a
+tick's timestamp is always a millisecond or more after the previous tick's, so two ticks run
+close together (the first one late) never share a key and lose a sample to deduplication.
 
 A source that raises :class:`~forewarn.errors.SourceUnavailable` does not stop the agent: it
 is retried on the next tick, and after ``stall_ticks`` failed ticks in a row a
@@ -19,7 +21,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from collector.base import Reading, Source
@@ -82,6 +84,7 @@ class Agent:
         self.stats = AgentStats()
         self.started_at = wall()
         self._failing = {id(s): 0 for s in self.sources}
+        self._last_ts: datetime | None = None
         self._stop = threading.Event()
         self.pusher.agent_status = self.status
         self.pusher.watch(node)
@@ -111,6 +114,12 @@ class Agent:
         """Read every source once and queue the readings; returns them."""
         now = now or self.wall()
         now = now.replace(microsecond=now.microsecond // 1000 * 1000)  # the store keeps ms
+        last = self._last_ts
+        if last is not None and last - timedelta(seconds=self.interval_s) < now <= last:
+            # A tick run late lands just before the next one: the store keys samples on
+            # (node, gpu, ts), so a repeated millisecond would store only one of the two.
+            now = last + timedelta(milliseconds=1)
+        self._last_ts = now
         out: list[Reading] = []
         t0 = time.perf_counter()
         for source in self.sources:

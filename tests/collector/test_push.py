@@ -194,6 +194,18 @@ def test_agent_ticks_on_a_fixed_grid_and_skips_instead_of_bursting() -> None:
     assert agent.status().sent_total == 6
 
 
+def test_ticks_close_together_never_share_a_millisecond() -> None:
+    source = _Counter()
+    agent = Agent([source], BatchingPusher(mock_client([], [])), interval_s=0.1, node="n1")
+    late = T0 + timedelta(microseconds=999_900)  # a late tick, then the next one on time
+    agent.tick(late)
+    agent.tick(late + timedelta(microseconds=50))
+    agent.tick(late - timedelta(seconds=60))  # a wall clock stepped back far is kept as is
+    assert source.calls[0] < source.calls[1]
+    assert source.calls[1] - source.calls[0] == timedelta(milliseconds=1)
+    assert source.calls[2] == (late - timedelta(seconds=60)).replace(microsecond=999_000)
+
+
 # -- the Xid catalog -------------------------------------------------------------------------
 def test_catalog_covers_every_code_of_the_reference_data() -> None:
     ref = Path("/work/shared/data/xid-catalog.tsv")
