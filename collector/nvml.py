@@ -147,6 +147,7 @@ class NvmlSource:
         if count == 0:
             nv.nvmlShutdown()
             raise SourceUnavailable("NVML found no GPU on this node")
+        self._lost_at_start: list[int] = []
         self.gpus = [self._open(i) for i in range(count)]
         self._field_ids = [(name, getattr(nv, const)) for name, const in FIELDS.items()]
         self._fields_ok = True
@@ -160,12 +161,24 @@ class NvmlSource:
             self._start_events(event_wait_ms)
 
     def _open(self, index: int) -> _Gpu:
+        """GPU ``index``; one already lost (or refusing a handle) starts out lost."""
         nv = self.nv
-        handle = nv.nvmlDeviceGetHandleByIndex(index)
-        uuid = self._try(lambda: _text(nv.nvmlDeviceGetUUID(handle)))
+        gpu = _Gpu(index, None, None, None)
+        try:
+            gpu.handle = nv.nvmlDeviceGetHandleByIndex(index)
+            self._identify(gpu)
+        except nv.NVMLError as exc:
+            log.error("GPU %d does not answer NVML at start (%s); reported lost", index, exc)
+            gpu.lost_at = self.clock()
+            self._lost_at_start.append(index)
+        return gpu
+
+    def _identify(self, gpu: _Gpu) -> None:
+        nv, handle = self.nv, gpu.handle
+        gpu.uuid = self._try(lambda: _text(nv.nvmlDeviceGetUUID(handle))) or gpu.uuid
         pci = self._try(lambda: nv.nvmlDeviceGetPciInfo(handle))
-        bus_id = normalise_bus_id(pci.busId) if pci is not None else None
-        return _Gpu(index, handle, uuid, bus_id)
+        if pci is not None:
+            gpu.bus_id = normalise_bus_id(pci.busId)
 
     def bus_ids(self) -> dict[str, int]:
         """PCI bus id (``0000:3b:00``) -> GPU index, for the kernel-log source."""
@@ -186,6 +199,9 @@ class NvmlSource:
 
     def read(self, now: datetime) -> list[Reading]:
         out: list[Reading] = []
+        for index in self._lost_at_start:
+            out.append(self._event(index, now, EventKind.GPU_LOST, "NVML: GPU lost at start"))
+        self._lost_at_start.clear()
         for gpu in self.gpus:
             if gpu.lost_at is not None:
                 self._probe(gpu, now, out)
@@ -215,6 +231,8 @@ class NvmlSource:
             gpu.lost_at = self.clock()
             return
         gpu.handle, gpu.lost_at = handle, None
+        with contextlib.suppress(nv.NVMLError):
+            self._identify(gpu)  # a GPU lost since the start has no UUID or bus id yet
         out.append(self._event(gpu.index, now, EventKind.GPU_RECOVERED, "NVML: GPU answers"))
 
     def _event(self, gpu: int | None, now: datetime, kind: EventKind, msg: str) -> Event:
@@ -322,10 +340,16 @@ class NvmlSource:
         for name in _EVENT_TYPES:
             wanted |= getattr(nv, name, 0)
         for gpu in self.gpus:
-            supported = self._try(lambda g=gpu: nv.nvmlDeviceGetSupportedEventTypes(g.handle))
-            mask = wanted & (supported if supported is not None else wanted)
-            # Registration may fail on one GPU (or be refused in a container): it still samples.
-            self._try(lambda g=gpu, m=mask: nv.nvmlDeviceRegisterEvents(g.handle, m, event_set))
+            if gpu.lost_at is not None:
+                continue
+            try:
+                supported = self._try(lambda g=gpu: nv.nvmlDeviceGetSupportedEventTypes(g.handle))
+                mask = wanted & (supported if supported is not None else wanted)
+                # Registration may fail on one GPU (or be refused in a container): it still
+                # samples. A GPU lost here is found lost by the next read.
+                self._try(lambda g=gpu, m=mask: nv.nvmlDeviceRegisterEvents(g.handle, m, event_set))
+            except nv.NVMLError as exc:
+                log.warning("GPU %d: NVML events not registered (%s)", gpu.index, exc)
         self._thread = threading.Thread(
             target=self._event_loop,
             args=(event_set, wait_ms),
@@ -335,8 +359,15 @@ class NvmlSource:
         self._thread.start()
 
     def _index_of(self, handle: Any) -> int | None:
+        # The event's handle is a new ctypes pointer, never equal to ours: ask NVML.
+        try:
+            index = int(self.nv.nvmlDeviceGetIndex(handle))
+        except self.nv.NVMLError:
+            index = -1
+        if 0 <= index < len(self.gpus):
+            return index
         for gpu in self.gpus:
-            if gpu.handle is handle or gpu.handle == handle:
+            if gpu.handle is handle:
                 return gpu.index
         return None
 

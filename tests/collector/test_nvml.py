@@ -112,6 +112,27 @@ def test_every_gpu_lost_is_source_unavailable_after_the_events() -> None:
     src.close()
 
 
+def test_a_gpu_lost_before_the_agent_starts_is_reported_and_the_others_sampled() -> None:
+    clock = [0.0]
+    nv = FakeNvml([FakeGpu(), FakeGpu(lost=True), FakeGpu()])
+    src = NvmlSource("n1", nvml=nv, event_wait_ms=20, lost_probe_s=10, clock=lambda: clock[0])
+    try:
+        first, second = src.read(NOW), src.read(NOW)
+        assert sorted(samples(first)) == [0, 2] and sorted(samples(second)) == [0, 2]
+        events = [(e.gpu, e.kind) for e in first + second if isinstance(e, Event)]
+        assert events == [(1, EventKind.GPU_LOST)]
+        assert src.bus_ids() == {"0000:18:00": 0, "0000:38:00": 2}
+        nv.gpus[1].lost = False
+        clock[0] = 11.0
+        third = src.read(NOW)
+        assert [(e.gpu, e.kind) for e in third if isinstance(e, Event)] == [
+            (1, EventKind.GPU_RECOVERED)
+        ]
+        assert src.bus_ids()["0000:28:00"] == 1 and samples(src.read(NOW))[1].uuid
+    finally:
+        src.close()
+
+
 def test_library_not_found_says_so() -> None:
     with pytest.raises(SourceUnavailable, match="NVML cannot start"):
         NvmlSource("n1", nvml=FakeNvml(library_missing=True))

@@ -181,6 +181,10 @@ class FakeGpu:
 
 
 class _Handle:
+    """A device handle. Like pynvml's ``c_nvmlDevice_t`` (a ctypes pointer), every call hands
+    out a new object and two handles of one GPU do not compare equal: match GPUs by
+    ``nvmlDeviceGetIndex`` or UUID, never by handle."""
+
     def __init__(self, index: int) -> None:
         self.index = index
 
@@ -220,7 +224,7 @@ class FakeNvml:
     def _push(self, index: int, etype: int, data: int) -> None:
         self._events.put(
             SimpleNamespace(
-                device=self._handles[index],
+                device=_Handle(index),
                 eventType=etype,
                 eventData=data,
                 gpuInstanceId=0xFFFFFFFF,
@@ -259,7 +263,11 @@ class FakeNvml:
         if not 0 <= index < len(self.gpus):
             raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
         self._gpu(self._handles[index], "nvmlDeviceGetHandleByIndex")
-        return self._handles[index]
+        return _Handle(index)
+
+    def nvmlDeviceGetIndex(self, h: _Handle) -> int:
+        self._gpu(h, "nvmlDeviceGetIndex")
+        return h.index
 
     def nvmlDeviceGetUUID(self, h: _Handle) -> str:
         return self._gpu(h, "nvmlDeviceGetUUID").uuid
