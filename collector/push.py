@@ -418,7 +418,14 @@ class BatchingPusher:
     def _keep(self, body: dict[str, Any], rows: int) -> None:
         body = {**body, "agent": None}  # a stale status is replaced when replayed
         with self._cond:
-            self._stats.dropped_total += self.spool.put(body, rows)
+            try:
+                self._stats.dropped_total += self.spool.put(body, rows)
+                return
+            except OSError as exc:  # a full or read-only disk must not stop the sender
+                why = f"spool write failed: {exc}"
+                self._stats.dropped_total += rows
+                self._stats.last_error = why
+        log.error("push: service unreachable and %s: dropped %d row(s)", why, rows)
 
     def _replay(self) -> None:
         while len(self.spool) and self.clock() >= self._retry_at:

@@ -147,6 +147,7 @@ class DiskSpool:
         return int(seq), int(rows)
 
     def put(self, body: dict[str, Any], rows: int) -> int:
+        """Keep ``body``; returns rows dropped. Raises OSError when the file cannot be written."""
         data = gzip.compress(json.dumps(body, separators=(",", ":")).encode(), compresslevel=5)
         dropped = 0
         while self._files and self.bytes + len(data) > self.max_bytes:
@@ -157,11 +158,15 @@ class DiskSpool:
         self._seq += 1
         name = f"{self._seq:012d}-{rows}{self.SUFFIX}"
         tmp = self.directory / (name + ".tmp")
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, self.directory / name)
+        try:
+            with open(tmp, "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, self.directory / name)
+        except OSError:  # disk full, read-only, gone: leave no half file taking space
+            tmp.unlink(missing_ok=True)
+            raise
         self._files.append((name, rows, len(data)))
         self.rows += rows
         self.bytes += len(data)

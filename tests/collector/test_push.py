@@ -116,6 +116,29 @@ def test_server_errors_are_spooled_and_replayed_oldest_first_in_one_request() ->
     assert seen[-1]["agent"] is None or "agent_id" in seen[-1]["agent"]
 
 
+def test_a_full_disk_drops_and_counts_the_batch_and_the_sender_goes_on(tmp_path: Path) -> None:
+    spool = DiskSpool(tmp_path / "spool")
+    # The next spool file is written through /dev/full: the kernel answers ENOSPC.
+    (tmp_path / "spool" / "000000000001-2.json.gz.tmp").symlink_to("/dev/full")
+    seen: list = []
+    pusher = BatchingPusher(
+        mock_client([(503, None)], seen),
+        spool=spool,
+        max_delay_s=0.0,
+        backoff=Backoff(initial_s=0.01, max_s=0.02),
+    ).start()
+    pusher.add(rows(2))
+    pusher.flush(5)
+    stats = pusher.stats
+    assert stats.spooled == 0 and stats.dropped_total == 2
+    assert "spool write failed" in (stats.last_error or "")
+    assert list((tmp_path / "spool").iterdir()) == []  # no half file left behind
+    pusher.add(rows(3, start=10))  # the disk has room again, the service is back
+    assert pusher.flush(5)
+    pusher.close()
+    assert pusher.stats.sent_total == 3 and pusher.stats.dropped_total == 2
+
+
 def test_bad_token_keeps_rows_invalid_envelope_drops_them_too_large_splits() -> None:
     seen: list = []
     pusher = BatchingPusher(
