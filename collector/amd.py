@@ -89,6 +89,7 @@ class AmdSource:
         self.uuids = [self._call(smi.amdsmi_get_gpu_device_uuid, h) for h in self.handles]
         self.bdfs = [self._call(smi.amdsmi_get_gpu_device_bdf, h) for h in self.handles]
         self.lost = [False] * len(self.handles)
+        self._xgmi_bad = [False] * len(self.handles)
         self._pending: deque[Event] = deque()
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -202,13 +203,16 @@ class AmdSource:
         if watts is None:
             watts = _num(power.get("average_socket_power"))
         xgmi = c(smi.amdsmi_gpu_xgmi_error_status, h)
-        if xgmi is not None and int(xgmi) != int(smi.AmdSmiXgmiStatus.NO_ERRORS):
+        bad = xgmi is not None and int(xgmi) != int(smi.AmdSmiXgmiStatus.NO_ERRORS)
+        # The status stays set until reset: one event when it turns bad, not one per tick.
+        if bad and not self._xgmi_bad[i]:
             with self._lock:
                 self._pending.append(
                     self._event(
                         i, now, EventKind.LINK_DOWN, f"AMD SMI: XGMI error status {int(xgmi)}"
                     )
                 )
+        self._xgmi_bad[i] = bad
         used, total = _num(vram.get("vram_used")), _num(vram.get("vram_total"))
         return GpuSample(
             node=self.node,

@@ -147,6 +147,7 @@ def test_amd_lost_gpu_xgmi_error_and_reset_events() -> None:
     kinds = {(e.gpu, e.kind) for e in events}
     assert (0, EventKind.GPU_LOST) in kinds and (1, EventKind.LINK_DOWN) in kinds
     assert (1, EventKind.GPU_LOST) in kinds  # the pre-reset event
+    assert [e.kind for e in events].count(EventKind.LINK_DOWN) == 1  # not one per tick
 
 
 def test_amd_library_missing_is_source_unavailable() -> None:

@@ -24,22 +24,23 @@ from typing import Any
 
 
 class AmdSmiRetCode(IntEnum):
+    # Member names as in amdsmi_exception.py, values as AMDSMI_STATUS_* in amdsmi.h.
     SUCCESS = 0
     ERR_INVAL = 1
     ERR_NOT_SUPPORTED = 2
-    ERR_NOT_YET_IMPLEMENTED = 3
+    NOT_IMPLEMENTED = 3
     FAIL_LOAD_MODULE = 4
     FAIL_LOAD_SYMBOL = 5
     DRM_ERROR = 6
     API_FAILED = 7
     TIMEOUT = 8
     RETRY = 9
-    NO_PERM = 10
+    ERR_NO_PERM = 10
     INTERRUPT = 11
     ERR_IO = 12
-    ADDRESS_FAULT = 13
+    FAULT = 13
     FILE_ERROR = 14
-    OUT_OF_RESOURCES = 15
+    ERR_OUT_OF_RESOURCES = 15
     INTERNAL_EXCEPTION = 16
     INPUT_OUT_OF_BOUNDS = 17
     INIT_ERROR = 18
@@ -49,6 +50,9 @@ class AmdSmiRetCode(IntEnum):
     NOT_INIT = 32
     NO_SLOT = 33
     NO_DATA = 40
+    INSUFFICIENT_SIZE = 41
+    UNEXPECTED_SIZE = 42
+    UNEXPECTED_DATA = 43
     UNKNOWN_ERROR = 0xFFFFFFFF
 
 
@@ -227,8 +231,9 @@ class FakeAmdSmi:
         self.AmdSmiEventReader = AmdSmiEventReader
 
     def inject_event(self, index: int, kind: AmdSmiEvtNotificationType, message: str = "") -> None:
+        # The real reader hands back the event type's *name* ("GPU_PRE_RESET"), not the enum.
         self.events[index].put(
-            {"processor_handle": self._handles[index], "event": kind, "message": message}
+            {"processor_handle": self._handles[index], "event": kind.name, "message": message}
         )
 
     def _gpu(self, h: _Handle, name: str) -> FakeAmdGpu:
@@ -320,7 +325,7 @@ class FakeAmdSmi:
                 "value": i,
                 "page_address": addr,
                 "page_size": 4096,
-                "status": AmdSmiMemoryPageStatus(st),
+                "status": int(st),  # the record's raw enum value, as the real package gives
             }
             for i, (addr, st) in enumerate(g.bad_pages)
         ]
