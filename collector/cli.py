@@ -31,33 +31,73 @@ SOURCES = ("auto", "nvml", "amd", "dcgm-exporter", "simulated")
 
 def configure(parser: argparse.ArgumentParser) -> None:
     env = os.environ.get
-    parser.add_argument("--source", choices=SOURCES, default="auto", help="default %(default)s")
+    parser.add_argument(
+        "--source",
+        choices=SOURCES,
+        default="auto",
+        help="auto tries NVML, then AMD SMI (default %(default)s)",
+    )
     parser.add_argument("--url", help="dcgm-exporter metrics URL (with --source dcgm-exporter)")
-    parser.add_argument("--service", default=env("FOREWARN_SERVICE_URL"), help="service base URL")
+    parser.add_argument(
+        "--service",
+        default=env("FOREWARN_SERVICE_URL"),
+        help="service base URL (env FOREWARN_SERVICE_URL)",
+    )
     parser.add_argument(
         "--token",
         default=env("FOREWARN_INGEST_TOKEN"),
         help="ingest token (env FOREWARN_INGEST_TOKEN)",
     )
     parser.add_argument("--node", default=socket.gethostname(), help="node name (default: host)")
-    parser.add_argument("--interval-s", type=float, default=1.0, help="sampling period")
+    parser.add_argument(
+        "--interval-s", type=float, default=1.0, help="sampling period, s (default %(default)s)"
+    )
     parser.add_argument(
         "--spool-dir",
         default=env("FOREWARN_SPOOL_DIR", "var/collector-spool"),
-        help="where batches wait while the service is unreachable",
+        help="where batches wait while the service is unreachable (env FOREWARN_SPOOL_DIR; "
+        "default %(default)s, relative to the working directory)",
     )
-    parser.add_argument("--spool-max-mib", type=float, default=256.0, help="spool bound on disk")
+    parser.add_argument(
+        "--spool-max-mib",
+        type=float,
+        default=256.0,
+        help="spool bound on disk; the oldest batches go first (default %(default)s)",
+    )
     parser.add_argument("--kernel-log", help="also read Xids from this log (/dev/kmsg or a file)")
-    parser.add_argument("--batch-max-rows", type=int, default=5000)
-    parser.add_argument("--batch-max-delay-s", type=float, default=1.0)
-    parser.add_argument("--heartbeat-s", type=float, default=10.0)
-    parser.add_argument("--timeout-s", type=float, default=10.0, help="per request to the service")
-    parser.add_argument("--no-gzip", action="store_true")
+    parser.add_argument(
+        "--batch-max-rows", type=int, default=5000, help="rows per request (default %(default)s)"
+    )
+    parser.add_argument(
+        "--batch-max-delay-s",
+        type=float,
+        default=1.0,
+        help="longest a reading waits before it is sent (default %(default)s)",
+    )
+    parser.add_argument(
+        "--heartbeat-s",
+        type=float,
+        default=10.0,
+        help="agent status sent at least this often, for stall detection (default %(default)s)",
+    )
+    parser.add_argument(
+        "--timeout-s", type=float, default=10.0, help="per request to the service, s"
+    )
+    parser.add_argument("--no-gzip", action="store_true", help="send request bodies uncompressed")
     parser.add_argument("--duration-s", type=float, help="stop after this long (default: never)")
-    parser.add_argument("--sim-gpus", type=int, default=8, help="simulated fleet size")
-    parser.add_argument("--sim-seed", type=int, default=0)
-    parser.add_argument("--sim-speed", type=float, default=1.0)
-    parser.add_argument("--log-level", default="info")
+    parser.add_argument(
+        "--sim-gpus", type=int, default=8, help="--source simulated: fleet size (8 a node)"
+    )
+    parser.add_argument("--sim-seed", type=int, default=0, help="--source simulated: seed")
+    parser.add_argument(
+        "--sim-speed", type=float, default=1.0, help="--source simulated: failures run X faster"
+    )
+    parser.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="default %(default)s",
+    )
 
 
 _AUTO_HELP = (
@@ -128,7 +168,20 @@ def run(args: argparse.Namespace) -> int:
         print(f"forewarn collect: {exc.message}", file=sys.stderr)
         return 3
     client = IngestClient(args.service, args.token, timeout_s=args.timeout_s, gzip=not args.no_gzip)
-    spool = DiskSpool(Path(args.spool_dir), max_bytes=int(args.spool_max_mib * 2**20))
+    if args.interval_s <= 0 or args.spool_max_mib <= 0 or args.batch_max_rows <= 0:
+        print("forewarn collect: intervals, sizes and counts must be positive", file=sys.stderr)
+        return 2
+    try:
+        spool = DiskSpool(Path(args.spool_dir), max_bytes=int(args.spool_max_mib * 2**20))
+    except OSError as exc:
+        for source in sources:
+            source.close()
+        print(
+            f"forewarn collect: cannot use spool directory {args.spool_dir!r} ({exc}); "
+            "give a writable --spool-dir",
+            file=sys.stderr,
+        )
+        return 3
     pusher = BatchingPusher(
         client,
         spool=spool,
@@ -138,6 +191,7 @@ def run(args: argparse.Namespace) -> int:
     )
     agent = Agent(sources, pusher, interval_s=args.interval_s, node=args.node)
     signal.signal(signal.SIGTERM, lambda *_: agent.stop())
+    signal.signal(signal.SIGINT, lambda *_: agent.stop())  # Ctrl-C: flush and spool, no trace
     log.info(
         "collecting from %s every %.3g s into %s (agent %s)",
         agent.source_name,

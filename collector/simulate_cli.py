@@ -41,7 +41,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "convert-csv: turn a CSV export into a dataset",
     )
     parser.add_argument("--gpus", type=int, default=64, help="fleet size (8 GPUs a node)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="same seed, same fleet (default 0)")
     parser.add_argument("--params", help="TOML file of parameter overrides")
     parser.add_argument(
         "--randomised",
@@ -70,14 +70,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     inj = parser.add_argument_group("inject")
     inj.add_argument("--control", default="http://127.0.0.1:8799", help="control API URL")
-    inj.add_argument("--node")
-    inj.add_argument("--gpu", type=int)
-    inj.add_argument("--kind")
-    inj.add_argument("--lead-s", type=float)
+    inj.add_argument("--node", help="node name, e.g. sim-node-0002 (convert-csv: node of --csv)")
+    inj.add_argument("--gpu", type=int, help="GPU index on the node")
+    inj.add_argument(
+        "--kind", help="failure kind: memory, thermal, nvlink, pcie, power_loss, gpu_lost, other"
+    )
+    inj.add_argument("--lead-s", type=float, help="seconds of precursors before the failure")
     conv = parser.add_argument_group("convert-csv")
     conv.add_argument("--csv", action="append", default=[], help="samples CSV (repeatable)")
-    conv.add_argument("--events-csv")
-    conv.add_argument("--failures-csv")
+    conv.add_argument("--events-csv", help="events CSV (optional)")
+    conv.add_argument("--failures-csv", help="failures CSV (optional)")
 
 
 def parse_inject(text: str) -> dict[str, Any]:
@@ -160,7 +162,15 @@ def _inject(args: argparse.Namespace) -> int:
     except httpx.HTTPError as exc:
         print(f"forewarn simulate inject: cannot reach {args.control}: {exc}", file=sys.stderr)
         return 1
-    print(json.dumps(resp.json()))
+    try:
+        print(json.dumps(resp.json()))
+    except ValueError:  # not the simulator's control API answering
+        print(
+            f"forewarn simulate inject: {args.control} answered {resp.status_code}: "
+            f"{resp.text[:200]}",
+            file=sys.stderr,
+        )
+        return 1
     return 0 if resp.status_code == 200 else 1
 
 
