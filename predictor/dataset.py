@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 from forewarn.errors import InvalidInput
 from predictor.state import VALUE_COLUMNS, FleetState, SampleBlock
 
-__all__ = ["Dataset", "block_from_table", "load_dataset", "replay", "steps"]
+__all__ = ["Dataset", "block_from_table", "load_dataset", "read_manifest", "replay", "steps"]
 
 
 @dataclass
@@ -74,11 +74,11 @@ def _read(path: Path, what: str) -> pd.DataFrame:
         raise InvalidInput(f"cannot read {what} {path}: {exc}") from exc
 
 
-def load_dataset(path: str | Path) -> Dataset:
-    """Read a dataset directory.
+def read_manifest(path: str | Path) -> dict[str, Any]:
+    """The manifest of a dataset directory.
 
     Raises:
-        InvalidInput: no manifest, a manifest of another format, or unreadable Parquet.
+        InvalidInput: no manifest, or a manifest of another format.
     """
     root = Path(path)
     try:
@@ -87,6 +87,17 @@ def load_dataset(path: str | Path) -> Dataset:
         raise InvalidInput(f"{root} is not a dataset (manifest.json: {exc})") from exc
     if manifest.get("format") != "forewarn-dataset":
         raise InvalidInput(f"{root}/manifest.json: format is not forewarn-dataset")
+    return dict(manifest)
+
+
+def load_dataset(path: str | Path) -> Dataset:
+    """Read a dataset directory.
+
+    Raises:
+        InvalidInput: no manifest, a manifest of another format, or unreadable Parquet.
+    """
+    root = Path(path)
+    manifest = read_manifest(root)
     try:
         samples = block_from_table(pq.read_table(root / "samples"))
     except (OSError, ValueError, KeyError) as exc:

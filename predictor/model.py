@@ -34,7 +34,7 @@ DEFAULT_PARAMS: dict[str, Any] = {
     "verbose": -1,
     "num_threads": 2,
 }
-DEFAULT_ROUNDS = 300
+DEFAULT_ROUNDS = 200
 
 
 def fit_booster(

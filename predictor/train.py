@@ -3,9 +3,9 @@
 1. Each dataset is replayed through the live feature path (60 s steps by default). Rows are
    kept by stratum, each with weight ``1 / keep probability`` so that the weighted rows still
    stand for the whole fleet: every row within ``context_s`` (6 h) before a failure of its GPU
-   (positives and the hard negatives just before them), ``active_rate`` (25 %) of rows where
-   anything happens (a counter moves, a hardware event, throttling, an outlier temperature, a
-   narrow link, stale telemetry), ``quiet_rate`` (1 %) of the rest.
+   (positives and the hard negatives just before them), ``active_rate`` (10 %) of rows where
+   anything happens (a counter moves, a hardware event, throttling, a
+   narrow link, stale telemetry), ``quiet_rate`` (0.5 %) of the rest.
 2. Split, so that validation never sees what training saw: nodes are hashed into a training
    and a validation group (``val_node_frac``, whole nodes, so node-mates and node-scope failures
    do not straddle), and time is cut at ``val_from`` of each dataset: training rows end one
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -33,7 +34,7 @@ from sklearn.isotonic import IsotonicRegression
 from forewarn import __version__
 from forewarn.errors import InvalidInput
 from predictor import baseline, evaluate
-from predictor.dataset import Dataset, replay
+from predictor.dataset import Dataset, load_dataset, replay
 from predictor.features import FEATURE_NAMES, compute
 from predictor.labels import Labeller, failure_table
 from predictor.model import DEFAULT_PARAMS, DEFAULT_ROUNDS, RiskModel, fit_booster
@@ -52,8 +53,8 @@ class TrainConfig:
     lead_min_s: float = 120.0
     merge_s: float = 600.0
     context_s: float = 6 * 3600.0
-    active_rate: float = 0.25
-    quiet_rate: float = 0.01
+    active_rate: float = 0.1
+    quiet_rate: float = 0.005
     val_node_frac: float = 0.3
     val_from: float = 0.6
     max_false_alarms: float = 2.0
@@ -80,7 +81,7 @@ def activity(x: np.ndarray) -> np.ndarray:
         moving = np.nansum(x[:, _RATE_1H], axis=1) > 0
         events = np.nansum(x[:, _HW_EVENTS_24H], axis=1) > 0.05
         thr = np.nansum(x[:, _cols("thermal_throttle_1h", "hw_slowdown_1h")], axis=1) > 0
-        temp = np.nan_to_num(np.abs(x[:, _cols("temp_gpu_c_vs_node")[0]])) > 3.0
+        temp = np.nan_to_num(np.abs(x[:, _cols("temp_gpu_c_slope")[0]])) > 10.0
         narrow = np.nan_to_num(x[:, _cols("pcie_width_ratio")[0]], nan=1.0) < 1.0
         remap = np.nansum(x[:, _cols("remap_pending", "remap_failure")], axis=1) > 0
         stale = np.nan_to_num(x[:, _cols("staleness_s")[0]]) > 120.0
@@ -135,13 +136,20 @@ def collect(
     return {k: np.concatenate(v) if v else np.zeros(0) for k, v in out.items()}
 
 
+def _open(d: Dataset | str | Path) -> Dataset:
+    return d if isinstance(d, Dataset) else load_dataset(d)
+
+
 def train(
-    datasets: Sequence[Dataset],
+    datasets: Sequence[Dataset | str | Path],
     cfg: TrainConfig | None = None,
     *,
     progress: Progress | None = None,
 ) -> RiskModel:
     """Train, calibrate and pick the threshold; the returned model carries its card.
+
+    Datasets given as paths are loaded one at a time (twice: to collect, to validate), so
+    several large fleets never sit in memory together.
 
     ``progress(phase, steps_done)`` is called as the replays advance (phases ``collect`` and
     ``validate``, one step per replayed ``step_s``).
@@ -152,9 +160,12 @@ def train(
     cfg = cfg or TrainConfig()
     if not datasets:
         raise InvalidInput("no dataset to train on")
-    parts = []
-    for ds in datasets:
+    parts, manifests = [], []
+    for d in datasets:
+        ds = _open(d)
+        manifests.append(Dataset(ds.path, ds.manifest, ds.samples[0:0], ds.events[:0], ds.failures[:0]))
         parts.append(collect(ds, cfg, None if progress is None else lambda n: progress("collect", n)))
+        del ds
     x = np.vstack([p["x"] for p in parts])
     y = np.concatenate([p["y"] for p in parts]).astype(np.int8)
     w = np.concatenate([p["w"] for p in parts])
@@ -165,7 +176,8 @@ def train(
     uncalibrated = RiskModel(booster, np.zeros(0), np.zeros(0), 0.5)
 
     tables, raws, labels = [], [], []
-    for ds in datasets:
+    for d in datasets:
+        ds = _open(d)
         cut = _cut_ms(ds, cfg)
 
         def select(now_ms: int, state: FleetState, cut: int = cut) -> np.ndarray:
@@ -183,6 +195,7 @@ def train(
         raws.append(scored.rows["raw"].to_numpy())
         labels.append(scored.rows["y"].to_numpy())
         tables.append(scored)
+        del ds
     raw_all, y_all = np.concatenate(raws), np.concatenate(labels)
     iso = IsotonicRegression(y_min=0.0, y_max=1.0, out_of_bounds="clip", increasing=True)
     if 0 < y_all.sum() < len(y_all):
@@ -203,7 +216,7 @@ def train(
     val_model = evaluate.metrics(table, "raw", raw_thr)
     val_model["threshold"] = model.threshold
     val_base = evaluate.metrics(table, "baseline", baseline.THRESHOLD)
-    model.card = _card(datasets, cfg, model, len(y), int(y.sum()), val_model, val_base)
+    model.card = _card(manifests, cfg, model, len(y), int(y.sum()), val_model, val_base)
     model.card["raw_threshold"] = raw_thr
     return model
 

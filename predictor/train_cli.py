@@ -1,0 +1,79 @@
+"""``forewarn train --data DIR [--data DIR ...] --out models/``: train, calibrate, write.
+
+Prints where the model and its card went and the held-out (validation) figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from tqdm import tqdm
+
+from forewarn.errors import ForewarnError
+from predictor import registry
+from predictor.dataset import read_manifest
+from predictor.train import TrainConfig, train
+
+__all__ = ["configure", "run"]
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--data", action="append", required=True, metavar="DIR",
+        help="dataset directory (docs/datasets.md); repeat to train on several fleets",
+    )
+    parser.add_argument("--out", default="models", help="model directory (default: models/)")
+    parser.add_argument("--step-s", type=float, default=60.0, help="replay step in seconds")
+    parser.add_argument("--horizon-s", type=float, default=1800.0, help="label horizon H")
+    parser.add_argument("--lead-min-s", type=float, default=120.0, help="minimum lead L")
+    parser.add_argument(
+        "--max-false-alarms", type=float, default=2.0,
+        help="false alarms per 1,000 GPU-days the threshold may cost on validation",
+    )
+    parser.add_argument("--rounds", type=int, default=TrainConfig.rounds, help="boosting rounds")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = TrainConfig(
+        step_s=args.step_s,
+        horizon_s=args.horizon_s,
+        lead_min_s=args.lead_min_s,
+        max_false_alarms=args.max_false_alarms,
+        rounds=args.rounds,
+        seed=args.seed,
+    )
+    try:
+        datasets = list(args.data)
+        total = 2 * sum(_steps(d, cfg.step_s) for d in datasets)
+        with tqdm(total=total, unit="step", disable=args.no_progress, file=sys.stderr) as bar:
+            done = {"collect": 0, "validate": 0}
+
+            def progress(phase: str, n: int) -> None:
+                bar.set_description(phase)
+                bar.update(1)
+                done[phase] = n
+
+            model = train(datasets, cfg, progress=progress)
+        card_path = registry.save(model, args.out)
+    except ForewarnError as exc:
+        print(f"forewarn train: {exc.message}", file=sys.stderr)
+        return 2
+    val = model.card["metrics"]["validation"]
+    print(f"model: {card_path}")
+    print(f"threshold: {model.threshold:.4f}")
+    print("validation:", json.dumps({k: _brief(v) for k, v in val.items()}))
+    return 0
+
+
+def _brief(d: dict) -> dict:
+    keys = ("recall", "recall_with_precursors", "false_alarms_per_1000_gpu_days", "pr_auc")
+    return {k: d.get(k) for k in keys}
+
+
+def _steps(path: str, step_s: float) -> int:
+    m = read_manifest(path)
+    return max(int(-(-(m["end_ms"] - m["start_ms"]) // (step_s * 1000))), 1)
