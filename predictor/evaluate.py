@@ -79,7 +79,10 @@ class ScoreTable:
         """Per failure, the highest score in its [t - H, t - L] window (-inf: no row)."""
         s = self.rows[column].to_numpy(np.float64)
         return np.array(
-            [s[a:b].max() if b > a else -np.inf for a, b in zip(self._win_lo, self._win_hi, strict=True)]
+            [
+                s[a:b].max() if b > a else -np.inf
+                for a, b in zip(self._win_lo, self._win_hi, strict=True)
+            ]
         )
 
     def alarms(self, column: str, threshold: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -199,4 +202,4 @@ def choose_threshold(points: pd.DataFrame, max_false_alarms: float) -> float:
     best = ok.sort_values(
         ["recall_with_precursors", "recall", "threshold"], ascending=[False, False, True]
     )
-    return float(best["threshold"].iat[0])
+    return float(best["threshold"].to_numpy()[0])

@@ -29,7 +29,9 @@ __all__ = ["configure", "run"]
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", required=True, metavar="DIR", help="dataset directory")
     parser.add_argument(
-        "--model", default="models", metavar="PATH",
+        "--model",
+        default="models",
+        metavar="PATH",
         help="model card (.json), booster file, or a directory (newest model; default models/)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -39,7 +41,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lead-min-s", type=float, default=120.0, help="L, seconds")
     parser.add_argument("--merge-s", type=float, default=600.0, help="alarm merge gap")
     parser.add_argument(
-        "--plot", default="recall-vs-false-alarms.png", metavar="PNG",
+        "--plot",
+        default="recall-vs-false-alarms.png",
+        metavar="PNG",
         help="where to write the curve (default: ./recall-vs-false-alarms.png; '' for none)",
     )
     parser.add_argument("--no-progress", action="store_true")
@@ -55,6 +59,10 @@ def _clean(value: Any) -> Any:
     return value
 
 
+def _tick(bar: tqdm) -> None:
+    bar.update(1)
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         model = registry.load(args.model)
@@ -62,12 +70,18 @@ def run(args: argparse.Namespace) -> int:
         step_s = args.step_s or float(model.card.get("training", {}).get("step_s", 60.0))
         params = evaluate.Params(args.lead_min_s, args.horizon_s, args.merge_s)
         with tqdm(
-            total=steps(ds, step_s), unit="step", file=sys.stderr,
+            total=steps(ds, step_s),
+            unit="step",
+            file=sys.stderr,
             disable=args.no_progress or args.json,
         ) as bar:
             report = evaluate_dataset(
-                ds, model, threshold=args.threshold, step_s=step_s, params=params,
-                progress=lambda n: bar.update(1),
+                ds,
+                model,
+                threshold=args.threshold,
+                step_s=step_s,
+                params=params,
+                progress=lambda n: _tick(bar),
             )
     except ForewarnError as exc:
         print(f"forewarn evaluate: {exc.message}", file=sys.stderr)

@@ -149,11 +149,14 @@ def compute(state: FleetState, now_ms: int | None = None) -> np.ndarray:
             for w in ("5m", "1h", "24h"):
                 cols[f"{c}_rate_{w}"] = rate[w]
             cols[f"{c}_rate_1h_vs_own"] = rate["1h"] / (rate["7d"] + _FLOOR_PER_H)
-            cols[f"{c}_rate_1h_vs_fleet"] = rate["1h"] / (
-                _fleet_median(rate["1h"]) + _FLOOR_PER_H
-            )
+            cols[f"{c}_rate_1h_vs_fleet"] = rate["1h"] / (_fleet_median(rate["1h"]) + _FLOOR_PER_H)
             cols[f"{c}_rate_1h_vs_node"] = rate["1h"] - _node_others(rate["1h"], node, n_nodes)
-        for c in ("ecc_sbe_aggregate", "ecc_dbe_aggregate", "remap_correctable", "remap_uncorrectable"):
+        for c in (
+            "ecc_sbe_aggregate",
+            "ecc_dbe_aggregate",
+            "remap_correctable",
+            "remap_uncorrectable",
+        ):
             cols[f"{c}_total"] = state.last_counter[:n, COUNTER_FIELDS.index(c)]
 
         def mean(g: str, w: str) -> np.ndarray:
@@ -195,7 +198,9 @@ def compute(state: FleetState, now_ms: int | None = None) -> np.ndarray:
         cols["xid_app_1h_node"] = _node_others(app, node, n_nodes)
         for e in SINCE:
             since = (now - state.last_time_of(e)) / 1000.0
-            cols[f"since_{e}_s"] = np.where(np.isnan(since), SINCE_CAP_S, np.minimum(since, SINCE_CAP_S))
+            cols[f"since_{e}_s"] = np.where(
+                np.isnan(since), SINCE_CAP_S, np.minimum(since, SINCE_CAP_S)
+            )
     finally:
         np.seterr(**errs)
     matrix = np.empty((n, len(FEATURE_NAMES)), dtype=np.float32)

@@ -93,7 +93,7 @@ def describe(feature: Feature, value: float) -> str:
         return f"{what} rate {value:.0f}x this GPU's own rate of the past week"
     if m == "vs_node" and feature.subject == "telemetry":
         return f"telemetry {_duration(max(value, 0.0))} staler than the rest of its node"
-    if m == "vs_node" and feature.subject in _UNIT or feature.subject == "util_gpu_pct":
+    if (m == "vs_node" and feature.subject in _UNIT) or feature.subject == "util_gpu_pct":
         return f"{what} {value:+.1f} {unit} against the other GPUs of its node".replace("  ", " ")
     if m == "vs_node" and feature.subject == "thermal_throttle":
         return f"thermal slowdown {value * 100:+.0f} % of the time against its node"

@@ -141,19 +141,26 @@ def plot_curves(report: Report, path: str | Path) -> Path:
     fig, ax = plt.subplots(figsize=(6.4, 4.4), dpi=110)
     mc = report.model_curve.sort_values("false_alarms_per_1000_gpu_days")
     ax.step(
-        mc["false_alarms_per_1000_gpu_days"], mc["recall_with_precursors"], where="post",
+        mc["false_alarms_per_1000_gpu_days"],
+        mc["recall_with_precursors"],
+        where="post",
         label="model",
     )
     bc = report.baseline_curve.sort_values("false_alarms_per_1000_gpu_days")
     ax.plot(
-        bc["false_alarms_per_1000_gpu_days"], bc["recall_with_precursors"], "s--",
+        bc["false_alarms_per_1000_gpu_days"],
+        bc["recall_with_precursors"],
+        "s--",
         label="rule baseline",
     )
     for name, marker in (("model", "o"), ("baseline", "D")):
         d = report.summary[name]
         ax.plot(
-            [d["false_alarms_per_1000_gpu_days"]], [d["recall_with_precursors"] or 0.0],
-            marker, color="black", markersize=6,
+            [d["false_alarms_per_1000_gpu_days"]],
+            [d["recall_with_precursors"] or 0.0],
+            marker,
+            color="black",
+            markersize=6,
         )
     ax.axvline(2.0, color="grey", linewidth=0.8, linestyle=":")
     ax.set_xscale("symlog", linthresh=1.0)

@@ -76,7 +76,11 @@ class Scorer:
         """
         x = self.features()
         return score_fleet(
-            self.model, self.state, x, reasons=reasons, reason_floor=self.reason_floor,
+            self.model,
+            self.state,
+            x,
+            reasons=reasons,
+            reason_floor=self.reason_floor,
             max_reasons=self.max_reasons,
         )
 

@@ -28,8 +28,8 @@ __all__ = [
     "EVENT_CHANNELS",
     "GAUGES",
     "LATEST",
-    "WINDOWS",
     "VALUE_COLUMNS",
+    "WINDOWS",
     "FleetState",
     "SampleBlock",
 ]
@@ -389,11 +389,15 @@ class FleetState:
         per_gpu = ~np.isnan(gpu)
         slot_list = [self.slots(nodes[per_gpu], gpu[per_gpu].astype(np.int64))]
         rows = [np.flatnonzero(per_gpu)]
-        for i in np.flatnonzero(~per_gpu):  # node-level events reach every GPU of the node
-            n = self._node_index.get(nodes[i])
-            targets = np.flatnonzero(self.node_of[: self.size] == n) if n is not None else []
-            slot_list.append(np.asarray(targets, dtype=np.int64))
-            rows.append(np.full(len(targets), i))
+        for row_i in np.flatnonzero(~per_gpu):  # node-level events reach every GPU of the node
+            node_idx = self._node_index.get(nodes[row_i])
+            targets: np.ndarray = (
+                np.flatnonzero(self.node_of[: self.size] == node_idx)
+                if node_idx is not None
+                else np.zeros(0, dtype=np.int64)
+            )
+            slot_list.append(targets.astype(np.int64))
+            rows.append(np.full(len(targets), row_i))
         slot = np.concatenate(slot_list)
         row = np.concatenate(rows).astype(np.int64)
         for s, r in zip(slot, row, strict=True):

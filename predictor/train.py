@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -70,7 +70,8 @@ _RATE_1H = [i for i, n in enumerate(FEATURE_NAMES) if n.endswith("_rate_1h")]
 _HW_EVENTS_24H = [
     i
     for i, n in enumerate(FEATURE_NAMES)
-    if n.endswith("_24h") and not n.startswith(("xid_app", "counter_reset", "telemetry"))
+    if n.endswith("_24h")
+    and not n.startswith(("xid_app", "counter_reset", "telemetry"))
     and ("xid_" in n or n.split("_24h")[0] in ("ecc_storm", "link_down", "thermal_shutdown"))
 ]
 
@@ -78,7 +79,7 @@ _HW_EVENTS_24H = [
 def activity(x: np.ndarray) -> np.ndarray:
     """Rows where anything happens: the stratum sampled more densely than the quiet rest."""
     with np.errstate(invalid="ignore"):
-        moving = np.nansum(x[:, _RATE_1H], axis=1) > 0
+        moving = np.nansum(x[:, _RATE_1H], axis=1) > 0.5  # decayed sums never reach 0
         events = np.nansum(x[:, _HW_EVENTS_24H], axis=1) > 0.05
         thr = np.nansum(x[:, _cols("thermal_throttle_1h", "hw_slowdown_1h")], axis=1) > 0
         temp = np.nan_to_num(np.abs(x[:, _cols("temp_gpu_c_slope")[0]])) > 10.0
@@ -163,8 +164,12 @@ def train(
     parts, manifests = [], []
     for d in datasets:
         ds = _open(d)
-        manifests.append(Dataset(ds.path, ds.manifest, ds.samples[0:0], ds.events[:0], ds.failures[:0]))
-        parts.append(collect(ds, cfg, None if progress is None else lambda n: progress("collect", n)))
+        manifests.append(
+            Dataset(ds.path, ds.manifest, ds.samples[0:0], ds.events[:0], ds.failures[:0])
+        )
+        parts.append(
+            collect(ds, cfg, None if progress is None else lambda n: progress("collect", n))
+        )
         del ds
     x = np.vstack([p["x"] for p in parts])
     y = np.concatenate([p["y"] for p in parts]).astype(np.int8)

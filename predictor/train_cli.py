@@ -21,7 +21,10 @@ __all__ = ["configure", "run"]
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--data", action="append", required=True, metavar="DIR",
+        "--data",
+        action="append",
+        required=True,
+        metavar="DIR",
         help="dataset directory (docs/datasets.md); repeat to train on several fleets",
     )
     parser.add_argument("--out", default="models", help="model directory (default: models/)")
@@ -29,7 +32,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--horizon-s", type=float, default=1800.0, help="label horizon H")
     parser.add_argument("--lead-min-s", type=float, default=120.0, help="minimum lead L")
     parser.add_argument(
-        "--max-false-alarms", type=float, default=2.0,
+        "--max-false-alarms",
+        type=float,
+        default=2.0,
         help="false alarms per 1,000 GPU-days the threshold may cost on validation",
     )
     parser.add_argument("--rounds", type=int, default=TrainConfig.rounds, help="boosting rounds")

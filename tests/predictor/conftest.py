@@ -37,8 +37,9 @@ def tiny(tiny_dir: Path) -> Dataset:
     return load_dataset(tiny_dir)
 
 
-TINY_CONFIG = TrainConfig(rounds=40, val_node_frac=0.5, val_from=0.5, active_rate=0.5,
-                          quiet_rate=0.05, seed=3)
+TINY_CONFIG = TrainConfig(
+    rounds=40, val_node_frac=0.5, val_from=0.5, active_rate=0.5, quiet_rate=0.05, seed=3
+)
 
 
 @pytest.fixture(scope="session")

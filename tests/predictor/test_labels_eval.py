@@ -23,8 +23,14 @@ def _state(gpus: int = 4) -> FleetState:
 
 def test_labels_look_one_horizon_ahead_and_drop_down_time() -> None:
     failures = pd.DataFrame(
-        {"ts_ms": [T0 + 60 * MIN], "node": ["n0"], "gpu": [1], "kind": ["memory"],
-         "has_precursors": [True], "recovered_ts_ms": pd.array([T0 + 120 * MIN], dtype="Int64")}
+        {
+            "ts_ms": [T0 + 60 * MIN],
+            "node": ["n0"],
+            "gpu": [1],
+            "kind": ["memory"],
+            "has_precursors": [True],
+            "recovered_ts_ms": pd.array([T0 + 120 * MIN], dtype="Int64"),
+        }
     )
     lab = Labeller(failure_table(failures), horizon_s=1800)
     state = _state()
@@ -39,8 +45,13 @@ def test_labels_look_one_horizon_ahead_and_drop_down_time() -> None:
 
 def test_node_scope_failure_without_gpu_applies_to_every_gpu() -> None:
     failures = pd.DataFrame(
-        {"ts_ms": [T0 + 10 * MIN], "node": ["n0"], "gpu": pd.array([None], dtype="Int64"),
-         "kind": ["power_loss"], "has_precursors": [False]}
+        {
+            "ts_ms": [T0 + 10 * MIN],
+            "node": ["n0"],
+            "gpu": pd.array([None], dtype="Int64"),
+            "kind": ["power_loss"],
+            "has_precursors": [False],
+        }
     )
     table = failure_table(failures, gpus_per_node=4)
     assert sorted(table["gpu"]) == [0, 1, 2, 3]
@@ -55,9 +66,13 @@ def _table(scores: dict[int, list[float]], failures: list[tuple[int, int]]) -> e
         ]
     )
     fails = pd.DataFrame(
-        {"ts_ms": [T0 + m * MIN for _, m in failures], "slot": [s for s, _ in failures],
-         "kind": ["memory"] * len(failures), "has_precursors": [True] * len(failures),
-         "in_window": [True] * len(failures)}
+        {
+            "ts_ms": [T0 + m * MIN for _, m in failures],
+            "slot": [s for s, _ in failures],
+            "kind": ["memory"] * len(failures),
+            "has_precursors": [True] * len(failures),
+            "in_window": [True] * len(failures),
+        }
     )
     return evaluate.ScoreTable(rows, fails, step_s=60.0)
 

@@ -128,8 +128,13 @@ def test_node_level_event_reaches_every_gpu_of_the_node() -> None:
     state = FleetState()
     state.update(frame, now_ms=T0)
     events = pd.DataFrame(
-        {"ts_ms": [T0 + 1000], "node": ["n0"], "gpu": pd.array([None], dtype="Int64"),
-         "kind": ["xid"], "xid": pd.array([79], dtype="Int64")}
+        {
+            "ts_ms": [T0 + 1000],
+            "node": ["n0"],
+            "gpu": pd.array([None], dtype="Int64"),
+            "kind": ["xid"],
+            "xid": pd.array([79], dtype="Int64"),
+        }
     )
     state.update(None, events, now_ms=T0 + 1000)
     x = compute(state)

@@ -38,8 +38,13 @@ def test_training_and_live_scoring_give_the_same_numbers(tiny: Dataset, tiny_dir
 
     def sink(now_ms, state):
         if now_ms in wanted:
-            checkpoints[now_ms] = (compute(state, now_ms), state.nodes[:], state.node_of.copy(),
-                                   state.gpu_of.copy(), state.size)
+            checkpoints[now_ms] = (
+                compute(state, now_ms),
+                state.nodes[:],
+                state.node_of.copy(),
+                state.gpu_of.copy(),
+                state.size,
+            )
 
     replay(tiny, sink, step_s=60.0)
     frame = pd.read_parquet(tiny_dir / "samples")
@@ -55,7 +60,9 @@ def test_training_and_live_scoring_give_the_same_numbers(tiny: Dataset, tiny_dir
             live = compute(state, int(t))
             ref, nodes, node_of, gpu_of, size = checkpoints[int(t)]
             key_ref = [(nodes[node_of[i]], gpu_of[i]) for i in range(size)]
-            key_live = {(state.nodes[state.node_of[i]], state.gpu_of[i]): i for i in range(state.size)}
+            key_live = {
+                (state.nodes[state.node_of[i]], state.gpu_of[i]): i for i in range(state.size)
+            }
             order = [key_live[k] for k in key_ref]
             np.testing.assert_allclose(live[order], ref, rtol=1e-5, atol=1e-4, equal_nan=True)
     assert len(checkpoints) == 3
@@ -90,8 +97,15 @@ def test_scorer_gives_risk_and_reasons_for_the_failing_gpu(tiny_model, tiny: Dat
     ev = tiny.events[tiny.events["ts_ms"] <= until]
     scorer.update(s[:hi], ev, now_ms=until)
     out = scorer.score()
-    assert list(out.columns) == ["node", "gpu", "risk", "alarm", "reasons", "last_seen_ms",
-                                 "staleness_s"]
+    assert list(out.columns) == [
+        "node",
+        "gpu",
+        "risk",
+        "alarm",
+        "reasons",
+        "last_seen_ms",
+        "staleness_s",
+    ]
     assert len(out) == 32 and out["risk"].between(0, 1).all()
     row = out[(out["node"] == "sim-node-0002") & (out["gpu"] == 0)].iloc[0]
     assert row["risk"] >= out["risk"].median()

@@ -1,0 +1,65 @@
+"""`forewarn train` and `forewarn evaluate` end to end on the tiny fleet."""
+
+from __future__ import annotations
+
+import json
+
+from forewarn.cli import main
+
+
+def test_train_then_evaluate_json_and_png(tiny_dir, tmp_path, capsys) -> None:
+    out = tmp_path / "models"
+    assert (
+        main(
+            ["train", "--data", str(tiny_dir), "--out", str(out), "--rounds", "20", "--no-progress"]
+        )
+        == 0
+    )
+    assert list(out.glob("*.json")) and list(out.glob("*.lgb.txt"))
+    capsys.readouterr()
+    png = tmp_path / "curve.png"
+    assert (
+        main(
+            ["evaluate", "--data", str(tiny_dir), "--model", str(out), "--json", "--plot", str(png)]
+        )
+        == 0
+    )
+    report = json.loads(capsys.readouterr().out)
+    assert set(report) >= {"model", "baseline", "threshold"}
+    for side in ("model", "baseline"):
+        for key in (
+            "recall",
+            "false_alarms_per_1000_gpu_days",
+            "lead_time_median_s",
+            "pr_auc",
+            "by_kind",
+        ):
+            assert key in report[side]
+    assert report["model"]["failures"] >= 7
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (
+        main(
+            [
+                "evaluate",
+                "--data",
+                str(tiny_dir),
+                "--model",
+                str(out),
+                "--plot",
+                "",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
+    text = capsys.readouterr().out
+    assert "baseline" in text and "memory" in text
+
+
+def test_evaluate_refuses_a_directory_that_is_not_a_dataset(tmp_path, tiny_model_path) -> None:
+    assert (
+        main(
+            ["evaluate", "--data", str(tmp_path), "--model", str(tiny_model_path), "--no-progress"]
+        )
+        == 2
+    )
