@@ -18,6 +18,7 @@ travels in one pickled *meta* blob.
 
 from __future__ import annotations
 
+import array
 import pickle
 import random
 from collections.abc import Sequence
@@ -169,16 +170,20 @@ class Registry:
 
 def capture_rank_state(step: int, data: DataPosition | None) -> bytes:
     """This rank's own state at a step boundary, pickled (a few KB)."""
+    version, mt, gauss = random.getstate()
+    np_state: Any = np.random.get_state()
+    np_name, np_key, np_pos, np_has, np_cached = np_state
     state: dict[str, Any] = {
         "step": step,
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
+        # Flat byte strings pickle as one copy; a 625-int tuple pickles int by int.
+        "python": (version, array.array("Q", mt).tobytes(), gauss),
+        "numpy": (np_name, np_key.tobytes(), np_pos, np_has, np_cached),
+        "torch": torch.get_rng_state().numpy().tobytes(),
         "cuda": None,
         "data": None if data is None else data.state_dict(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
+        state["cuda"] = torch.cuda.get_rng_state().numpy().tobytes()
     return pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
 
 
@@ -189,11 +194,14 @@ def restore_rank_state(blob: bytes, data: DataPosition | None) -> int:
     the source's random stream.
     """
     state = pickle.loads(blob)
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
+    version, mt, gauss = state["python"]
+    random.setstate((version, tuple(array.array("Q", mt)), gauss))
+    np_name, np_key, np_pos, np_has, np_cached = state["numpy"]
+    key = np.frombuffer(np_key, dtype=np.uint32).copy()
+    np.random.set_state((np_name, key, np_pos, np_has, np_cached))
+    torch.set_rng_state(torch.frombuffer(bytearray(state["torch"]), dtype=torch.uint8))
     if state["cuda"] is not None:
-        torch.cuda.set_rng_state(state["cuda"])
+        torch.cuda.set_rng_state(torch.frombuffer(bytearray(state["cuda"]), dtype=torch.uint8))
     if data is not None and state["data"] is not None:
         data.load_state_dict(state["data"])
     return int(state["step"])
