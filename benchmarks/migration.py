@@ -172,7 +172,7 @@ def overhead(steps: int = 60) -> tuple[float, float, float]:
     )
     torch.manual_seed(0)
     model = torch.nn.Sequential(
-        torch.nn.Linear(256, 256), torch.nn.Tanh(), torch.nn.Linear(256, 256)
+        torch.nn.Linear(1024, 1024), torch.nn.Tanh(), torch.nn.Linear(1024, 1024)
     )
     opt = torch.optim.Adam(model.parameters())
     job = Job(store=store, slot=0, world_size=1, initial_rank=0, timeout_s=30)
