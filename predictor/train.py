@@ -10,10 +10,13 @@
    and a validation group (``val_node_frac``, whole nodes, so node-mates and node-scope failures
    do not straddle), and time is cut at ``val_from`` of each dataset: training rows end one
    horizon before the cut (their labels look one horizon ahead), validation rows start at it.
-3. The trees are fitted with the positives re-weighted to a tenth of the negatives' weight
-   (class imbalance).
-4. The validation rows are replayed again in full (every step, every validation GPU), scored,
-   and an isotonic map from booster output to observed failure frequency is fitted on them;
+3. One booster per training target "a failure within T" (``label_horizons_s``, default the
+   horizon H alone; wider targets teach the whole precursor ramp of long-lead kinds), each
+   fitted with the positives re-weighted to a tenth of the negatives' weight (class
+   imbalance). Training rows stop the widest T before the cut.
+4. The validation rows are replayed again in full (every step, every validation GPU) and
+   scored by every booster; the one of best event-level recall (failures with precursors)
+   within the false-alarm budget is kept (the card lists every candidate), and an isotonic map from booster output to observed failure frequency is fitted on them;
    the alarm threshold is the one of best event-level recall whose false alarms stay within
    ``max_false_alarms`` per 1,000 GPU-days on that validation replay.
 """
@@ -60,6 +63,11 @@ class TrainConfig:
     max_false_alarms: float = 2.0
     rounds: int = DEFAULT_ROUNDS
     seed: int = 0
+    # Training targets tried: "a failure within T" for each T; each gives one booster, all
+    # are scored on the validation replay and the one of best event-level recall at the
+    # false-alarm budget is kept (a wider T teaches the whole precursor ramp of long-lead
+    # kinds; the evaluation's definition — alarm L..H before — never changes).
+    label_horizons_s: tuple[float, ...] = (1800.0,)
 
 
 def _cols(*names: str) -> list[int]:
@@ -116,22 +124,25 @@ def collect(
     labeller = Labeller(fails, cfg.horizon_s)
     rng = np.random.default_rng(cfg.seed)
     cut = _cut_ms(ds, cfg)
-    out: dict[str, list[np.ndarray]] = {k: [] for k in ("x", "y", "w", "ts_ms")}
+    # training labels look up to the widest target ahead: stop that long before the cut
+    reach_s = max(cfg.horizon_s, *cfg.label_horizons_s)
+    out: dict[str, list[np.ndarray]] = {k: [] for k in ("x", "y", "w", "ts_ms", "until_s")}
 
     def sink(now_ms: int, state: FleetState) -> None:
-        if state.size == 0 or now_ms > cut - cfg.horizon_s * 1000:
+        if state.size == 0 or now_ms > cut - reach_s * 1000:
             return
         x = compute(state, now_ms)
         lab = labeller.at(state, now_ms)
         is_val = _node_in_val(state.nodes, cfg.val_node_frac, cfg.seed)[state.node_of[: state.size]]
         rate = np.where(activity(x), cfg.active_rate, cfg.quiet_rate)
-        rate = np.where(lab.until_s <= cfg.context_s, 1.0, rate)
+        rate = np.where(lab.until_s <= max(cfg.context_s, *cfg.label_horizons_s), 1.0, rate)
         keep = lab.keep & ~is_val & (rng.random(state.size) < rate)
         idx = np.flatnonzero(keep)
         out["x"].append(x[idx])
         out["y"].append(lab.y[idx])
         out["w"].append(1.0 / rate[idx])
         out["ts_ms"].append(np.full(len(idx), now_ms, dtype=np.int64))
+        out["until_s"].append(lab.until_s[idx])
 
     replay(ds, sink, step_s=cfg.step_s, progress=progress)
     return {k: np.concatenate(v) if v else np.zeros(0) for k, v in out.items()}
@@ -171,16 +182,25 @@ def train(
             collect(ds, cfg, None if progress is None else lambda n: progress("collect", n))
         )
         del ds
-    x = np.vstack([p["x"] for p in parts])
+    x = np.vstack([p["x"] for p in parts]).astype(np.float32)
     y = np.concatenate([p["y"] for p in parts]).astype(np.int8)
-    w = np.concatenate([p["w"] for p in parts])
+    w0 = np.concatenate([p["w"] for p in parts])
+    until = np.concatenate([p["until_s"] for p in parts])
+    del parts
     if not len(y) or y.sum() == 0:
         raise InvalidInput("no failure within the horizon on the training side of the split")
-    w = np.where(y == 1, w * 0.1 * w[y == 0].sum() / w[y == 1].sum(), w)
-    booster = fit_booster(x, y, w, rounds=cfg.rounds, seed=cfg.seed)
-    uncalibrated = RiskModel(booster, np.zeros(0), np.zeros(0), 0.5)
+    scorers: dict[str, Callable[[np.ndarray], np.ndarray]] = {}
+    boosters = {}
+    for h in sorted(set(cfg.label_horizons_s)):
+        yh = (until <= h).astype(np.int8) if h != cfg.horizon_s else y
+        if yh.sum() == 0:
+            continue
+        w = np.where(yh == 1, w0 * 0.1 * w0[yh == 0].sum() / w0[yh == 1].sum(), w0)
+        b = fit_booster(x, yh, w, rounds=cfg.rounds, seed=cfg.seed)
+        boosters[_cand(h)] = (h, b)
+        scorers[_cand(h)] = RiskModel(b, np.zeros(0), np.zeros(0), 0.5).raw
 
-    tables, raws, labels = [], [], []
+    tables: list[Any] = []
     for d in datasets:
         ds = _open(d)
         cut = _cut_ms(ds, cfg)
@@ -191,17 +211,34 @@ def train(
 
         scored = score_dataset(
             ds,
-            {"raw": uncalibrated.raw},
+            scorers,
             step_s=cfg.step_s,
             horizon_s=cfg.horizon_s,
             select=select,
             progress=None if progress is None else lambda n: progress("validate", n),
         )
-        raws.append(scored.rows["raw"].to_numpy())
-        labels.append(scored.rows["y"].to_numpy())
         tables.append(scored)
         del ds
-    raw_all, y_all = np.concatenate(raws), np.concatenate(labels)
+    params = evaluate.Params(cfg.lead_min_s, cfg.horizon_s, cfg.merge_s)
+    joined = _join(tables, cfg.horizon_s)
+    table = evaluate.ScoreTable(joined[0], joined[1], step_s=cfg.step_s, params=params)
+    # Sweep the raw score (finer than the stepwise calibrated one), report the risk.
+    candidates: dict[str, dict[str, Any]] = {}
+    for name in boosters:
+        thr = evaluate.choose_threshold(evaluate.curve(table, name), cfg.max_false_alarms)
+        m = evaluate.metrics(table, name, thr)
+        candidates[name] = {
+            "label_horizon_s": boosters[name][0],
+            "raw_threshold": thr,
+            **{k: m.get(k) for k in _BRIEF},
+        }
+        candidates[name]["within_budget"] = bool(
+            (m.get("false_alarms_per_1000_gpu_days") or 0.0) <= cfg.max_false_alarms
+        )
+    chosen = max(candidates, key=lambda k: _rank(candidates[k]))
+    booster = boosters[chosen][1]
+    table.rows["raw"] = table.rows[chosen]
+    raw_all, y_all = table.rows["raw"].to_numpy(), table.rows["y"].to_numpy()
     iso = IsotonicRegression(y_min=0.0, y_max=1.0, out_of_bounds="clip", increasing=True)
     if 0 < y_all.sum() < len(y_all):
         iso.fit(raw_all, y_all)
@@ -209,13 +246,7 @@ def train(
     else:  # no failure in validation: keep the booster's own probabilities
         cx, cy = np.array([0.0, 1.0]), np.array([0.0, 1.0])
     model = RiskModel(booster, cx, cy, 0.5)
-
-    params = evaluate.Params(cfg.lead_min_s, cfg.horizon_s, cfg.merge_s)
-    joined = _join(tables, cfg.horizon_s)
-    table = evaluate.ScoreTable(joined[0], joined[1], step_s=cfg.step_s, params=params)
-    # Sweep the raw score (finer than the stepwise calibrated one), report the risk.
-    points = evaluate.curve(table, "raw")
-    raw_thr = evaluate.choose_threshold(points, cfg.max_false_alarms)
+    raw_thr = float(candidates[chosen]["raw_threshold"])
     model.threshold = float(model.calibrate(np.array([raw_thr]))[0])
     table.rows["risk"] = model.calibrate(table.rows["raw"].to_numpy())
     val_model = evaluate.metrics(table, "raw", raw_thr)
@@ -223,7 +254,29 @@ def train(
     val_base = evaluate.metrics(table, "baseline", baseline.THRESHOLD)
     model.card = _card(manifests, cfg, model, len(y), int(y.sum()), val_model, val_base)
     model.card["raw_threshold"] = raw_thr
+    model.card["training"]["label_horizon_s"] = boosters[chosen][0]
+    model.card["metrics"]["validation_candidates"] = candidates
     return model
+
+
+_BRIEF = ("recall", "recall_with_precursors", "false_alarms_per_1000_gpu_days", "pr_auc")
+
+
+def _cand(h: float) -> str:
+    return f"raw_h{int(h)}"
+
+
+def _rank(m: dict[str, Any]) -> tuple[float, float, float]:
+    """Best validation recall (with precursors, then all) within the budget, then PR-AUC."""
+
+    def num(v: Any) -> float:
+        return float(v) if v is not None and np.isfinite(v) else 0.0
+
+    return (
+        float(m["within_budget"]),
+        num(m["recall_with_precursors"]),
+        num(m["recall"]) + 1e-3 * num(m["pr_auc"]),
+    )
 
 
 def _join(tables: list[Any], horizon_s: float) -> tuple[pd.DataFrame, pd.DataFrame]:

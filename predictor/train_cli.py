@@ -37,6 +37,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=2.0,
         help="false alarms per 1,000 GPU-days the threshold may cost on validation",
     )
+    parser.add_argument(
+        "--label-horizon-s",
+        type=float,
+        action="append",
+        metavar="S",
+        help="training target 'failure within S' (repeat: one booster each, the best on "
+        "validation is kept; default: the horizon H)",
+    )
     parser.add_argument("--rounds", type=int, default=TrainConfig.rounds, help="boosting rounds")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -50,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
         max_false_alarms=args.max_false_alarms,
         rounds=args.rounds,
         seed=args.seed,
+        label_horizons_s=tuple(args.label_horizon_s or (args.horizon_s,)),
     )
     try:
         datasets = list(args.data)

@@ -38,7 +38,13 @@ def tiny(tiny_dir: Path) -> Dataset:
 
 
 TINY_CONFIG = TrainConfig(
-    rounds=40, val_node_frac=0.5, val_from=0.5, active_rate=0.5, quiet_rate=0.05, seed=3
+    rounds=40,
+    val_node_frac=0.5,
+    val_from=0.5,
+    active_rate=0.5,
+    quiet_rate=0.05,
+    seed=3,
+    label_horizons_s=(1800.0, 3600.0),
 )
 
 

@@ -113,3 +113,15 @@ def test_scorer_gives_risk_and_reasons_for_the_failing_gpu(tiny_model, tiny: Dat
     assert 1 <= len(hottest["reasons"]) <= 3
     assert all(isinstance(r, str) and r for r in hottest["reasons"])
     assert out["reasons"].map(len).max() <= 3
+
+
+def test_card_keeps_the_best_validation_candidate(tiny_model) -> None:
+    """One booster per training target; the card names each and the kept one ranks first."""
+    cands = tiny_model.card["metrics"]["validation_candidates"]
+    assert set(cands) == {"raw_h1800", "raw_h3600"}
+    kept = f"raw_h{int(tiny_model.card['training']['label_horizon_s'])}"
+    assert kept in cands
+    key = ("within_budget", "recall_with_precursors")
+    best = max(tuple(float(cands[c][k] or 0.0) for k in key) for c in cands)
+    assert tuple(float(cands[kept][k] or 0.0) for k in key) == best
+    assert tiny_model.card["raw_threshold"] == cands[kept]["raw_threshold"]
