@@ -16,8 +16,9 @@
    imbalance). Training rows stop the widest T before the cut.
 4. The validation rows are replayed again in full (every step, every validation GPU) and
    scored by every booster; the one of best event-level recall (failures with precursors)
-   within the false-alarm budget is kept (the card lists every candidate), and an isotonic map from booster output to observed failure frequency is fitted on them;
-   the alarm threshold is the one of best event-level recall whose false alarms stay within
+   within the false-alarm budget is kept (the card lists every candidate), and an isotonic
+   map from its output to observed failure frequency is fitted on them; the alarm threshold
+   is the one of best event-level recall whose false alarms stay within
    ``max_false_alarms`` per 1,000 GPU-days on that validation replay.
 """
 
@@ -42,7 +43,7 @@ from predictor.features import FEATURE_NAMES, compute
 from predictor.labels import Labeller, failure_table
 from predictor.model import DEFAULT_PARAMS, DEFAULT_ROUNDS, RiskModel, fit_booster
 from predictor.scored import score_dataset
-from predictor.state import FleetState
+from predictor.state import FleetState, SampleBlock
 
 __all__ = ["TrainConfig", "activity", "collect", "split_masks", "train"]
 
@@ -148,6 +149,12 @@ def collect(
     return {k: np.concatenate(v) if v else np.zeros(0) for k, v in out.items()}
 
 
+def _empty(block: SampleBlock) -> SampleBlock:
+    return SampleBlock(
+        *(np.array(a[:0]) for a in (block.ts_ms, block.node, block.gpu, block.values))
+    )
+
+
 def _open(d: Dataset | str | Path) -> Dataset:
     return d if isinstance(d, Dataset) else load_dataset(d)
 
@@ -176,7 +183,14 @@ def train(
     for d in datasets:
         ds = _open(d)
         manifests.append(
-            Dataset(ds.path, ds.manifest, ds.samples[0:0], ds.events[:0], ds.failures[:0])
+            # copies: a slice would keep the whole sample arrays of every fleet alive
+            Dataset(
+                ds.path,
+                ds.manifest,
+                _empty(ds.samples),
+                ds.events[:0].copy(),
+                ds.failures[:0].copy(),
+            )
         )
         parts.append(
             collect(ds, cfg, None if progress is None else lambda n: progress("collect", n))
