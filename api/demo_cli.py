@@ -124,7 +124,10 @@ def run(args: argparse.Namespace) -> int:
                         str(example),
                     ],
                 )
-                job_note = "demo-gpt: 2 ranks + 1 spare (examples/train_gpt.py)"
+                job_note = (
+                    "demo-gpt: 2 ranks + 1 spare (examples/train_gpt.py); move a rank with\n"
+                    "              forewarn migrate --job demo-gpt --rank 1 --wait"
+                )
             else:
                 job_note = "not started (examples/train_gpt.py is missing)"
         print(
