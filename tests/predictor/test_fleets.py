@@ -1,0 +1,28 @@
+"""The fleets the default model is trained and judged on."""
+
+from __future__ import annotations
+
+from collector.sim import default_params
+from predictor.fleets import EVALUATION, TRAINING, Fleet, make
+
+
+def test_training_fleets_fail_more_and_evaluation_fleets_keep_the_calibrated_rate() -> None:
+    calibrated = default_params()["hazard"]["fleet_mttf_h"]
+    for f in TRAINING:
+        params, interval_s = f.params()
+        assert params["hazard"]["fleet_mttf_h"] < calibrated / 5
+        assert interval_s >= 30.0
+    for f in EVALUATION:
+        params, _ = f.params()
+        assert params["hazard"]["fleet_mttf_h"] == calibrated
+    assert {f.seed for f in TRAINING}.isdisjoint({f.seed for f in EVALUATION})
+    settings = {f.setting for f in TRAINING}
+    assert settings == {"default", "randomised"}
+
+
+def test_make_writes_a_dataset_once(tmp_path) -> None:
+    small = Fleet("t", "default", 5, gpus=8, days=0.02)
+    path = make(small, tmp_path)
+    first = (path / "manifest.json").stat().st_mtime_ns
+    assert make(small, tmp_path) == path
+    assert (path / "manifest.json").stat().st_mtime_ns == first
