@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from forewarn.errors import ForewarnError, InvalidInput, NotFound
+from forewarn.localhttp import JsonHandler
 
 if TYPE_CHECKING:
     from migrator.agent import Agent
@@ -65,53 +66,38 @@ def read_job_file(job_id: str) -> dict[str, Any]:
 
 
 def _handler(agent: Agent) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, format: str, *args: Any) -> None:  # quiet by default
-            pass
-
-        def _send(self, status: int, body: Any) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def _error(self, exc: ForewarnError) -> None:
-            self._send(exc.status, exc.to_json())
-
+    class Handler(JsonHandler):
         def do_GET(self) -> None:
             try:
                 if self.path == "/v1/job":
                     body = agent.registration().model_dump(mode="json")
                     body.update(status=agent.status, message=agent.message, generation=agent.gen)
-                    self._send(200, body)
+                    self.send_json(200, body)
                 elif self.path == "/v1/migrations":
                     data = [r.model_dump(mode="json") for r in agent.reports]
-                    self._send(200, {"data": data, "count": len(data)})
+                    self.send_json(200, {"data": data, "count": len(data)})
                 elif self.path.startswith("/v1/migrations/"):
                     mid = self.path.rsplit("/", 1)[1]
                     for r in agent.reports:
                         if r.migration_id == mid:
-                            self._send(200, r.model_dump(mode="json"))
+                            self.send_json(200, r.model_dump(mode="json"))
                             return
                     m = agent.inflight
                     if m is not None and m.migration_id == mid:
-                        self._send(202, {"migration_id": mid, "status": "in_progress"})
+                        self.send_json(202, {"migration_id": mid, "status": "in_progress"})
                         return
                     raise NotFound(f"no migration {mid!r}")
                 else:
                     raise NotFound(f"no route {self.path}")
             except ForewarnError as exc:
-                self._error(exc)
+                self.send_error_json(exc)
 
         def do_POST(self) -> None:
             try:
                 if self.path != "/v1/migrations":
                     raise NotFound(f"no route {self.path}")
-                length = int(self.headers.get("Content-Length") or 0)
+                body = self.read_json()
                 try:
-                    body = json.loads(self.rfile.read(length) or b"{}")
                     rank = int(body["rank"])
                 except (ValueError, KeyError, TypeError) as exc:
                     raise InvalidInput(f"expected JSON with an integer 'rank' ({exc})") from None
@@ -122,11 +108,11 @@ def _handler(agent: Agent) -> type[BaseHTTPRequestHandler]:
                     job_id=body.get("job_id"),
                     detail=body.get("detail"),
                 )
-                self._send(202, {"migration_id": mid, "status": "accepted"})
+                self.send_json(202, {"migration_id": mid, "status": "accepted"})
             except ValueError as exc:
-                self._error(InvalidInput(str(exc)))
+                self.send_error_json(InvalidInput(str(exc)))
             except ForewarnError as exc:
-                self._error(exc)
+                self.send_error_json(exc)
 
     return Handler
 

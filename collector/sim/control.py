@@ -17,13 +17,12 @@ service) with the status of the
 
 from __future__ import annotations
 
-import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
 
 from collector.simulated import SimulatedSource
 from forewarn.errors import ForewarnError, InvalidInput, NotFound
+from forewarn.localhttp import JsonHandler
 
 __all__ = ["ControlServer"]
 
@@ -59,40 +58,25 @@ class ControlServer:
 
 
 def _handler(source: SimulatedSource) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(JsonHandler):
         server_version = "forewarn-sim"
-
-        def log_message(self, format: str, *args: Any) -> None:  # quiet by default
-            pass
-
-        def _send(self, status: int, body: Any) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def _error(self, exc: ForewarnError) -> None:
-            self._send(exc.status, exc.to_json())
 
         def do_GET(self) -> None:
             if self.path == "/healthz":
-                self._send(200, {"ok": True})
+                self.send_json(200, {"ok": True})
             elif self.path == "/status":
-                self._send(200, source.status())
+                self.send_json(200, source.status())
             elif self.path == "/failures":
-                self._send(200, {"data": source.failures()})
+                self.send_json(200, {"data": source.failures()})
             else:
-                self._error(NotFound(f"no route {self.path}"))
+                self.send_error_json(NotFound(f"no route {self.path}"))
 
         def do_POST(self) -> None:
             if self.path != "/inject":
-                self._error(NotFound(f"no route {self.path}"))
+                self.send_error_json(NotFound(f"no route {self.path}"))
                 return
             try:
-                length = int(self.headers.get("Content-Length") or 0)
-                body = json.loads(self.rfile.read(min(length, 65536)) or b"{}")
+                body = self.read_json()
                 if not isinstance(body, dict) or not {"node", "gpu", "kind"} <= body.keys():
                     raise InvalidInput('expected {"node", "gpu", "kind"} and optional "lead_s"')
                 lead = body.get("lead_s")
@@ -103,11 +87,11 @@ def _handler(source: SimulatedSource) -> type[BaseHTTPRequestHandler]:
                     None if lead is None else float(lead),
                 )
             except ForewarnError as exc:
-                self._error(exc)
+                self.send_error_json(exc)
                 return
             except (ValueError, TypeError) as exc:
-                self._error(InvalidInput(f"bad inject request: {exc}"))
+                self.send_error_json(InvalidInput(f"bad inject request: {exc}"))
                 return
-            self._send(200, result)
+            self.send_json(200, result)
 
     return Handler
