@@ -222,7 +222,8 @@ class Placement(_Wire):
     node: Name
     gpu: int | None = Field(default=None, ge=0, le=255)
     pid: int | None = None
-    role: Literal["active", "spare"] = "active"
+    role: Literal["active", "spare", "retired"] = "active"
+    """``retired``: no longer serves the job (the source of a completed migration)."""
 
 
 class JobRegistration(_Wire):

@@ -76,6 +76,13 @@ class AgentConfig:
     node: str = field(default_factory=lambda: socket.gethostname().split(".")[0] or "localhost")
 
 
+_PLACEMENT_ROLE: dict[str, Literal["active", "spare", "retired"]] = {
+    "active": "active",
+    "assigned": "active",
+    "spare": "spare",
+}
+
+
 @dataclass
 class Slot:
     """One process of the job."""
@@ -86,9 +93,8 @@ class Slot:
     rank: int | None = None
 
     def placement(self, node: str, backend: str) -> Placement:
-        role: Literal["active", "spare"] = (
-            "active" if self.role in ("active", "assigned") else "spare"
-        )
+        # A retired, done or dead slot no longer serves the job: a migration's source ends so.
+        role = _PLACEMENT_ROLE.get(self.role, "retired")
         gpu = self.index if backend == "nccl" else None
         pid = self.proc.pid if self.proc else None
         return Placement(

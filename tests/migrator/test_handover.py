@@ -40,6 +40,11 @@ def test_preventive_then_planned_is_bitwise_identical(base_ddp: Run, tmp_path: P
         (1, "completed", 26, 0),
     ]
     assert all(r.bytes_moved and r.bytes_moved > 0 and r.pause_s is not None for r in run.reports)
+    # The source of a completed move is retired, not offered back as a spare.
+    assert [(r.source and r.source.role, r.target and r.target.role) for r in run.reports] == [
+        ("retired", "active"),
+        ("retired", "active"),
+    ]
     # The steps before the handover ran in the sources, the steps after in the spares.
     pids = {(row["rank"], row["step"]): row["pid"] for row in run.steps().values()}
     assert pids[(0, 10)] != pids[(0, 11)] and pids[(1, 25)] != pids[(1, 26)]
@@ -62,6 +67,7 @@ def test_source_killed_mid_transfer_then_rank_killed_mid_step(
     assert (first.rank, first.outcome, first.step) == (0, "completed", 5)
     assert first.error and "replica" in first.error
     assert (second.rank, second.outcome, second.step, second.steps_lost) == (1, "completed", 15, 1)
+    assert second.source and second.source.role == "retired"  # killed, not a spare
 
 
 def test_rank0_migrated_twice_with_a_reused_spare_plain_loop(
