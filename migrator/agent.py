@@ -1,6 +1,6 @@
 """The job agent: starts the ranks and the warm spares, hosts the store, moves ranks.
 
-One :class:`Agent` per job (per node, see ``docs/migration.md`` for several nodes). It
+One :class:`Agent` per job, on one host (``docs/migration.md`` on several nodes). It
 
 - hosts the rendezvous ``TCPStore`` in its own process, so the store never dies with a rank;
 - starts ``nproc`` active processes and ``spares`` warm spares of the same command, each
