@@ -109,14 +109,7 @@ def create_app(settings: Settings | None = None, *, store: Store | None = None) 
         store: Store | None = request.app.state.store
         if store is not None:
             with contextlib.suppress(Exception):
-                metrics.gpus.set(await asyncio.to_thread(_gpu_count, store))
+                metrics.gpus.set(await asyncio.to_thread(store.gpu_count))
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
-
-
-def _gpu_count(store: Store) -> int:
-    from sqlalchemy import text
-
-    with store.engine.connect() as connection:
-        return int(connection.execute(text("SELECT COUNT(*) FROM gpus")).scalar_one())

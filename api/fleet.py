@@ -9,7 +9,6 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any
 
-import numpy as np
 import orjson
 import pandas as pd
 from anyio import to_thread
@@ -116,14 +115,9 @@ async def gpu_samples(
             raise InvalidInput(str(exc)) from None
 
     frame = await to_thread.run_sync(read)
-    if frame.empty and not await to_thread.run_sync(lambda: _known(store, node, gpu)):
+    if frame.empty and not await to_thread.run_sync(lambda: store.has_gpu(node=node, gpu=gpu)):
         raise NotFound(f"no GPU {gpu} on node '{node}'")
     return _page(frame_records(frame))
-
-
-def _known(store: Any, node: str, gpu: int) -> bool:
-    frame = store.latest_samples(node=node)
-    return bool(np.any(frame["gpu"].to_numpy() == gpu)) if not frame.empty else False
 
 
 @router.get("/v1/events", summary="Events (Xids, lost GPUs, resets), newest first")

@@ -153,6 +153,14 @@ class Store:
         with self.engine.connect() as c:
             return reads.read_events(c, **kwargs)
 
+    def gpu_count(self) -> int:
+        with self.engine.connect() as c:
+            return reads.gpu_count(c)
+
+    def has_gpu(self, *, node: str, gpu: int) -> bool:
+        with self.engine.connect() as c:
+            return reads.has_gpu(c, node=node, gpu=gpu)
+
     def nodes(self) -> list[dict[str, Any]]:
         with self.engine.connect() as c:
             return reads.nodes(c)

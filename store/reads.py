@@ -23,7 +23,16 @@ from store.schema import (
     SAMPLE_COLUMNS,
 )
 
-__all__ = ["FRAME_COLUMNS", "fleet_window", "gpu_window", "latest_samples", "nodes", "read_events"]
+__all__ = [
+    "FRAME_COLUMNS",
+    "fleet_window",
+    "gpu_count",
+    "gpu_window",
+    "has_gpu",
+    "latest_samples",
+    "nodes",
+    "read_events",
+]
 
 FRAME_COLUMNS: tuple[str, ...] = ("ts_ms", "node", "gpu", *SAMPLE_COLUMNS[3:])
 """Column order of every sample frame."""
@@ -167,3 +176,13 @@ def _time_filter(params: dict[str, Any], since_ms: int | None, until_ms: int | N
         sql += " AND ts_ms < :until_ms"
         params["until_ms"] = until_ms
     return sql
+
+
+def gpu_count(connection: Connection) -> int:
+    """GPUs with at least one stored sample (a key count of the registry)."""
+    return int(connection.execute(text("SELECT COUNT(*) FROM gpus")).scalar_one())
+
+
+def has_gpu(connection: Connection, *, node: str, gpu: int) -> bool:
+    sql = "SELECT 1 FROM gpus WHERE node = :node AND gpu = :gpu"
+    return connection.execute(text(sql), {"node": node, "gpu": gpu}).first() is not None
