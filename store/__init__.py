@@ -25,7 +25,7 @@ from sqlalchemy import Connection, Engine, text
 from forewarn.errors import StoreUnavailable
 from store import reads, writes
 from store.engine import default_database_url, make_engine
-from store.migrate import current_revision, head_revision, upgrade
+from store.migrate import current_heads, head_revisions, upgrade
 from store.writer import GroupWriter
 
 __all__ = ["Store", "default_database_url"]
@@ -61,7 +61,7 @@ class Store:
         upgrade(self.engine)
 
     def schema_is_current(self) -> bool:
-        return current_revision(self.engine) == head_revision()
+        return current_heads(self.engine) == head_revisions()
 
     def ping(self) -> None:
         with self.engine.connect() as connection:

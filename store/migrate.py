@@ -2,6 +2,10 @@
 
 The service calls it at start-up, so a fresh SQLite file or an empty PostgreSQL database is
 usable at once and an older one is brought forward. Revisions live in ``store/migrations``.
+
+Each room that owns tables (the control loop, webhooks, storage tiers) keeps its own branch of
+revisions off ``0002``; ``upgrade`` brings every branch to its head, and the schema is current
+when the database stands at every head.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Engine
 
-__all__ = ["alembic_config", "current_revision", "head_revision", "upgrade"]
+__all__ = ["alembic_config", "current_heads", "head_revisions", "upgrade"]
 
 _SCRIPTS = Path(__file__).with_name("migrations")
 
@@ -25,17 +29,19 @@ def alembic_config() -> Config:
     return config
 
 
-def upgrade(engine: Engine, revision: str = "head") -> None:
+def upgrade(engine: Engine, revision: str = "heads") -> None:
     with engine.begin() as connection:
         config = alembic_config()
         config.attributes["connection"] = connection
         command.upgrade(config, revision)
 
 
-def head_revision() -> str | None:
-    return ScriptDirectory.from_config(alembic_config()).get_current_head()
+def head_revisions() -> frozenset[str]:
+    """The newest revision of every branch."""
+    return frozenset(ScriptDirectory.from_config(alembic_config()).get_heads())
 
 
-def current_revision(engine: Engine) -> str | None:
+def current_heads(engine: Engine) -> frozenset[str]:
+    """The revisions the database stands at (one per branch)."""
     with engine.connect() as connection:
-        return MigrationContext.configure(connection).get_current_revision()
+        return frozenset(MigrationContext.configure(connection).get_current_heads())

@@ -39,6 +39,7 @@ __all__ = [
     "events",
     "gpus",
     "metadata",
+    "outbox",
     "samples",
 ]
 
@@ -139,3 +140,20 @@ agents = Table(
     Column("interval_s", Float),
     PrimaryKeyConstraint("node", "agent_id", name="pk_agents"),
 )
+
+outbox = Table(
+    "outbox",
+    metadata,
+    Column(
+        "seq", BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True
+    ),
+    Column("id", String(48), nullable=False),
+    Column("type", String(64), nullable=False),
+    Column("ts_ms", BigInteger, nullable=False),
+    Column("job_id", String(253)),
+    Column("node", String(253)),
+    Column("data", Text, nullable=False),
+    UniqueConstraint("id", name="uq_outbox_id"),
+    Index("ix_outbox_ts", "ts_ms"),
+)
+"""Every announced event (see ``store.outbox``); ``seq`` is the dispatchers' arrival cursor."""
