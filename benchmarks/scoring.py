@@ -20,11 +20,11 @@ import pandas as pd
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from collector.sim import generate_dataset  # noqa: E402
 from forewarn.errors import NotFound  # noqa: E402
 from predictor import registry  # noqa: E402
 from predictor.scoring import Scorer  # noqa: E402
 from predictor.train import TrainConfig, train  # noqa: E402
+from sim import generate_dataset  # noqa: E402
 
 GPUS = 16_384
 WARM_TICKS = 60

@@ -2,7 +2,7 @@
 
 In one run:
 
-(a) generate: ``collector.sim.generate_dataset`` — the fleet model stepped 8,640 times and
+(a) generate: ``sim.generate_dataset`` — the fleet model stepped 8,640 times and
     every row written (samples, events, failures, manifest);
 (b) baseline: writing the same sample rows, already in memory as an Arrow table, to Parquet
     with the same compression — the floor any generator that writes this format pays;
@@ -30,8 +30,8 @@ if str(ROOT) not in sys.path:
 import pyarrow.dataset as pads  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 
-from collector.sim import FleetModel, generate_dataset, load_params  # noqa: E402
-from collector.simulated import SimulatedSource  # noqa: E402
+from sim import FleetModel, generate_dataset, load_params  # noqa: E402
+from sim.source import SimulatedSource  # noqa: E402
 
 
 def main() -> None:

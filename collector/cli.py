@@ -126,7 +126,7 @@ def _primary(args: argparse.Namespace) -> Source:
 
         return DcgmExporterSource(args.url, node=args.node)
     if kind == "simulated":
-        from collector.simulated import SimulatedSource
+        from sim.source import SimulatedSource
 
         return SimulatedSource(args.sim_gpus, seed=args.sim_seed, speed=args.sim_speed)
     errors = {}

@@ -31,7 +31,7 @@ class Command(NamedTuple):
 COMMANDS: dict[str, Command] = {
     "serve": Command("api.cli", "run the service (API, dashboard, control loop)"),
     "collect": Command("collector.cli", "run the node agent: read GPUs, push to the service"),
-    "simulate": Command("collector.simulate_cli", "simulate a GPU fleet: live or to a dataset"),
+    "simulate": Command("sim.cli", "simulate a GPU fleet: live or to a dataset"),
     "train": Command("predictor.train_cli", "train the failure-risk model on a dataset"),
     "evaluate": Command("predictor.evaluate_cli", "evaluate a model against the rule baseline"),
     "launch": Command("migrator.launch_cli", "start a migratable training job with spares"),

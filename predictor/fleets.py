@@ -7,7 +7,7 @@ skipping those already there. The same seeds give the same bytes.
 Training fleets only: the failure rate is raised tenfold (``hazard.fleet_mttf_h`` 7.9 h ->
 0.79 h at 1,024 GPUs) so that a fleet-week holds a few hundred failures instead of ~20; the
 physics of each failure and of the benign noise is unchanged. Randomised fleets draw every
-``[ranges]`` parameter of ``collector/sim/defaults.toml`` from their seed; their sampling
+``[ranges]`` parameter of ``sim/defaults.toml`` from their seed; their sampling
 period is coarsened to at least 30 s (the model replays in 60 s steps, and a 1 s fleet-week
 would not fit in memory). Evaluation fleets keep the calibrated failure rate and seeds never
 used in training.
@@ -20,8 +20,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from collector.sim import generate_dataset, load_params, randomised
-from collector.sim.config import Params
+from sim import generate_dataset, load_params, randomised
+from sim.config import Params
 
 __all__ = ["EVALUATION", "TRAINING", "Fleet", "make"]
 

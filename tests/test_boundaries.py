@@ -26,6 +26,18 @@ FORBIDDEN = {
         "uvicorn",
     },
     "migrator": {"api", "store", "predictor", "collector", "sqlalchemy", "fastapi", "uvicorn"},
+    "sim": {
+        "api",
+        "store",
+        "predictor",
+        "migrator",
+        "collector",
+        "torch",
+        "sqlalchemy",
+        "fastapi",
+        "uvicorn",
+        "httpx",
+    },
     "predictor": {"api", "store", "migrator", "fastapi", "sqlalchemy", "uvicorn", "torch", "httpx"},
     "store": {"api", "predictor", "migrator", "collector", "fastapi", "torch"},
     "forewarn": {
@@ -41,9 +53,10 @@ FORBIDDEN = {
         "numpy",
     },
 }
-# Modules allowed past the rule, with the reason: the simulator's dataset writer and CSV
-# converter produce Parquet datasets, which needs pandas; they never run inside the agent loop.
-ALLOWED = {("collector", "pandas"): ("collector/sim/",)}
+# Modules allowed past the rule, with the reason: ``forewarn simulate`` streams its fleet
+# through the collector's pusher (it is a collector with the simulated source) and posts to the
+# control API of a running simulator; the fleet model itself imports neither.
+ALLOWED = {("sim", "collector"): ("sim/cli.py",), ("sim", "httpx"): ("sim/cli.py",)}
 # The command dispatcher names every room as a string, and imports them lazily.
 SKIP = {"forewarn/cli.py"}
 

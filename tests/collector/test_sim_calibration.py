@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from collector.sim import FleetModel, load_params
-from collector.sim.calibration import Calibration, per_gpu_hazard_per_h, trace_mix
+from sim import FleetModel, load_params
+from sim.calibration import Calibration, per_gpu_hazard_per_h, trace_mix
 
 TRACE = Path(__file__).resolve().parents[3] / "shared" / "data" / "stepfun-fault-trace"
 

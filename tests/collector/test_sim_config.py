@@ -10,10 +10,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from collector.sim import FleetModel, default_params, load_params, randomised
-from collector.sim.config import get
-from collector.sim.fleet import PERSISTENT, VOLATILE
 from forewarn.errors import InvalidInput
+from sim import FleetModel, default_params, load_params, randomised
+from sim.config import get
+from sim.fleet import PERSISTENT, VOLATILE
 
 
 def test_overrides_change_values_never_add_keys(tmp_path: Path) -> None:

@@ -10,12 +10,12 @@ import httpx
 import pytest
 
 from collector.base import Source
-from collector.sim.control import ControlServer
-from collector.simulate_cli import parse_inject
-from collector.simulated import SimulatedSource
 from forewarn import cli
 from forewarn.errors import InvalidInput, NotFound
 from forewarn.wire import Event, EventKind, GpuSample, IngestBatch
+from sim.cli import parse_inject
+from sim.control import ControlServer
+from sim.source import SimulatedSource
 
 T0 = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 
@@ -203,8 +203,8 @@ def test_live_mode_streams_into_the_service(live_service) -> None:  # type: igno
 def test_convert_nvidia_smi_csv(tmp_path: Path) -> None:
     import pandas as pd
 
-    from collector.sim.csv_import import convert_csv
-    from collector.sim.schema import FAILURE_COLUMNS, SAMPLE_COLUMNS, sample_dtypes
+    from sim.csv_import import convert_csv
+    from sim.schema import FAILURE_COLUMNS, SAMPLE_COLUMNS, sample_dtypes
 
     data = Path(__file__).parent / "data"
     out = tmp_path / "real"

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from collector.sim import generate_dataset
 from predictor import registry
 from predictor.dataset import Dataset, load_dataset
 from predictor.model import RiskModel
 from predictor.train import TrainConfig, train
+from sim import generate_dataset
 
 # Failures with precursors on a 32-GPU fleet over 12 h, sampled every 60 s.
 INJECTIONS = [

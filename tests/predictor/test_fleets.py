@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collector.sim import default_params
 from predictor.fleets import EVALUATION, TRAINING, Fleet, make
+from sim import default_params
 
 
 def test_training_fleets_fail_more_and_evaluation_fleets_keep_the_calibrated_rate() -> None:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from collector.sim.fleet import EventRow, FleetModel
+    from sim.fleet import EventRow, FleetModel
 
 __all__ = ["app_xids", "apply", "terminal"]
 

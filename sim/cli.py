@@ -9,7 +9,7 @@
 
 Live mode posts one batch stream per node to ``POST /v1/ingest`` (token from ``--token`` or
 ``FOREWARN_INGEST_TOKEN``) through the collector's batching pusher, stamps samples with the
-wall clock, and serves the control API (``collector/sim/control.py``) on localhost so that
+wall clock, and serves the control API (``sim/control.py``) on localhost so that
 failures can be injected while it runs. ``--inject NODE:GPU:KIND[:LEAD_S][@AT_S]`` injects
 from the command line, in both modes (AT_S: seconds after the start).
 """
@@ -47,7 +47,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--randomised",
         type=int,
         metavar="SEED",
-        help="draw every parameter with a range from this seed (collector.sim.randomised)",
+        help="draw every parameter with a range from this seed (sim.randomised)",
     )
     parser.add_argument("--interval", type=float, help="sampling period, s (live default 1)")
     parser.add_argument(
@@ -102,7 +102,7 @@ def parse_inject(text: str) -> dict[str, Any]:
 
 
 def _params(args: argparse.Namespace) -> dict[str, Any]:
-    from collector.sim.config import load_params, randomised
+    from sim.config import load_params, randomised
 
     base = load_params(args.params)
     return randomised(args.randomised, base) if args.randomised is not None else base
@@ -126,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _history(args: argparse.Namespace) -> int:
-    from collector.sim.dataset import generate_dataset
+    from sim.dataset import generate_dataset
 
     params = _params(args)
     injections = [parse_inject(t) for t in args.inject]
@@ -175,7 +175,7 @@ def _inject(args: argparse.Namespace) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from collector.sim.csv_import import convert_csv
+    from sim.csv_import import convert_csv
 
     if not args.csv or not args.out:
         raise InvalidInput("convert-csv needs --csv FILE and --out DIR")
@@ -192,9 +192,9 @@ def _convert(args: argparse.Namespace) -> int:
 
 def _live(args: argparse.Namespace) -> int:
     from collector.push import BatchingPusher, IngestClient
-    from collector.sim.control import ControlServer
-    from collector.simulated import SimulatedSource
     from forewarn.wire import AgentStatus
+    from sim.control import ControlServer
+    from sim.source import SimulatedSource
 
     token = args.token or os.environ.get("FOREWARN_INGEST_TOKEN")
     if not token:

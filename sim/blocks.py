@@ -1,11 +1,6 @@
-"""Column types of the dataset format, and the buffers that turn ticks into Arrow tables.
+"""The buffers that turn the simulator's ticks into the dataset's Arrow tables and frames.
 
-Sample columns are ``ts_ms`` then every field of :class:`forewarn.wire.GpuSample` except
-``ts``, in schema order. In pandas (what ``pd.read_parquet`` gives back, thanks to the pandas
-metadata stored in each file): strings as ``str``, floats as ``float64``, optional integers
-(counters, the throttle bitmask, link width and generation) as nullable ``Int64``, optional
-booleans as nullable ``boolean``. Fields the simulated GPU does not report (pre-Ampere
-retired pages, AMD deferred errors) are all null, as a real H100 reports them.
+Column names and types come from :mod:`sim.schema`.
 """
 
 from __future__ import annotations
@@ -14,92 +9,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from forewarn.wire import SAMPLE_FIELDS
+from sim.schema import FAILURE_COLUMNS, FAILURE_DTYPES, NOT_REPORTED
 
 if TYPE_CHECKING:
     import pandas as pd
     import pyarrow as pa
 
-    from collector.sim.fleet import EventRow, FleetModel, Tick
+    from sim.fleet import EventRow, FleetModel, Tick
 
-__all__ = [
-    "EVENT_COLUMNS",
-    "FAILURE_COLUMNS",
-    "SAMPLE_COLUMNS",
-    "BlockBuffer",
-    "events_frame",
-    "failures_frame",
-    "sample_dtypes",
-    "sample_schema",
-]
-
-SAMPLE_COLUMNS: tuple[str, ...] = ("ts_ms", *(f for f in SAMPLE_FIELDS if f != "ts"))
-EVENT_COLUMNS = ("ts_ms", "node", "gpu", "kind", "xid", "message", "source")
-FAILURE_COLUMNS = (
-    "ts_ms",
-    "node",
-    "gpu",
-    "kind",
-    "has_precursors",
-    "recovered_ts_ms",
-    "trace_class",
-    "scope",
-    "incident_id",
-    "precursor_onset_ts_ms",
-    "injected",
-    "in_window",
-    "uuid",
-)
-
-_STR = ("node", "uuid", "vendor")
-_BOOL = ("retired_pages_pending", "remap_pending", "remap_failure")
-_FLOAT = (
-    "temp_gpu_c",
-    "temp_mem_c",
-    "power_w",
-    "sm_clock_mhz",
-    "mem_clock_mhz",
-    "util_gpu_pct",
-    "util_mem_pct",
-    "mem_used_mib",
-    "mem_total_mib",
-)
-# Not reported by a simulated NVIDIA Ampere+/Hopper GPU: always null.
-_NULL = ("ecc_deferred", "retired_pages_sbe", "retired_pages_dbe", "retired_pages_pending")
-
-
-def sample_dtypes() -> dict[str, str]:
-    """pandas dtype of every sample column."""
-    out: dict[str, str] = {}
-    for c in SAMPLE_COLUMNS:
-        if c in ("ts_ms", "gpu"):
-            out[c] = "int64"
-        elif c in _STR:
-            out[c] = "str"
-        elif c in _BOOL:
-            out[c] = "boolean"
-        elif c in _FLOAT:
-            out[c] = "float64"
-        else:
-            out[c] = "Int64"
-    return out
-
-
-_SCHEMA: Any = None
-
-
-def sample_schema() -> pa.Schema:
-    """The Arrow schema of a samples file, with the pandas metadata that restores dtypes."""
-    global _SCHEMA
-    if _SCHEMA is None:
-        import pandas as pd
-        import pyarrow as pa
-
-        empty = pd.DataFrame({c: pd.Series([], dtype=t) for c, t in sample_dtypes().items()})
-        base = pa.Schema.from_pandas(empty, preserve_index=False)
-        fields = [pa.field(f.name, pa.string()) if f.name in _STR else f for f in base]
-        _SCHEMA = pa.schema(fields, metadata=base.metadata)
-    return _SCHEMA
+__all__ = ["BlockBuffer", "events_frame", "failures_frame", "pending_failures"]
 
 
 class BlockBuffer:
@@ -156,7 +74,7 @@ class BlockBuffer:
                 arr = pa.DictionaryArray.from_arrays(
                     pa.array(np.zeros(rows, dtype=np.int32)), pa.array(["nvidia"])
                 ).cast(pa.string())
-            elif c in _NULL:
+            elif c in NOT_REPORTED:
                 arr = pa.nulls(rows, f.type)
             elif c == "mem_total_mib":
                 arr = pa.array(np.full(rows, float(m.params["fleet"]["mem_total_mib"])))
@@ -207,22 +125,7 @@ def failures_frame(model: FleetModel, end_ms: int) -> pd.DataFrame:
             r["recovered_ts_ms"] = None
     rows += [dict(r, in_window=False) for r in pending_failures(model, end_ms)]
     df = pd.DataFrame(rows, columns=list(FAILURE_COLUMNS))
-    types = {
-        "ts_ms": "int64",
-        "node": "str",
-        "gpu": "int64",
-        "kind": "str",
-        "has_precursors": "bool",
-        "recovered_ts_ms": "Int64",
-        "trace_class": "str",
-        "scope": "str",
-        "incident_id": "int64",
-        "precursor_onset_ts_ms": "Int64",
-        "injected": "bool",
-        "in_window": "bool",
-        "uuid": "str",
-    }
-    df = df.astype(types)
+    df = df.astype(FAILURE_DTYPES)
     return df.sort_values(["ts_ms", "node", "gpu"], kind="stable").reset_index(drop=True)
 
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from collector.sim.config import FAILURE_KINDS, Params
+from sim.config import FAILURE_KINDS, Params
 
 __all__ = [
     "Calibration",

@@ -25,11 +25,11 @@ from typing import Any
 
 import numpy as np
 
-from collector.sim import precursors
-from collector.sim.calibration import Calibration
-from collector.sim.config import FAILURE_KINDS, Params
-from collector.sim.workload import Workload
 from forewarn.errors import Conflict
+from sim import precursors
+from sim.calibration import Calibration
+from sim.config import FAILURE_KINDS, Params
+from sim.workload import Workload
 
 __all__ = ["CounterState", "FleetModel", "Tick"]
 

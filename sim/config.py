@@ -1,6 +1,6 @@
 """Simulator parameters: the defaults file, overrides, validation and randomised draws.
 
-Every parameter lives in ``collector/sim/defaults.toml``. A parameter set is a plain nested
+Every parameter lives in ``sim/defaults.toml``. A parameter set is a plain nested
 dict (what TOML gives), so that it can be written into a dataset manifest as it is and read
 back to regenerate the same fleet. Overrides may change values but never add keys: a typo in
 an override file must fail loudly, not silently keep the default.
@@ -53,7 +53,7 @@ def default_params() -> Params:
     """A fresh copy of the defaults in ``defaults.toml``."""
     global _DEFAULTS
     if _DEFAULTS is None:
-        text = resources.files("collector.sim").joinpath("defaults.toml").read_text("utf-8")
+        text = resources.files("sim").joinpath("defaults.toml").read_text("utf-8")
         _DEFAULTS = tomllib.loads(text)
     return copy.deepcopy(_DEFAULTS)
 

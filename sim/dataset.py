@@ -19,12 +19,12 @@ from typing import Any
 
 import numpy as np
 
-from collector.sim import schema
-from collector.sim.calibration import per_gpu_hazard_per_h
-from collector.sim.config import Params, load_params, validate
-from collector.sim.fleet import FleetModel
 from forewarn import __version__
 from forewarn.errors import InvalidInput
+from sim import blocks, schema
+from sim.calibration import per_gpu_hazard_per_h
+from sim.config import Params, load_params, validate
+from sim.fleet import FleetModel
 
 __all__ = ["DEFAULT_START_MS", "DatasetInfo", "generate_dataset", "write_parquet_frame"]
 
@@ -131,7 +131,7 @@ def generate_dataset(
     pending = sorted(injections, key=lambda j: float(j["at_s"]))
     step_ms = round(step * 1000.0)
     block = max(1, ROWS_PER_GROUP // model.g)
-    buf = schema.BlockBuffer(model, block)
+    buf = blocks.BlockBuffer(model, block)
     events: list[tuple[int, int, int, str, int, str, str]] = []
     writer: pq.ParquetWriter | None = None
     part, rows_in_part, samples = 0, 0, 0
@@ -171,9 +171,9 @@ def generate_dataset(
         writer.close()
 
     end_ms = start_ms + (ticks - 1) * step_ms
-    ev = schema.events_frame(model, events)
+    ev = blocks.events_frame(model, events)
     write_parquet_frame(ev, out / "events.parquet")
-    fl = schema.failures_frame(model, end_ms)
+    fl = blocks.failures_frame(model, end_ms)
     write_parquet_frame(fl, out / "failures.parquet")
     in_window = fl[fl["in_window"]]
     manifest = {

@@ -20,9 +20,9 @@ from __future__ import annotations
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from collector.simulated import SimulatedSource
 from forewarn.errors import ForewarnError, InvalidInput, NotFound
 from forewarn.localhttp import JsonHandler
+from sim.source import SimulatedSource
 
 __all__ = ["ControlServer"]
 

@@ -30,10 +30,10 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from collector.sim.dataset import write_parquet_frame
-from collector.sim.schema import EVENT_COLUMNS, FAILURE_COLUMNS, SAMPLE_COLUMNS, sample_dtypes
 from forewarn import __version__
 from forewarn.errors import InvalidInput
+from sim.dataset import write_parquet_frame
+from sim.schema import EVENT_COLUMNS, FAILURE_COLUMNS, SAMPLE_COLUMNS, sample_dtypes
 
 __all__ = ["NVSMI_COLUMNS", "convert_csv"]
 

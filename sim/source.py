@@ -1,8 +1,9 @@
 """The simulated source: a whole fleet of simulated GPUs behind the ``Source`` protocol.
 
-It answers ``read(now)`` exactly as a hardware source does — one :class:`GpuSample` per GPU
+It is the collector's ``simulated`` source (the ``collector.base.Source`` protocol). It
+answers ``read(now)`` exactly as a hardware source does — one :class:`GpuSample` per GPU
 whose sample reached the collector, and every :class:`Event` since the previous call — from
-the vectorised model in :mod:`collector.sim`. Operators use it to rehearse policies before
+the vectorised model in :mod:`sim`. Operators use it to rehearse policies before
 turning on automatic migration; the demo and the end-to-end tests use it as their fleet.
 
 Samples carry the ``now`` they were read at (the wall clock in live mode: the service refuses
@@ -25,11 +26,10 @@ from typing import Any
 
 import numpy as np
 
-from collector.base import Reading
-from collector.sim.config import FAILURE_KINDS, Params, load_params
-from collector.sim.fleet import FleetModel, Tick
 from forewarn.errors import InvalidInput, NotFound
 from forewarn.wire import Event, GpuSample, to_ms
+from sim.config import FAILURE_KINDS, Params, load_params
+from sim.fleet import FleetModel, Tick
 
 __all__ = ["SimulatedSource", "tick_rows"]
 
@@ -109,7 +109,7 @@ class SimulatedSource:
     def node_names(self) -> list[str]:
         return list(self.model.node_names)
 
-    def read(self, now: datetime) -> list[Reading]:
+    def read(self, now: datetime) -> list[GpuSample | Event]:
         """Samples at ``now`` and the events since the previous call."""
         if now.tzinfo is None:
             now = now.replace(tzinfo=UTC)
@@ -118,7 +118,7 @@ class SimulatedSource:
             self._last = now if self._last is None or now > self._last else self._last
             tick = self.model.step(dt, to_ms(now))
             samples, events = tick_rows(self.model, tick)
-        out: list[Reading] = [GpuSample.model_validate(s) for s in samples]
+        out: list[GpuSample | Event] = [GpuSample.model_validate(s) for s in samples]
         out.extend(Event.model_validate(e) for e in events)
         return out
 

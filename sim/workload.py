@@ -19,7 +19,7 @@ import math
 
 import numpy as np
 
-from collector.sim.config import Params
+from sim.config import Params
 
 __all__ = ["THROTTLE", "Workload"]
 
