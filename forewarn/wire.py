@@ -30,8 +30,10 @@ __all__ = [
     "GpuSample",
     "IngestBatch",
     "IngestResult",
+    "JobHeartbeat",
     "JobRegistration",
     "MigrationCommand",
+    "MigrationProgress",
     "MigrationReason",
     "MigrationReport",
     "Placement",
@@ -224,6 +226,8 @@ class Placement(_Wire):
     pid: int | None = None
     role: Literal["active", "spare", "retired"] = "active"
     """``retired``: no longer serves the job (the source of a completed migration)."""
+    slot: int | None = Field(default=None, ge=0, description="The agent's process slot.")
+    uuid: str | None = Field(default=None, max_length=96, description="GPU UUID, if known.")
 
 
 class JobRegistration(_Wire):
@@ -245,6 +249,30 @@ class MigrationCommand(_Wire):
     reason: MigrationReason
     requested_at: UtcDatetime
     detail: str | None = Field(default=None, max_length=2000)
+    trigger: str | None = Field(
+        default=None, max_length=32, description="preventive, planned, unplanned or manual."
+    )
+    target: Placement | None = Field(
+        default=None, description="The spare the service chose (its ``slot``); None: any."
+    )
+
+
+class MigrationProgress(_Wire):
+    """A job agent's report of one transition of a migration it was commanded to make."""
+
+    migration_id: str = Field(min_length=1, max_length=64)
+    job_id: Name
+    state: Literal["acknowledged", "transferring", "failed"]
+    step: int | None = Field(default=None, description="The handover step boundary, if known.")
+    error: str | None = Field(default=None, max_length=2000)
+
+
+class JobHeartbeat(_Wire):
+    """A job agent's periodic sign of life."""
+
+    status: str = Field(max_length=32, description="starting, running, paused, completed, failed")
+    generation: int = Field(default=0, ge=0)
+    message: str | None = Field(default=None, max_length=2000)
 
 
 class MigrationReport(_Wire):

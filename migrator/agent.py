@@ -103,14 +103,20 @@ class Slot:
             gpu=gpu,
             pid=pid,
             role=role,
+            slot=self.index,
         )
 
 
 class Agent(Recovery):
     """Run a job; see the module docstring. Use :meth:`run` (blocks until the job ends)."""
 
-    def __init__(self, config: AgentConfig) -> None:
+    def __init__(self, config: AgentConfig, link: Any = None) -> None:
+        """``link``: the service collaborator (:class:`migrator.service_link.ServiceLink`),
+        which registers the job, delivers the service's commands to :meth:`submit` and
+        reports each transition; None: only the local endpoint and ``service_url`` posts."""
         self.cfg = config
+        self.link = link
+        self._transferring: set[str] = set()
         self.store = dist.TCPStore(
             config.host,
             config.store_port,
@@ -130,6 +136,7 @@ class Agent(Recovery):
         self.agent_url: str | None = None
         self._recovery: dict[str, Any] | None = None
         self._pause_deadline: float | None = None
+        self._script_errors: list[dict[str, Any]] = []
         self._endpoint: Any = None
 
     # -- processes --------------------------------------------------------------------------
@@ -188,6 +195,7 @@ class Agent(Recovery):
         migration_id: str | None = None,
         job_id: str | None = None,
         detail: str | None = None,
+        spare_slot: int | None = None,
     ) -> str:
         """Move ``rank`` to a spare at the next step boundary; returns the migration id.
 
@@ -211,6 +219,18 @@ class Agent(Recovery):
             if self.inflight is not None or self._recovery is not None:
                 raise Conflict("another migration is in progress; retry when it ends")
             spare = self._free_spare()
+            if spare_slot is not None:  # the service chose the spare (e.g. not on a drained node)
+                spare = next(
+                    (
+                        s
+                        for s in self.slots
+                        if s.index == spare_slot
+                        and s.role == "spare"
+                        and s.proc
+                        and s.proc.poll() is None
+                    ),
+                    None,
+                )
             if spare is None:
                 raise NoSpareAvailable(f"job {self.cfg.job_id} has no free spare")
             mid = migration_id or uuid.uuid4().hex[:12]
@@ -262,9 +282,13 @@ class Agent(Recovery):
             P.put_json(self.store, P.roster_key(0), self.roster)
             self.status = "running"
         self._register()
+        if self.link is not None:
+            self.link.start(self)
         try:
             code = self._watch()
         finally:
+            if self.link is not None:
+                self.link.stop(self)
             self._shutdown()
         return code
 
@@ -325,10 +349,15 @@ class Agent(Recovery):
         if m is None or slot.index not in m.targets.values():
             return
         if m.reason is MigrationReason.UNPLANNED:
-            self._fail(f"the spare for rank(s) {m.ranks} died while taking over")
+            self._retarget(m, slot)  # another idle spare takes over, or the job fails
             return
+        # The source trains on: the command goes first (no rank reads it again), then the
+        # abort that every rank waiting at the handover step is looking for.
+        self.store.delete_key(P.cmd_key(m.gen))
         self.store.set(f"m/{m.migration_id}/aborted", "spare died")
-        self._finish(m, "failed", error="the spare died during the handover")
+        self._finish(
+            m, "failed", error="the spare died during the handover; the source kept training"
+        )
         self.inflight = None
 
     def _progress_migration(self) -> None:
@@ -336,6 +365,14 @@ class Agent(Recovery):
         if m is None:
             return
         base = f"m/{m.migration_id}"
+        if (
+            self.link is not None
+            and m.migration_id not in self._transferring
+            and self.store.check([P.stop_key(m.gen, m.migration_id)])
+        ):  # the ranks agreed on the handover step: state moves at that boundary
+            self._transferring.add(m.migration_id)
+            stop = int(self.store.get(P.stop_key(m.gen, m.migration_id)))
+            self.link.progress(m.migration_id, "transferring", step=stop)
         for rank, src in m.sources.items():
             if self.store.check([f"{base}/fallback/{rank}"]) and src is not None:
                 self._kill(self.slots[src])  # the spare gave up on it: it must not come back
@@ -423,10 +460,16 @@ class Agent(Recovery):
         if self.cfg.report_path is not None:
             with open(self.cfg.report_path, "a") as fh:
                 fh.write(report.model_dump_json() + "\n")
-        self._post("/v1/migrations/reports", report.model_dump(mode="json"))
+        if self.link is not None:
+            self.link.report(report)
+        else:
+            self._post("/v1/migrations/reports", report.model_dump(mode="json"))
 
     def _register(self) -> None:
-        self._post("/v1/jobs", self.registration().model_dump(mode="json"))
+        if self.link is not None:
+            self.link.register(self.registration())
+        else:
+            self._post("/v1/jobs", self.registration().model_dump(mode="json"))
 
     def _post(self, path: str, body: dict[str, Any]) -> None:
         if not self.cfg.service_url:

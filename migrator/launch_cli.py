@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
-from migrator.agent import Agent, AgentConfig
+from forewarn.errors import ForewarnError
 from migrator.endpoint import job_file, write_job_file
 from migrator.faults import FaultPlan
 
@@ -27,6 +28,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--spares", type=int, default=1, help="warm spares (default 1)")
     parser.add_argument("--job-id", default="job", help="the job's name (default: job)")
     parser.add_argument("--service", metavar="URL", help="register the job with the service")
+    parser.add_argument(
+        "--token",
+        default=os.environ.get("FOREWARN_TOKEN"),
+        help="bearer token for --service, with the 'operate' scope (default: $FOREWARN_TOKEN)",
+    )
+    parser.add_argument(
+        "--placement",
+        metavar="NODE:GPU,...",
+        help="the fleet GPU each slot stands for, ranks first then spares (simulated fleets)",
+    )
     parser.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
     parser.add_argument(
         "--timeout-s",
@@ -57,6 +68,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # torch is imported here, not at module level: ``forewarn launch --help`` stays fast.
+    from migrator.agent import Agent, AgentConfig
+
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         print("forewarn launch: no training command (put it after --)", file=sys.stderr)
@@ -82,7 +96,22 @@ def run(args: argparse.Namespace) -> int:
         log_dir=args.log_dir,
         report_path=args.report,
     )
-    agent = Agent(cfg)
+    link = None
+    if args.service:
+        from migrator.service_link import ServiceLink, parse_placement
+
+        try:
+            link = ServiceLink(
+                args.service,
+                token=args.token,
+                job_id=args.job_id,
+                placement=parse_placement(args.placement) if args.placement else None,
+            )
+            link.preflight()
+        except ForewarnError as exc:
+            print(f"forewarn launch: {exc.message}", file=sys.stderr)
+            return 2
+    agent = Agent(cfg, link=link)
     original = agent._register
 
     def register_and_publish() -> None:
@@ -95,6 +124,9 @@ def run(args: argparse.Namespace) -> int:
     agent._register = register_and_publish  # type: ignore[method-assign]
     try:
         code = agent.run()
+    except ForewarnError as exc:  # the service refused the registration
+        print(f"forewarn launch: {exc.message}", file=sys.stderr)
+        code = 2
     finally:
         job_file(args.job_id).unlink(missing_ok=True)
     print(
