@@ -22,7 +22,7 @@ import numpy as np
 import pandas as pd
 from sklearn.metrics import average_precision_score
 
-__all__ = ["ScoreTable", "choose_threshold", "curve", "metrics"]
+__all__ = ["ScoreTable", "choose_threshold", "curve", "json_safe", "metrics"]
 
 _SHIFT = 42  # key = slot << 42 | (ts - origin): 2**42 ms is 139 years
 
@@ -49,7 +49,8 @@ class ScoreTable:
         params: Params | None = None,
     ) -> None:
         self.params = params or Params()
-        self.origin = int(min(rows["ts_ms"].min(), failures["ts_ms"].min() if len(failures) else 0))
+        first_row = int(rows["ts_ms"].min()) if len(rows) else 0
+        self.origin = min(first_row, int(failures["ts_ms"].min()) if len(failures) else first_row)
         keys = (rows["slot"].to_numpy(np.int64) << _SHIFT) | (
             rows["ts_ms"].to_numpy(np.int64) - self.origin
         )
@@ -100,6 +101,8 @@ class ScoreTable:
         episode[a] = ep
         onset = a[new]
         last = np.r_[a[np.flatnonzero(new)[1:] - 1], a[-1]]
+        if not len(self._f_keys):  # no failure at all: every alarm is false
+            return onset, episode, np.ones(len(onset), dtype=bool)
         start_keys = self.keys[onset]
         j = np.searchsorted(self._f_keys, start_keys, side="left")
         j_ok = j < len(self._f_keys)
@@ -203,3 +206,15 @@ def choose_threshold(points: pd.DataFrame, max_false_alarms: float) -> float:
         ["recall_with_precursors", "recall", "threshold"], ascending=[False, False, True]
     )
     return float(best["threshold"].to_numpy()[0])
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` with every non-finite float (NaN: no failure to judge by) as ``None``, so
+    that ``json.dumps`` writes valid JSON."""
+    if isinstance(value, float | np.floating):
+        return float(value) if np.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(v) for v in value]
+    return value

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
-from typing import Any
 
 from tqdm import tqdm
 
@@ -46,17 +44,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
         metavar="PNG",
         help="where to write the curve (default: ./recall-vs-false-alarms.png; '' for none)",
     )
-    parser.add_argument("--no-progress", action="store_true")
-
-
-def _clean(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _clean(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_clean(v) for v in value]
-    return value
+    parser.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bar (never one when stderr is not a terminal)",
+    )
 
 
 def _tick(bar: tqdm) -> None:
@@ -73,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
             total=steps(ds, step_s),
             unit="step",
             file=sys.stderr,
-            disable=args.no_progress or args.json,
+            disable=args.no_progress or args.json or not sys.stderr.isatty(),
         ) as bar:
             report = evaluate_dataset(
                 ds,
@@ -90,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     if png is not None:
         report.summary["plot"] = str(png)
     if args.json:
-        print(json.dumps(_clean(report.summary)))
+        print(json.dumps(evaluate.json_safe(report.summary), allow_nan=False))
     else:
         print(format_table(report.summary))
         if png is not None:

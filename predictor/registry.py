@@ -17,6 +17,7 @@ import lightgbm as lgb
 import numpy as np
 
 from forewarn.errors import InvalidInput, NotFound
+from predictor.evaluate import json_safe
 from predictor.model import RiskModel
 
 __all__ = ["list_models", "load", "load_latest", "save"]
@@ -42,7 +43,8 @@ def save(model: RiskModel, models_dir: str | Path, stem: str | None = None) -> P
     }
     model.booster.save_model(str(booster_path))
     card_path = out / f"{stem}{CARD_SUFFIX}"
-    card_path.write_text(json.dumps(card, indent=1, default=_json_default) + "\n", "utf-8")
+    text = json.dumps(json_safe(card), indent=1, default=_json_default, allow_nan=False)
+    card_path.write_text(text + "\n", "utf-8")
     return card_path
 
 

@@ -93,6 +93,12 @@ def _s(v: float | None) -> str:
     return "     -" if v is None else f"{v:6.0f}"
 
 
+def _num(v: float | None, width: int, digits: int) -> str:
+    if v is None or not np.isfinite(v):
+        return f"{'-':>{width}}"
+    return f"{v:{width}.{digits}f}"
+
+
 def format_table(summary: dict[str, Any]) -> str:
     """The report as text: headline figures, then one line per failure kind."""
     m, b = summary["model"], summary["baseline"]
@@ -108,7 +114,7 @@ def format_table(summary: dict[str, Any]) -> str:
         lines.append(
             f"{name:10} {_pct(d['recall']):>7} {_pct(d['recall_with_precursors']):>7} "
             f"{_s(d['lead_time_median_s']):>10} {_s(d['lead_time_p10_s']):>10} "
-            f"{d['false_alarms_per_1000_gpu_days']:11.2f} {d['pr_auc']:7.3f}"
+            f"{_num(d['false_alarms_per_1000_gpu_days'], 11, 2)} {_num(d['pr_auc'], 7, 3)}"
         )
     at = summary["model_at_baseline_false_alarm_rate"]
     lines += [
@@ -163,7 +169,18 @@ def plot_curves(report: Report, path: str | Path) -> Path:
             markersize=6,
         )
     ax.axvline(2.0, color="grey", linewidth=0.8, linestyle=":")
-    ax.set_xscale("symlog", linthresh=1.0)
+    # symlog so that 0 and 100 fit on one axis; the axis starts at 0 (no negative ticks) and
+    # labels are plain numbers (0, 1, 2, 5, 10, 100, ...).
+    from matplotlib.ticker import FixedLocator, FuncFormatter
+
+    ax.set_xscale("symlog", linthresh=1.0, linscale=0.5)
+    fa = np.r_[mc["false_alarms_per_1000_gpu_days"], bc["false_alarms_per_1000_gpu_days"], 2.0]
+    right = float(np.nanmax(fa)) * 1.3 if np.isfinite(fa).any() else 10.0
+    ax.set_xlim(0.0, max(right, 5.0))
+    ticks = [t for t in (0, 0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000) if t <= right]
+    ax.xaxis.set_major_locator(FixedLocator(ticks))
+    ax.xaxis.set_minor_locator(FixedLocator([]))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
     ax.set_xlabel("false alarms per 1,000 GPU-days")
     ax.set_ylabel("recall (failures with precursors)")
     ax.set_ylim(0, 1.02)

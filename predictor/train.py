@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -38,7 +38,7 @@ from sklearn.isotonic import IsotonicRegression
 from forewarn import __version__
 from forewarn.errors import InvalidInput
 from predictor import baseline, evaluate
-from predictor.dataset import Dataset, load_dataset, replay
+from predictor.dataset import Dataset, load_dataset, read_manifest, replay
 from predictor.features import FEATURE_NAMES, compute
 from predictor.labels import Labeller, failure_table
 from predictor.model import DEFAULT_PARAMS, DEFAULT_ROUNDS, RiskModel, fit_booster
@@ -69,6 +69,10 @@ class TrainConfig:
     # false-alarm budget is kept (a wider T teaches the whole precursor ramp of long-lead
     # kinds; the evaluation's definition — alarm L..H before — never changes).
     label_horizons_s: tuple[float, ...] = (1800.0,)
+    # Which nodes go to validation is a hash of the node name and this seed. None: the first
+    # of ``seed``, ``seed + 1``, ... whose split leaves failures with precursors on both sides
+    # (training refuses when none of :data:`SPLIT_TRIES` does).
+    split_seed: int | None = None
 
 
 def _cols(*names: str) -> list[int]:
@@ -96,6 +100,9 @@ def activity(x: np.ndarray) -> np.ndarray:
         remap = np.nansum(x[:, _cols("remap_pending", "remap_failure")], axis=1) > 0
         stale = np.nan_to_num(x[:, _cols("staleness_s")[0]]) > 120.0
     return moving | events | thr | temp | narrow | remap | stale
+
+
+SPLIT_TRIES = 64
 
 
 def _node_in_val(nodes: Sequence[str], frac: float, seed: int) -> np.ndarray:
@@ -134,7 +141,8 @@ def collect(
             return
         x = compute(state, now_ms)
         lab = labeller.at(state, now_ms)
-        is_val = _node_in_val(state.nodes, cfg.val_node_frac, cfg.seed)[state.node_of[: state.size]]
+        is_val = _node_in_val(state.nodes, cfg.val_node_frac, _split_seed(cfg))
+        is_val = is_val[state.node_of[: state.size]]
         rate = np.where(activity(x), cfg.active_rate, cfg.quiet_rate)
         rate = np.where(lab.until_s <= max(cfg.context_s, *cfg.label_horizons_s), 1.0, rate)
         keep = lab.keep & ~is_val & (rng.random(state.size) < rate)
@@ -147,6 +155,63 @@ def collect(
 
     replay(ds, sink, step_s=cfg.step_s, progress=progress)
     return {k: np.concatenate(v) if v else np.zeros(0) for k, v in out.items()}
+
+
+def _split_seed(cfg: TrainConfig) -> int:
+    return cfg.seed if cfg.split_seed is None else cfg.split_seed
+
+
+def _ground_truth(d: Dataset | str | Path) -> tuple[pd.DataFrame, int, int]:
+    """(failures, start_ms, end_ms) of a dataset, without reading its samples."""
+    if isinstance(d, Dataset):
+        return d.failures, d.start_ms, d.end_ms
+    m = read_manifest(d)
+    return pd.read_parquet(Path(d) / "failures.parquet"), int(m["start_ms"]), int(m["end_ms"])
+
+
+def split_counts(
+    truths: Sequence[tuple[pd.DataFrame, int, int]], cfg: TrainConfig, split_seed: int
+) -> tuple[int, int]:
+    """(training, validation) failures with precursors that a split would see."""
+    n_train = n_val = 0
+    for f, start, end in truths:
+        if not len(f):
+            continue
+        f = f[f["has_precursors"].astype(bool)]
+        if "in_window" in f:
+            f = f[f["in_window"].astype(bool)]
+        cut = int(start + cfg.val_from * (end - start))
+        val_node = _node_in_val(f["node"].astype(str).tolist(), cfg.val_node_frac, split_seed)
+        ts = f["ts_ms"].to_numpy(np.int64)
+        reach_s = max(cfg.horizon_s, *cfg.label_horizons_s)
+        n_train += int((~val_node & (ts <= cut - reach_s * 1000 + cfg.horizon_s * 1000)).sum())
+        n_val += int((val_node & (ts >= cut + cfg.horizon_s * 1000) & (ts < end)).sum())
+    return n_train, n_val
+
+
+def choose_split(datasets: Sequence[Dataset | str | Path], cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` with a ``split_seed`` whose split holds failures with precursors on the
+    training side and in validation.
+
+    Raises:
+        InvalidInput: no such split among :data:`SPLIT_TRIES` seeds (too few failures).
+    """
+    truths = [_ground_truth(d) for d in datasets]
+    tries = (
+        [cfg.split_seed] if cfg.split_seed is not None else range(cfg.seed, cfg.seed + SPLIT_TRIES)
+    )
+    for seed in tries:
+        n_train, n_val = split_counts(truths, cfg, seed)
+        if n_train and n_val:
+            return replace(cfg, split_seed=seed)
+    total = sum(int(f["has_precursors"].astype(bool).sum()) if len(f) else 0 for f, _, _ in truths)
+    raise InvalidInput(
+        "no split of these datasets puts failures with precursors both in training and in "
+        f"validation (the {cfg.val_node_frac:.0%} validation nodes after {cfg.val_from:.0%} of "
+        f"the time); the data hold {total} such failures. Train on more GPUs or days, or "
+        "change --val-from / --val-node-frac.",
+        details={"failures_with_precursors": total},
+    )
 
 
 def _empty(block: SampleBlock) -> SampleBlock:
@@ -174,11 +239,13 @@ def train(
     ``validate``, one step per replayed ``step_s``).
 
     Raises:
-        InvalidInput: no dataset, or no failure within the horizon on the training side.
+        InvalidInput: no dataset, or no split of the data holds failures with precursors
+            both on the training side and in validation.
     """
     cfg = cfg or TrainConfig()
     if not datasets:
         raise InvalidInput("no dataset to train on")
+    cfg = choose_split(datasets, cfg)
     parts, manifests = [], []
     for d in datasets:
         ds = _open(d)
@@ -220,7 +287,7 @@ def train(
         cut = _cut_ms(ds, cfg)
 
         def select(now_ms: int, state: FleetState, cut: int = cut) -> np.ndarray:
-            is_val = _node_in_val(state.nodes, cfg.val_node_frac, cfg.seed)
+            is_val = _node_in_val(state.nodes, cfg.val_node_frac, _split_seed(cfg))
             return is_val[state.node_of[: state.size]] & (now_ms >= cut)
 
         scored = score_dataset(
@@ -236,6 +303,11 @@ def train(
     params = evaluate.Params(cfg.lead_min_s, cfg.horizon_s, cfg.merge_s)
     joined = _join(tables, cfg.horizon_s)
     table = evaluate.ScoreTable(joined[0], joined[1], step_s=cfg.step_s, params=params)
+    if not table.failures["has_precursors"].astype(bool).any():
+        raise InvalidInput(
+            "the validation replay holds no failure with precursors to choose a threshold on; "
+            "train on more GPUs or days, or change --val-from / --val-node-frac"
+        )
     # Sweep the raw score (finer than the stepwise calibrated one), report the risk.
     candidates: dict[str, dict[str, Any]] = {}
     for name in boosters:

@@ -12,7 +12,7 @@ import sys
 from tqdm import tqdm
 
 from forewarn.errors import ForewarnError
-from predictor import registry
+from predictor import evaluate, registry
 from predictor.dataset import read_manifest
 from predictor.train import TrainConfig, train
 
@@ -46,8 +46,24 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "validation is kept; default: the horizon H)",
     )
     parser.add_argument("--rounds", type=int, default=TrainConfig.rounds, help="boosting rounds")
+    parser.add_argument(
+        "--val-from",
+        type=float,
+        default=TrainConfig.val_from,
+        help="validation starts at this fraction of each dataset's time (default %(default)s)",
+    )
+    parser.add_argument(
+        "--val-node-frac",
+        type=float,
+        default=TrainConfig.val_node_frac,
+        help="share of nodes held out for validation (default %(default)s)",
+    )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bar (none when stderr is not a terminal)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -58,12 +74,19 @@ def run(args: argparse.Namespace) -> int:
         max_false_alarms=args.max_false_alarms,
         rounds=args.rounds,
         seed=args.seed,
+        val_from=args.val_from,
+        val_node_frac=args.val_node_frac,
         label_horizons_s=tuple(args.label_horizon_s or (args.horizon_s,)),
     )
     try:
         datasets = list(args.data)
         total = 2 * sum(_steps(d, cfg.step_s) for d in datasets)
-        with tqdm(total=total, unit="step", disable=args.no_progress, file=sys.stderr) as bar:
+        with tqdm(
+            total=total,
+            unit="step",
+            disable=args.no_progress or not sys.stderr.isatty(),
+            file=sys.stderr,
+        ) as bar:
             done = {"collect": 0, "validate": 0}
 
             def progress(phase: str, n: int) -> None:
@@ -79,7 +102,8 @@ def run(args: argparse.Namespace) -> int:
     val = model.card["metrics"]["validation"]
     print(f"model: {card_path}")
     print(f"threshold: {model.threshold:.4f}")
-    print("validation:", json.dumps({k: _brief(v) for k, v in val.items()}))
+    brief = evaluate.json_safe({k: _brief(v) for k, v in val.items()})
+    print("validation:", json.dumps(brief, allow_nan=False))
     return 0
 
 
