@@ -2,8 +2,8 @@
 
 ``forewarn launch`` serves a small HTTP endpoint beside the job (stdlib ``http.server``, on
 the agent's host, an ephemeral port by default) and writes its address to a job file,
-``$FOREWARN_RUN_DIR/<job-id>.json`` (default ``$XDG_RUNTIME_DIR/forewarn`` or the temp
-directory). ``forewarn migrate --job ID`` finds it there; the service will use the same
+``$FOREWARN_RUN_DIR/<job-id>.<launcher-pid>.json`` (default ``$XDG_RUNTIME_DIR/forewarn`` or
+the temp directory). ``forewarn migrate --job ID`` finds it there; the service will use the same
 routes through ``JobRegistration.agent_url``.
 
 Routes::
@@ -20,15 +20,17 @@ Errors are ``{"error": {"code", "message", "retryable", "details"}}`` with the s
 
 from __future__ import annotations
 
+import glob
 import json
 import os
+import re
 import tempfile
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from forewarn.errors import ForewarnError, InvalidInput, NotFound
+from forewarn.errors import Conflict, ForewarnError, InvalidInput, NotFound
 from forewarn.localhttp import JsonHandler
 
 if TYPE_CHECKING:
@@ -44,25 +46,64 @@ def run_dir() -> Path:
     return Path(os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()) / "forewarn"
 
 
-def job_file(job_id: str) -> Path:
-    return run_dir() / f"{job_id}.json"
+def job_file(job_id: str, pid: int | None = None) -> Path:
+    """The job file of ``job_id`` written by the launcher process ``pid`` (default: this one).
+
+    Keyed by job id *and* launcher pid: two jobs started with the same (default) id on one
+    host each keep their own file.
+    """
+    return run_dir() / f"{job_id}.{os.getpid() if pid is None else pid}.json"
 
 
 def write_job_file(job_id: str, info: dict[str, Any]) -> Path:
     path = job_file(job_id)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(info))
+    tmp.write_text(json.dumps({**info, "pid": os.getpid()}))
     tmp.replace(path)
     return path
 
 
-def read_job_file(job_id: str) -> dict[str, Any]:
-    path = job_file(job_id)
+def _alive(pid: int) -> bool:
     try:
-        return dict(json.loads(path.read_text()))
-    except FileNotFoundError:
-        raise NotFound(f"no running job {job_id!r} on this host ({path} is missing)") from None
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: it exists
+        return True
+    return True
+
+
+def read_job_file(job_id: str) -> dict[str, Any]:
+    """The job file of the running job ``job_id`` on this host.
+
+    Raises:
+        NotFound: no launcher of that job is running here.
+        Conflict: several are (pass the agent's URL instead).
+    """
+    pattern = re.compile(re.escape(job_id) + r"\.(\d+)\.json")
+    found = []
+    base = run_dir()
+    for path in sorted(base.glob(f"{glob.escape(job_id)}.*.json")):
+        match = pattern.fullmatch(path.name)
+        if match is None:
+            continue
+        if not _alive(int(match.group(1))):
+            path.unlink(missing_ok=True)  # left by a launcher that was killed
+            continue
+        try:
+            found.append(dict(json.loads(path.read_text())))
+        except (FileNotFoundError, json.JSONDecodeError):
+            continue
+    if not found:
+        raise NotFound(f"no running job {job_id!r} on this host (no job file in {base})")
+    if len(found) > 1:
+        urls = ", ".join(str(f.get("agent_url")) for f in found)
+        raise Conflict(
+            f"{len(found)} running jobs are named {job_id!r} on this host ({urls}); "
+            "give the agent's URL (--agent)"
+        )
+    return found[0]
 
 
 def _handler(agent: Agent) -> type[BaseHTTPRequestHandler]:

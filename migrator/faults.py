@@ -13,7 +13,9 @@ Points inside a step:
 - ``backward``: the gradient hook of the first model's first parameter, which fires late in
   the backward pass while DDP's bucket all-reduces are in flight (mid-collective);
 - ``before_optimizer``: the first optimizer's step pre-hook (after the gradient all-reduce);
-- ``transfer``: while this rank is sending its state to a spare, after the first tensor.
+- ``transfer``: while this rank is sending its state to a spare, after the first tensor;
+- ``receive``: in the spare taking over ``rank``, while it receives the state of ``step``
+  (the handover step), after the first tensor: the spare dies mid-receive.
 
 Kinds: ``kill`` (SIGKILL: the process vanishes), ``wedge`` (SIGSTOP: alive, silent; only a
 timeout can tell), ``migrate`` (the rank asks its agent, over the agent's HTTP endpoint, to
@@ -34,7 +36,7 @@ from typing import Any, Literal
 
 __all__ = ["Fault", "FaultPlan"]
 
-Point = Literal["step_start", "forward", "backward", "before_optimizer", "transfer"]
+Point = Literal["step_start", "forward", "backward", "before_optimizer", "transfer", "receive"]
 
 
 @dataclass(frozen=True)

@@ -74,14 +74,23 @@ class HandoverMixin:
         finally:
             self._graveyard.bury(group, broken=False)
 
-    def _receive(self: Any, prefix: str) -> tuple[dict[str, Any], Any]:
+    def _receive(self: Any, prefix: str, rank: int) -> tuple[dict[str, Any], Any]:
         group = pair_group(
             self.store, prefix, sender=False, backend=self.backend, timeout_s=self.timeout_s
         )
+        at: dict[str, int] = {}
+
+        def prepare(meta: dict[str, Any]) -> Any:
+            at["step"] = meta["step"]
+            return self.registry.prepare(meta["manifest"])
+
+        def fire(i: int) -> None:  # a "receive" fault: this spare dies mid-transfer
+            if i == 0:
+                self.faults.fire("receive", rank, at["step"], store=self.store, job=self)
+
+        hook = fire if any(f.where == "receive" for f in self.faults.faults) else None
         try:
-            return PGTransport(group).recv(
-                lambda meta: self.registry.prepare(meta["manifest"]), timeout_s=self.timeout_s
-            )
+            return PGTransport(group, on_tensor=hook).recv(prepare, timeout_s=self.timeout_s)
         finally:
             self._graveyard.bury(group, broken=True)
 
@@ -102,7 +111,8 @@ class HandoverMixin:
             except (RuntimeError, MigrationError) as exc:
                 log.warning("sending rank %d to the spare failed: %s", src, exc)
             got = P.first_present(self.store, outcomes, timeout_s=bound, what="the spare")
-            if got.endswith("/aborted"):
+            if got.endswith("/aborted"):  # the spare died: this rank trains on
+                self._ended.add(mid)
                 self._stop, self._cmd = None, None
                 return
             self.note("retired", rank=src, step=step, migration=mid)
@@ -111,13 +121,14 @@ class HandoverMixin:
             raise SystemExit(0)
         got = P.first_present(self.store, outcomes, timeout_s=bound, what="the spare")
         if got.endswith("/aborted"):
+            self._ended.add(mid)
             self._stop, self._cmd = None, None
             return
         if got.endswith("/failed"):
             _raise_failed(self.store, got)
         if "/fallback/" in got:
             if self.rank == replica:
-                self._send(f"x/{mid}/replica/{src}", step=step, rank_state=None)
+                self._send(P.replica_prefix(mid, src), step=step, rank_state=None)
             got = P.first_present(
                 self.store, [outcomes[0], outcomes[3]], timeout_s=bound, what="the spare"
             )
@@ -163,20 +174,36 @@ class HandoverMixin:
         restore_rank_state(self._snapshot, self.registry.data)
         self.registry.zero_grad()
         mid = decision["migration_id"]
-        if rank == decision["replica"]:
-            for lost in decision["replacements"]:
-                self._send(f"x/{mid}/replica/{lost}", step=step, rank_state=None)
         for lost in decision["replacements"]:
-            P.first_present(
-                self.store,
-                [f"m/{mid}/received/{lost}"],
-                timeout_s=4 * self.timeout_s + 30,
-                what=f"the spare for rank {lost}",
-            )
+            self._await_spare(mid, lost, step, sender=rank == decision["replica"])
         self._join(decision["gen"], rank, layouts)
         self.store.set(f"m/{mid}/pause/{rank}", repr(time.perf_counter() - t0))
         self.note("recovered", rank=rank, step=step, migration=mid)
         return True
+
+    def _await_spare(self: Any, mid: str, lost: int, step: int, *, sender: bool) -> None:
+        """Wait until a spare holds rank ``lost``; the replica (``sender``) sends it the state.
+
+        A spare that dies while it receives is replaced by the agent with another one (a new
+        attempt, announced under :func:`protocol.attempt_key`); the replica sends again.
+        """
+        base = f"m/{mid}"
+        attempt = 0
+        bound = 4 * self.timeout_s + 30
+        while True:
+            if sender:
+                try:
+                    self._send(P.replica_prefix(mid, lost, attempt), step=step, rank_state=None)
+                except (RuntimeError, MigrationError) as exc:
+                    log.warning("sending rank %d (attempt %d) failed: %s", lost, attempt, exc)
+            keys = [f"{base}/received/{lost}", f"{base}/failed"]
+            keys.append(P.attempt_key(mid, lost, attempt + 1))
+            got = P.first_present(self.store, keys, timeout_s=bound, what=f"the spare for {lost}")
+            if got == keys[0]:
+                return
+            if got == keys[1]:
+                _raise_failed(self.store, got)
+            attempt += 1
 
     # -- spare ------------------------------------------------------------------------------
 
@@ -196,7 +223,7 @@ class HandoverMixin:
         try:
             if a["mode"] != "peer":
                 raise MigrationError("rebuilding from a replica")
-            meta, stats = self._receive(f"x/{mid}/peer")
+            meta, stats = self._receive(f"x/{mid}/peer", rank)
             rank_state = meta["rank_state"]
         except (RuntimeError, MigrationError) as exc:
             if a["mode"] == "peer":
@@ -209,7 +236,7 @@ class HandoverMixin:
             source = "replica"
             if a["mode"] == "peer":
                 self.store.set(f"{base}/fallback/{rank}", str(exc)[:500])
-            meta, stats = self._receive(f"x/{mid}/replica/{rank}")
+            meta, stats = self._receive(P.replica_prefix(mid, rank, a.get("attempt", 0)), rank)
             rank_state = self.store.get(P.mirror_key(rank))
         self.registry.apply_meta(meta)
         step = restore_rank_state(rank_state, self.registry.data)

@@ -33,7 +33,9 @@ trips (tens of microseconds; ``benchmarks/migration.py`` measures it against a p
 If a collective fails inside ``with step:`` because a peer died or wedged, the step's context
 manager reports to the agent, waits for its decision, puts back this rank's state as it was
 at the boundary, and — once a spare has taken the dead rank's place — the loop runs the same
-step again. Any other exception propagates unchanged.
+step again. Any other exception — the script's own, an out-of-memory error included —
+propagates unchanged (:func:`is_peer_failure` tells the two apart), after the job has told
+the agent what it was, so the agent can report it and stop a crash loop.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import traceback
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
@@ -55,7 +58,7 @@ from migrator.groups import Graveyard, new_group
 from migrator.handover import HandoverMixin
 from migrator.state import DataPosition, Registry, capture_rank_state
 
-__all__ = ["Job", "Step"]
+__all__ = ["Job", "Step", "is_peer_failure"]
 
 log = logging.getLogger(__name__)
 
@@ -89,10 +92,41 @@ class Step:
         if exc is None:
             self.ok = True
             return False
-        if isinstance(exc, RuntimeError):
+        if is_peer_failure(exc):
             self.redo = self.job._recover(exc, self.index)
             return self.redo
+        # The script's own error (a bug, an out-of-memory): it propagates unchanged, and the
+        # agent learns what it was, so a crash loop can be named instead of eating spares.
+        self.job._report_error(exc, self.index)
         return False
+
+
+# What a collective raises when a peer died, wedged or closed its connection (gloo raises
+# plain RuntimeErrors; NCCL and the store raise torch.distributed.DistError subclasses).
+_PEER_MARKERS = (
+    "gloo",
+    "nccl",
+    "connection reset",
+    "connection closed",
+    "broken pipe",
+    "timed out",
+    "timeout",
+    "processgroup",
+    "c10d",
+)
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    """True when ``exc`` is a failed collective (a lost or wedged peer), not the script's
+    own error. An out-of-memory error, or any RuntimeError without a communication
+    library's signature, is the script's and propagates."""
+    if isinstance(exc, torch.OutOfMemoryError) or not isinstance(exc, RuntimeError):
+        return False
+    dist_error = getattr(dist, "DistError", None)
+    if dist_error is not None and isinstance(exc, dist_error):
+        return True
+    text = str(exc).lower()
+    return any(marker in text for marker in _PEER_MARKERS)
 
 
 class Job(HandoverMixin):
@@ -153,6 +187,7 @@ class Job(HandoverMixin):
         self._snapshot: bytes | None = None
         self._stepped = False
         self._started = False
+        self._ended: set[str] = set()  # migrations aborted in this generation
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Job:
@@ -295,8 +330,11 @@ class Job(HandoverMixin):
             # The first rank to see the command fixes S = its step + 1: every other rank
             # reads the store again at its next boundary, after this write (each step's
             # collectives order them), and none can be past S already.
-            self._cmd = P.get_json(self.store, P.cmd_key(self.gen))
-            self._stop = int(self.store.compare_set(P.stop_key(self.gen), "", str(k + 1)))
+            cmd = P.get_json(self.store, P.cmd_key(self.gen))
+            if cmd["migration_id"] not in self._ended:  # not an aborted one read late
+                key = P.stop_key(self.gen, cmd["migration_id"])
+                self._cmd = cmd
+                self._stop = int(self.store.compare_set(key, "", str(k + 1)))
         if self._stop is not None:
             if k > self._stop:
                 raise RuntimeError(f"rank {self.rank} passed the handover step {self._stop}")
@@ -354,6 +392,22 @@ class Job(HandoverMixin):
         resp = httpx.post(f"{self.agent_url}/v1/migrations", json=body, timeout=self.timeout_s)
         resp.raise_for_status()
         return str(resp.json()["migration_id"])
+
+    def _report_error(self, exc: BaseException, step: int) -> None:
+        """Tell the agent what the script raised (before the process exits with it)."""
+        if isinstance(exc, (SystemExit, KeyboardInterrupt, GeneratorExit)):
+            return
+        info = {
+            "rank": self.rank,
+            "step": step,
+            "type": type(exc).__name__,
+            "message": str(exc)[:2000],
+            "traceback": "".join(traceback.format_exception(exc))[-8000:],
+        }
+        try:
+            P.put_json(self.store, P.error_key(self.slot), info)
+        except (RuntimeError, OSError) as err:  # the agent is gone: nobody to tell
+            log.warning("could not report the error to the agent: %s", err)
 
     def note(self, event: str, **fields: Any) -> None:
         self.events.append({"event": event, "t": time.time(), **fields})

@@ -17,7 +17,7 @@ import time
 
 import httpx
 
-from forewarn.errors import NotFound
+from forewarn.errors import Conflict, NotFound
 from migrator.endpoint import read_job_file
 
 __all__ = ["configure", "run"]
@@ -39,6 +39,9 @@ def run(args: argparse.Namespace) -> int:
     except NotFound as exc:
         print(f"forewarn migrate: {exc.message}", file=sys.stderr)
         return 2
+    except Conflict as exc:
+        print(f"forewarn migrate: {exc.message}", file=sys.stderr)
+        return 1
     with httpx.Client(base_url=url, timeout=10.0) as client:
         if args.status:
             job = client.get("/v1/job").json()

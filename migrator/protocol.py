@@ -12,12 +12,16 @@ Key map (``g`` is a process-group generation, ``r`` a rank, ``s`` a process slot
     g{g}/roster              JSON {rank: slot} of generation g (agent)
     g{g}/pg/...              gloo/NCCL rendezvous of generation g (PrefixStore)
     g{g}/cmd                 planned/preventive migration for generation g (agent)
-    g{g}/stop                the step S all ranks hand over at (first rank to see cmd)
+    g{g}/stop/{id}           the step S all ranks hand over at for migration ``id`` (first
+                             rank to see cmd); per migration, so an aborted one leaves
+                             nothing a later command could trip over
     g{g}/alive/{r}           a survivor's report after a failed collective (rank)
     g{g}/alive_n             how many survivors reported (counter)
     g{g}/recovery            the agent's decision after a failure
     slot{s}/assign           what a spare is to become (agent)
     slot{s}/unique           the process registered rank-unique state
+    err/{s}                  the exception the script of slot ``s`` raised (JSON: rank, step,
+                             type, message, traceback), written before the process exits
     rs/{r}                   mirror of rank r's own state (RNG, data position) at its last
                              step boundary, for rebuilding it from a replica
     m/{id}/...               progress and timings of migration ``id``
@@ -40,12 +44,15 @@ __all__ = [
     "alive_count_key",
     "alive_key",
     "assign_key",
+    "attempt_key",
     "cmd_key",
+    "error_key",
     "first_present",
     "get_json",
     "mirror_key",
     "put_json",
     "recovery_key",
+    "replica_prefix",
     "roster_key",
     "stop_key",
     "wait_json",
@@ -69,8 +76,22 @@ def cmd_key(gen: int) -> str:
     return f"g{gen}/cmd"
 
 
-def stop_key(gen: int) -> str:
-    return f"g{gen}/stop"
+def stop_key(gen: int, migration_id: str) -> str:
+    return f"g{gen}/stop/{migration_id}"
+
+
+def error_key(slot: int) -> str:
+    return f"err/{slot}"
+
+
+def replica_prefix(migration_id: str, rank: int, attempt: int = 0) -> str:
+    """The transfer group of a replica sending rank ``rank``'s state (``attempt``: the
+    how-many-th spare tried; a spare that dies mid-receive is replaced by another)."""
+    return f"x/{migration_id}/replica/{rank}" + (f"/{attempt}" if attempt else "")
+
+
+def attempt_key(migration_id: str, rank: int, attempt: int) -> str:
+    return f"m/{migration_id}/attempt/{rank}/{attempt}"
 
 
 def alive_key(gen: int, rank: int) -> str:

@@ -10,6 +10,9 @@ handles what nobody asked for:
   agreeing on the last completed step;
 - choosing the spares (a warm one first) and the healthy replica they are rebuilt from, and
   posting the recovery plan where the survivors wait for it;
+- the script's own errors: every rank dead at once is the script's failure (its traceback is
+  reported, nothing is rebuilt), and the same error on the same rank and step after a spare
+  took it over is a crash loop (the job stops instead of using up every spare);
 - with too few spares, the pause (said on stderr, on the endpoint and in the store) and the
   failure after ``pause_timeout_s``; and :meth:`Recovery._fail`, which ends the job.
 
@@ -53,6 +56,10 @@ class _Migration:
     detail: str | None = None
 
 
+def _same_error(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return (a["rank"], a["step"], a["type"]) == (b["rank"], b["step"], b["type"])
+
+
 class Recovery:
     """Failure handling of :class:`migrator.agent.Agent`; call only with the agent's lock held."""
 
@@ -67,6 +74,7 @@ class Recovery:
         inflight: _Migration | None
         _recovery: dict[str, Any] | None
         _pause_deadline: float | None
+        _script_errors: list[dict[str, Any]]
 
         def _kill(self, slot: Slot) -> None: ...
 
@@ -133,6 +141,20 @@ class Recovery:
         rec["decided"] = True
         rec["dead"] = sorted(dead)
         rec["alive"] = alive
+        errors = self._script_errors_of(dead)
+        if dead and not alive:
+            self._fail(self._nobody_left(sorted(dead), errors), code="script_error")
+            return
+        for info in errors:
+            if any(_same_error(info, seen) for seen in self._script_errors):
+                self._fail(
+                    f"crash loop: rank {info['rank']} raised {info['type']} at step "
+                    f"{info['step']} again after a spare took it over; the error is the "
+                    f"script's, not the GPU's. Its traceback:\n{info['traceback']}",
+                    code="crash_loop",
+                )
+                return
+        self._script_errors.extend(errors)
         if self.inflight is not None and set(self.inflight.ranks) != set(dead):
             self._fail("a rank failed during a planned migration of another rank")
             return
@@ -170,6 +192,11 @@ class Recovery:
                 f"job {self.cfg.job_id} paused at step {at}: "
                 f"rank(s) {dead} lost and {len(spares)} spare(s) left; it fails in "
                 f"{self.cfg.pause_timeout_s:.0f} s unless a spare appears"
+            )
+            msg += "".join(
+                f"; rank {e['rank']} raised {e['type']}: {e['message'][:300]}"
+                for e in self._script_errors
+                if e["rank"] in dead
             )
             if self.status != "paused":
                 print(f"forewarn launch: {msg}", file=sys.stderr, flush=True)
@@ -209,6 +236,69 @@ class Recovery:
             dead,
             list(targets.values()),
             replica,
+        )
+
+    def _retarget(self, m: _Migration, dead_spare: Slot) -> None:
+        """The spare of an unplanned recovery died: give its rank to another idle spare.
+
+        The replica sends again to the new one (a new attempt under
+        :func:`protocol.attempt_key`); with no spare left the job fails.
+        """
+        rank = next(r for r, index in m.targets.items() if index == dead_spare.index)
+        spare = self._free_spare()
+        if spare is None:
+            self._fail(
+                f"the spare taking over rank {rank} died and no other spare is left",
+                code=NoSpareAvailable.code,
+            )
+            return
+        mid = m.migration_id
+        attempt = int(self.store.add(f"m/{mid}/attempts/{rank}", 1))
+        spare.role, spare.rank = "assigned", rank
+        m.targets[rank] = spare.index
+        assignment = {"mode": "replica", "gen": m.gen + 1, "rank": rank, "migration_id": mid}
+        assignment["attempt"] = attempt
+        P.put_json(self.store, P.assign_key(spare.index), assignment)
+        self.store.set(P.attempt_key(mid, rank, attempt), str(spare.index))
+        log.warning(
+            "recovery %s: the spare in slot %d died; rank %d -> slot %d (attempt %d)",
+            mid,
+            dead_spare.index,
+            rank,
+            spare.index,
+            attempt,
+        )
+
+    def _script_errors_of(self, ranks: list[int]) -> list[dict[str, Any]]:
+        """The exceptions the scripts of these (dead) ranks reported before they exited."""
+        out = []
+        for rank in sorted(ranks):
+            key = P.error_key(self.roster[rank])
+            if self.store.check([key]):
+                out.append(P.get_json(self.store, key))
+        return out
+
+    def _nobody_left(self, dead: list[int], errors: list[dict[str, Any]]) -> str:
+        """Why a job whose every rank died at once cannot go on (no replica is left)."""
+        if errors:
+            first = errors[0]
+            return (
+                f"every rank exited at once; rank {first['rank']} raised {first['type']} at "
+                f"step {first['step']}: {first['message']}\n{first['traceback']}"
+            )
+        codes = {r: self.slots[self.roster[r]].proc for r in dead}
+        said = ", ".join(
+            f"rank {r}: {p.returncode if p is not None else '?'}" for r, p in codes.items()
+        )
+        where = f" (their output: {self.cfg.log_dir})" if self.cfg.log_dir else ""
+        tail = ""
+        if self.cfg.log_dir is not None:
+            path = self.cfg.log_dir / f"slot{self.roster[dead[0]]}.log"
+            if path.exists():
+                tail = "\n" + "\n".join(path.read_text(errors="replace").splitlines()[-15:])
+        return (
+            f"every rank exited at once ({said}) before any step could be saved by a "
+            f"replica: the script's own error{where}{tail}"
         )
 
     def _retry_paused(self, now: float) -> None:

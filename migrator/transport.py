@@ -64,7 +64,8 @@ class PGTransport:
 
     Args:
         group: a two-rank group (see :func:`migrator.groups.pair_group`).
-        on_tensor: called after each tensor sent with its index (fault injection hook).
+        on_tensor: called after each tensor sent or received, with its index (fault
+            injection hook).
     """
 
     def __init__(
@@ -120,5 +121,7 @@ class PGTransport:
                     self._wait(self.group.recv([tmp], 0, 2 + i), timeout_s)
                     dst.copy_(tmp)
                 stats.bytes += dst.numel() * dst.element_size()
+                if self.on_tensor is not None:
+                    self.on_tensor(i)
         stats.seconds = time.perf_counter() - t0
         return meta, stats

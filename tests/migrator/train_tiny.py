@@ -27,7 +27,10 @@ def main() -> None:
     ap.add_argument("--mode", choices=["ddp", "plain"], default="ddp")
     ap.add_argument("--width", type=int, default=32)
     ap.add_argument("--unique", action="store_true", help="declare rank-unique state")
+    ap.add_argument("--raise-at", metavar="RANK:STEP", help="RuntimeError there, every time")
+    ap.add_argument("--crash-all-at", type=int, help="ValueError on every rank at this step")
     args = ap.parse_args()
+    raise_at = tuple(int(v) for v in args.raise_at.split(":")) if args.raise_at else None
 
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -61,6 +64,10 @@ def main() -> None:
             noise = torch.from_numpy(np.random.normal(0, 0.01, size=(len(idx), 8))).float()
             x = x_all[idx] * (1 + 0.01 * random.random()) + noise
             loss = torch.nn.functional.mse_loss(net(x), y_all[idx])
+            if raise_at == (job.rank, step.index):
+                raise RuntimeError(f"user bug on rank {job.rank}")
+            if args.crash_all_at == step.index:
+                raise ValueError("a typo on every rank")
             opt.zero_grad(set_to_none=True)
             loss.backward()
             if args.mode == "plain":

@@ -1,0 +1,67 @@
+"""Fast checks of the parts around the protocol: error classification, job files, imports."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from forewarn.errors import Conflict, NotFound
+from migrator import endpoint
+from migrator.job import is_peer_failure
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_a_failed_collective_is_told_from_the_scripts_own_error() -> None:
+    gloo = RuntimeError(
+        "[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer"
+    )
+    assert is_peer_failure(gloo)
+    assert is_peer_failure(RuntimeError("Operation timed out!"))
+    assert not is_peer_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert not is_peer_failure(torch.OutOfMemoryError("CUDA out of memory (timeout)"))
+    assert not is_peer_failure(ValueError("gloo"))
+
+
+def test_two_jobs_with_one_name_keep_their_own_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FOREWARN_RUN_DIR", str(tmp_path))
+    with pytest.raises(NotFound):
+        endpoint.read_job_file("job")
+    endpoint.write_job_file("job", {"agent_url": "http://a"})
+    assert endpoint.read_job_file("job")["agent_url"] == "http://a"
+    # A job file left by a launcher that is gone is ignored and removed.
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = endpoint.job_file("job", dead.pid)
+    stale.write_text('{"agent_url": "http://stale"}')
+    assert endpoint.read_job_file("job")["agent_url"] == "http://a" and not stale.exists()
+    # A second live launcher of the same name: both files stay, and the reader asks which.
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        endpoint.job_file("job", other.pid).write_text('{"agent_url": "http://b"}')
+        assert endpoint.job_file("job").exists()
+        with pytest.raises(Conflict, match="2 running jobs"):
+            endpoint.read_job_file("job")
+        endpoint.job_file("job.x", os.getpid()).write_text("{}")  # another job's name
+        with pytest.raises(Conflict, match="2 running jobs"):
+            endpoint.read_job_file("job")
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_cli_and_wire_parts_import_without_torch() -> None:
+    code = (
+        "import sys, migrator, migrator.endpoint, migrator.migrate_cli, migrator.launch_cli, "
+        "migrator.faults, forewarn.wire; assert 'torch' not in sys.modules, 'torch imported'"
+    )
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
