@@ -60,6 +60,41 @@ class Settings(BaseSettings):
     retention_interval_s: float = Field(default=3600.0, gt=0)
     """How often the retention task runs."""
 
+    webhook_dispatch: bool = True
+    """Run the webhook dispatcher in this process (replicas share the work through leases)."""
+
+    webhook_allow: str = ""
+    """Webhook targets allowed past the guard: comma-separated host names and IP networks
+    (``127.0.0.1,10.0.0.0/8,hooks.internal``); allow-listed hosts may also use http."""
+
+    webhook_timeout_s: float = Field(default=10.0, gt=0)
+    """One delivery attempt, from DNS to the last byte read; slower receivers fail it."""
+
+    webhook_max_response_bytes: int = Field(default=64 * 1024, gt=0)
+    """The most of a receiver's answer that is read."""
+
+    webhook_retry_base_s: float = Field(default=5.0, gt=0)
+    """The first retry's delay; it doubles per attempt (with jitter)."""
+
+    webhook_retry_max_s: float = Field(default=3600.0, gt=0)
+    """The longest delay between two attempts."""
+
+    webhook_retry_horizon_s: float = Field(default=86400.0, gt=0)
+    """A delivery is given up this long after it was queued."""
+
+    webhook_disable_after_failures: int = Field(default=30, gt=0)
+    """Consecutive failed attempts that disable a subscription (announced as webhook.disabled)."""
+
+    webhook_poll_interval_s: float = Field(default=0.2, gt=0)
+    """How often the dispatcher looks for new events."""
+
+    webhook_lease_s: float = Field(default=30.0, gt=0)
+    """How long a replica's hold on a subscription lasts unless renewed (a crashed replica's
+    subscriptions move on after it); longer than ``webhook_timeout_s``."""
+
+    webhook_secret_grace_s: float = Field(default=86400.0, ge=0)
+    """After a secret rotation, how long the old secret also signs deliveries."""
+
     @model_validator(mode="after")
     def _refuse_unsafe_production(self) -> Settings:
         if self.environment == "production":
