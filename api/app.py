@@ -17,10 +17,11 @@ from fastapi import FastAPI, Request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import JSONResponse, Response
 
-from api import fleet, ingest
+from api import dashboard, fleet, ingest
 from api.errors import error_body, install_error_handlers
 from api.metrics import Metrics, TimingMiddleware
 from api.settings import DEV_TOKEN, Settings
+from api.webhooks import install_webhooks, webhook_dispatcher
 from forewarn import __version__
 from store import Store
 
@@ -61,6 +62,9 @@ def create_app(settings: Settings | None = None, *, store: Store | None = None) 
         if DEV_TOKEN in app.state.token_scopes:
             log.warning("no tokens configured: development token '%s' has every scope", DEV_TOKEN)
         tasks = [asyncio.create_task(_retention(app), name="retention")]
+        if settings.webhook_dispatch:
+            dispatcher = webhook_dispatcher(settings, app.state.store)
+            tasks.append(asyncio.create_task(dispatcher.run(), name="webhooks"))
         try:
             yield
         finally:
@@ -84,6 +88,8 @@ def create_app(settings: Settings | None = None, *, store: Store | None = None) 
     app.add_middleware(TimingMiddleware, metrics=metrics)
     app.include_router(ingest.router)
     app.include_router(fleet.router)
+    install_webhooks(app, settings)
+    app.include_router(dashboard.router)
 
     @app.get("/healthz", tags=["ops"], summary="The process is up")
     async def healthz() -> dict[str, str]:

@@ -1,0 +1,548 @@
+// Fleet view: every GPU as one cell of a canvas, coloured by risk, grouped by node.
+//
+// One canvas, redrawn in one pass per update (cells batched into one Path2D per colour), so
+// 16,384 GPUs cost a few milliseconds and no DOM nodes; the pointer and the keyboard find a
+// cell by arithmetic on the layout, not by listeners per cell. The text around it (counts,
+// the GPUs most at risk) is one small innerHTML build per update.
+
+import { get, getAll, has, serverNow } from "./api.js";
+import {
+  RISK_COLORS, ago, esc, fmtPct, gpuHref, natural, nodeHref, parseTs, riskBucket,
+} from "./util.js";
+
+export const section = "fleet";
+export const title = () => "Fleet";
+
+const STALE_AFTER_MS = 30_000; // used only when the service does not flag staleness itself
+const TOP_AT_RISK = 12;
+const COLOR_NONE = "#474d57"; // not scored yet
+const COLOR_STALE = "#8b939e";
+const COLOR_DRAINED = "#1b2430";
+const FOCUS = "#ffffff";
+
+let root = null;
+let canvas = null;
+let ctx = null;
+let tip = null;
+let data = null; // the last update: items, derived states, nodes, jobs, policy, migrations
+let layout = null;
+let focus = -1; // index into layout.order
+let filter = { node: "", job: "", state: "all" };
+let nodeOrder = { key: "", names: [] };
+let resizeObserver = null;
+let jobsFetchedAt = 0;
+let jobsCache = null;
+let firstRender = true;
+
+export async function mount(el, params) {
+  root = el;
+  filter = { node: params.node || "", job: params.job || "", state: params.state || "all" };
+  focus = -1;
+  firstRender = true;
+  el.innerHTML = `
+    <section class="fleet">
+      <div class="summary" id="fleet-summary" aria-live="off"></div>
+      <form class="filters" id="fleet-filters" role="search">
+        <label>Node <input id="f-node" type="search" placeholder="name contains…"
+          value="${esc(filter.node)}" autocomplete="off"></label>
+        <label>Job <select id="f-job"><option value="">all jobs</option></select></label>
+        <label>State <select id="f-state">
+          <option value="all">all GPUs</option>
+          <option value="at-risk">at risk</option>
+          <option value="stale">stale</option>
+          <option value="drained">drained</option>
+          <option value="spare">spares</option>
+        </select></label>
+        <span id="f-count" class="muted"></span>
+      </form>
+      <div class="fleet-body">
+        <div class="map-wrap" id="map-wrap">
+          <canvas id="fleet-map" tabindex="0" role="img"
+            aria-label="GPU risk map. Arrow keys move between GPUs, Enter opens one."></canvas>
+          <div class="tip" id="fleet-tip" hidden></div>
+          <p class="sr-only" id="fleet-focus" aria-live="polite"></p>
+        </div>
+        <aside class="side">
+          <h2>Most at risk</h2>
+          <div id="fleet-top"></div>
+          <h2>Legend</h2>
+          <ul class="legend" id="fleet-legend"></ul>
+        </aside>
+      </div>
+    </section>`;
+  canvas = el.querySelector("#fleet-map");
+  ctx = canvas.getContext("2d", { alpha: false });
+  tip = el.querySelector("#fleet-tip");
+  el.querySelector("#f-state").value = filter.state;
+  el.querySelector("#fleet-legend").innerHTML = legendHtml();
+  el.querySelector("#fleet-filters").addEventListener("submit", (ev) => ev.preventDefault());
+  el.querySelector("#f-node").addEventListener("input", (ev) => setFilter({ node: ev.target.value }));
+  el.querySelector("#f-job").addEventListener("change", (ev) => setFilter({ job: ev.target.value }));
+  el.querySelector("#f-state").addEventListener("change", (ev) => setFilter({ state: ev.target.value }));
+  canvas.addEventListener("mousemove", onHover);
+  canvas.addEventListener("mouseleave", () => (tip.hidden = true));
+  canvas.addEventListener("click", onClick);
+  canvas.addEventListener("keydown", onKey);
+  resizeObserver = new ResizeObserver(() => data && draw());
+  resizeObserver.observe(el.querySelector("#map-wrap"));
+}
+
+export function unmount() {
+  if (resizeObserver) resizeObserver.disconnect();
+  resizeObserver = null;
+  root = canvas = ctx = tip = data = layout = null;
+}
+
+function setFilter(change) {
+  filter = { ...filter, ...change };
+  focus = -1;
+  const q = new URLSearchParams(Object.entries(filter).filter(([k, v]) => v && !(k === "state" && v === "all")));
+  history.replaceState(null, "", q.toString() ? `#/?${q}` : "#/");
+  if (data) draw();
+}
+
+// ---- data ---------------------------------------------------------------------------------
+
+async function optional(route, fn) {
+  if (!has(route)) return null;
+  try {
+    return await fn();
+  } catch (err) {
+    if (err.status === 401) throw err;
+    return { error: err };
+  }
+}
+
+async function jobPlacements() {
+  // Placements change only on migrations: read every job's ranks every 10 s, not every tick.
+  if (jobsCache && performance.now() - jobsFetchedAt < 10_000) return jobsCache;
+  const jobs = await getAll("/v1/jobs");
+  const detailed = await Promise.all(
+    jobs.map(async (job) => {
+      const id = job.job_id ?? job.id;
+      if (job.placement || job.ranks || !has("GET /v1/jobs/{id}")) return job;
+      return get(`/v1/jobs/${encodeURIComponent(id)}`).catch(() => job);
+    }),
+  );
+  jobsCache = detailed;
+  jobsFetchedAt = performance.now();
+  return detailed;
+}
+
+export async function refresh() {
+  const t0 = performance.now();
+  const [items, nodes, jobs, policy, migrations] = await Promise.all([
+    getAll("/v1/gpus"),
+    getAll("/v1/nodes"),
+    optional("GET /v1/jobs", jobPlacements),
+    optional("GET /v1/policy", () => get("/v1/policy")),
+    optional("GET /v1/migrations", () => getAll("/v1/migrations")),
+  ]);
+  const t1 = performance.now();
+  if (!root) return;
+  data = derive(items, nodes, jobs, policy, migrations);
+  draw();
+  const t2 = performance.now();
+  const stats = window.__forewarn.stats;
+  stats.fleet = { cells: items.length, fetchMs: t1 - t0, renderMs: t2 - t1, updates: (stats.fleet?.updates || 0) + 1 };
+  if (firstRender) {
+    firstRender = false;
+    performance.mark("fleet-first-render");
+  }
+}
+
+function derive(items, nodes, jobs, policy, migrations) {
+  const nodeInfo = new Map(nodes.map((n) => [n.node ?? n.name, n]));
+  const placement = new Map(); // "node/gpu" -> {job, rank, role}
+  const jobIds = [];
+  if (Array.isArray(jobs)) {
+    for (const job of jobs) {
+      const id = job.job_id ?? job.id;
+      jobIds.push(id);
+      for (const p of job.placement || job.ranks || []) {
+        if (p.gpu === null || p.gpu === undefined) continue;
+        placement.set(`${p.node}/${p.gpu}`, { job: id, rank: p.rank, role: p.role || "active" });
+      }
+    }
+  }
+  const threshold = policy && !policy.error ? policy.threshold ?? null : null;
+  const now = serverNow();
+  const n = items.length;
+  const state = new Uint8Array(n); // bit 1 at risk, 2 stale, 4 drained, 8 spare
+  for (let i = 0; i < n; i++) {
+    const it = items[i];
+    const info = nodeInfo.get(it.node);
+    let s = 0;
+    if (it.alarm === true || (it.alarm === undefined && threshold !== null && it.risk >= threshold)) s |= 1;
+    const stale = it.stale ?? now - parseTs(it.ts) > STALE_AFTER_MS;
+    if (stale) s |= 2;
+    if (info && (info.drained === true || info.state === "drained")) s |= 4;
+    const p = placement.get(`${it.node}/${it.gpu}`);
+    if (p && p.role === "spare") s |= 8;
+    state[i] = s;
+  }
+  return { items, state, nodeInfo, placement, jobIds, jobs, policy, migrations, threshold };
+}
+
+function matches(i) {
+  const it = data.items[i];
+  const s = data.state[i];
+  if (filter.node && !it.node.toLowerCase().includes(filter.node.toLowerCase())) return false;
+  if (filter.job) {
+    const p = data.placement.get(`${it.node}/${it.gpu}`);
+    if (!p || p.job !== filter.job) return false;
+  }
+  switch (filter.state) {
+    case "at-risk": return (s & 1) !== 0;
+    case "stale": return (s & 2) !== 0;
+    case "drained": return (s & 4) !== 0;
+    case "spare": return (s & 8) !== 0;
+    default: return true;
+  }
+}
+
+// ---- layout and drawing ---------------------------------------------------------------------
+
+function sortedNodes(byNode) {
+  const names = [...byNode.keys()];
+  const key = names.length + "|" + names.join("\u0000");
+  if (key !== nodeOrder.key) nodeOrder = { key, names: names.sort(natural) };
+  return nodeOrder.names;
+}
+
+function computeLayout() {
+  const byNode = new Map();
+  let maxPerNode = 1;
+  for (let i = 0; i < data.items.length; i++) {
+    if (!matches(i)) continue;
+    const node = data.items[i].node;
+    let list = byNode.get(node);
+    if (!list) byNode.set(node, (list = []));
+    list.push(i);
+    if (list.length > maxPerNode) maxPerNode = list.length;
+  }
+  const names = sortedNodes(byNode);
+  const wrap = root.querySelector("#map-wrap");
+  const width = Math.max(200, wrap.clientWidth);
+  const avail = Math.max(240, window.innerHeight - wrap.getBoundingClientRect().top - 16);
+  const cols = Math.min(maxPerNode, 8);
+  const rows = Math.ceil(maxPerNode / 8);
+  let size = 4;
+  let geo = null;
+  for (const s of [28, 22, 18, 14, 11, 9, 7, 6, 5, 4]) {
+    const g = geometry(s, cols, rows, names.length, width);
+    if (g.height <= avail || s === 4) {
+      size = s;
+      geo = g;
+      break;
+    }
+  }
+  const count = [...byNode.values()].reduce((a, l) => a + l.length, 0);
+  const order = new Int32Array(count);
+  const x = new Float32Array(count);
+  const y = new Float32Array(count);
+  const blocks = [];
+  let k = 0;
+  names.forEach((name, b) => {
+    const list = byNode.get(name).sort((p, q) => data.items[p].gpu - data.items[q].gpu);
+    const bx = (b % geo.perRow) * geo.blockW;
+    const by = Math.floor(b / geo.perRow) * geo.blockH;
+    blocks.push({ name, start: k, count: list.length, x: bx, y: by });
+    list.forEach((i, j) => {
+      order[k] = i;
+      x[k] = bx + (j % cols) * geo.pitch;
+      y[k] = by + geo.labelH + Math.floor(j / cols) * geo.pitch;
+      k++;
+    });
+  });
+  return { order, x, y, blocks, size, cols, width, ...geo };
+}
+
+function geometry(s, cols, rows, nBlocks, width) {
+  const gap = s >= 14 ? 10 : s >= 7 ? 5 : 3;
+  const pitch = s + (s >= 9 ? 2 : 1);
+  const labelH = s >= 14 ? 14 : 0;
+  const blockW = cols * pitch + gap;
+  const blockH = labelH + rows * pitch + gap;
+  const perRow = Math.max(1, Math.floor((width + gap) / blockW));
+  const height = Math.ceil(nBlocks / perRow) * blockH;
+  return { gap, pitch, labelH, blockW, blockH, perRow, height: Math.max(height, 40) };
+}
+
+function colorOf(i) {
+  const s = data.state[i];
+  if (s & 4) return COLOR_DRAINED;
+  if (s & 2) return COLOR_STALE;
+  const b = riskBucket(data.items[i].risk);
+  if (b < 0) return COLOR_NONE;
+  return RISK_COLORS[b];
+}
+
+function draw() {
+  if (!root) return;
+  layout = computeLayout();
+  const dpr = window.devicePixelRatio || 1;
+  const w = layout.width;
+  const h = layout.height;
+  if (canvas.width !== Math.round(w * dpr) || canvas.height !== Math.round(h * dpr)) {
+    canvas.width = Math.round(w * dpr);
+    canvas.height = Math.round(h * dpr);
+    canvas.style.width = `${w}px`;
+    canvas.style.height = `${h}px`;
+  }
+  ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
+  ctx.fillStyle = "#12161c";
+  ctx.fillRect(0, 0, w, h);
+  const { order, x, y, size } = layout;
+  const paths = new Map();
+  const drained = new Path2D();
+  const stale = new Path2D();
+  const alarm = new Path2D();
+  const spare = new Path2D();
+  for (let k = 0; k < order.length; k++) {
+    const i = order[k];
+    const color = colorOf(i);
+    let p = paths.get(color);
+    if (!p) paths.set(color, (p = new Path2D()));
+    p.rect(x[k], y[k], size, size);
+    const s = data.state[i];
+    if (s & 4) drained.rect(x[k] + 0.5, y[k] + 0.5, size - 1, size - 1);
+    else if (s & 2) {
+      stale.moveTo(x[k], y[k] + size);
+      stale.lineTo(x[k] + size, y[k]);
+    } else if (s & 1 && size >= 7) alarm.rect(x[k] + 1.5, y[k] + 1.5, size - 3, size - 3);
+    if (s & 8) {
+      const c = size / 2;
+      spare.moveTo(x[k] + c + size / 6, y[k] + c);
+      spare.arc(x[k] + c, y[k] + c, Math.max(1, size / 6), 0, 2 * Math.PI);
+    }
+  }
+  for (const [color, p] of paths) {
+    ctx.fillStyle = color;
+    ctx.fill(p);
+  }
+  ctx.lineWidth = 1;
+  ctx.strokeStyle = "#6ea8fe";
+  ctx.stroke(drained);
+  ctx.strokeStyle = "#3b4452";
+  ctx.stroke(stale);
+  ctx.strokeStyle = "#ffffff";
+  ctx.stroke(alarm);
+  ctx.fillStyle = "#e8ecf1";
+  ctx.fill(spare);
+  if (layout.labelH) {
+    ctx.fillStyle = "#aab4c0";
+    ctx.font = "11px system-ui, sans-serif";
+    ctx.textBaseline = "top";
+    for (const b of layout.blocks) {
+      const label = b.name.length > 14 ? `…${b.name.slice(-13)}` : b.name;
+      ctx.fillText(label, b.x, b.y + 1, layout.blockW - layout.gap);
+    }
+  }
+  if (focus >= order.length) focus = order.length - 1;
+  if (focus >= 0) {
+    ctx.strokeStyle = FOCUS;
+    ctx.lineWidth = 2;
+    ctx.strokeRect(x[focus] - 1.5, y[focus] - 1.5, size + 3, size + 3);
+  }
+  canvas.dataset.cells = String(order.length);
+  canvas.dataset.gpus = String(data.items.length);
+  renderText();
+}
+
+// ---- text around the map ------------------------------------------------------------------
+
+function countText(value) {
+  if (value === null) return `<span class="muted" title="not available on this service">–</span>`;
+  if (value && value.error) return `<span class="muted" title="${esc(value.error.explain())}">?</span>`;
+  return `<strong>${esc(value)}</strong>`;
+}
+
+function renderText() {
+  const { items, state, nodeInfo, policy, migrations, jobIds } = data;
+  let atRisk = 0;
+  let stale = 0;
+  for (let i = 0; i < items.length; i++) {
+    if (state[i] & 1) atRisk++;
+    if (state[i] & 2) stale++;
+  }
+  let drainedNodes = 0;
+  let staleAgents = 0;
+  const now = serverNow();
+  for (const n of nodeInfo.values()) {
+    if (n.drained === true || n.state === "drained") drainedNodes++;
+    for (const a of n.agents || []) {
+      const limit = Math.max(STALE_AFTER_MS, 3000 * (a.interval_s || 1));
+      if (a.stale ?? now - parseTs(a.last_seen) > limit) staleAgents++;
+    }
+  }
+  let inFlight = null;
+  if (Array.isArray(migrations)) {
+    inFlight = migrations.filter((m) => ["requested", "acknowledged", "transferring"].includes(m.state)).length;
+  } else if (migrations) inFlight = migrations;
+  let policyHtml = `<span class="muted" title="not available on this service">policy –</span>`;
+  if (policy && !policy.error) {
+    const dry = policy.dry_run ? `<span class="badge warn">dry-run</span>` : `<span class="badge ok">acting</span>`;
+    const tripped = policy.breaker_tripped ?? policy.breaker?.tripped ?? (policy.breaker?.state === "open");
+    const breaker = tripped ? `<span class="badge bad">breaker tripped</span>` : `<span class="badge ok">breaker closed</span>`;
+    const thr = policy.threshold !== undefined ? ` threshold ${fmtPct(policy.threshold)}` : "";
+    policyHtml = `${dry} ${breaker}<span class="muted">${esc(thr)}</span>`;
+  }
+  root.querySelector("#fleet-summary").innerHTML = `
+    <span class="stat">GPUs <strong>${items.length.toLocaleString("en")}</strong></span>
+    <span class="stat" data-stat="at-risk">at risk <strong>${atRisk}</strong></span>
+    <span class="stat" data-stat="stale-gpus">stale GPUs <strong>${stale}</strong></span>
+    <span class="stat" data-stat="in-flight">migrations in flight ${countText(inFlight)}</span>
+    <span class="stat" data-stat="drained">drained nodes <strong>${drainedNodes}</strong></span>
+    <span class="stat" data-stat="stale-collectors">stale collectors <strong>${staleAgents}</strong></span>
+    <span class="stat policy">${policyHtml}</span>`;
+  const jobSelect = root.querySelector("#f-job");
+  const have = [...jobSelect.options].slice(1).map((o) => o.value).join("\u0000");
+  if (have !== jobIds.join("\u0000")) {
+    jobSelect.innerHTML = `<option value="">${jobIds.length || has("GET /v1/jobs") ? "all jobs" : "jobs not available"}</option>` +
+      jobIds.map((id) => `<option value="${esc(id)}">${esc(id)}</option>`).join("");
+    jobSelect.value = filter.job;
+  }
+  root.querySelector("#f-count").textContent =
+    layout.order.length === items.length ? "" : `${layout.order.length.toLocaleString("en")} shown`;
+  root.querySelector("#fleet-top").innerHTML = topHtml();
+}
+
+function topHtml() {
+  const { items, state } = data;
+  const scored = [];
+  for (let i = 0; i < items.length; i++) if (typeof items[i].risk === "number") scored.push(i);
+  if (!scored.length) {
+    return `<p class="muted">No risk scores yet${has("GET /v1/gpus/{node}/{gpu}/risk") ? "" : " (this service does not score GPUs)"}.</p>`;
+  }
+  scored.sort((a, b) => (state[b] & 1) - (state[a] & 1) || items[b].risk - items[a].risk);
+  const rows = scored.slice(0, TOP_AT_RISK).map((i) => {
+    const it = items[i];
+    const reason = (it.reasons || [])[0] || "";
+    return `<tr class="${state[i] & 1 ? "alarm" : ""}">
+      <td><a href="${gpuHref(it.node, it.gpu)}">${esc(it.node)}/${it.gpu}</a></td>
+      <td class="num">${fmtPct(it.risk)}</td>
+      <td class="reason">${esc(reason)}</td></tr>`;
+  });
+  return `<table class="compact"><thead><tr><th>GPU</th><th>risk</th><th>why</th></tr></thead>
+    <tbody>${rows.join("")}</tbody></table>`;
+}
+
+function legendHtml() {
+  const swatch = (cls, label) => `<li><span class="sw ${cls}"></span>${label}</li>`;
+  return [
+    swatch("sw-r0", "low risk"),
+    swatch("sw-r5", "rising"),
+    swatch("sw-r9", "high risk"),
+    swatch("sw-alarm", "alarm (white ring)"),
+    swatch("sw-none", "not scored yet"),
+    swatch("sw-stale", "stale telemetry"),
+    swatch("sw-drained", "node drained"),
+    swatch("sw-spare", "warm spare (dot)"),
+  ].join("");
+}
+
+// ---- pointer and keyboard -------------------------------------------------------------------
+
+function hit(px, py) {
+  if (!layout) return -1;
+  const col = Math.floor(px / layout.blockW);
+  const row = Math.floor(py / layout.blockH);
+  if (col < 0 || col >= layout.perRow || row < 0) return -1;
+  const block = layout.blocks[row * layout.perRow + col];
+  if (!block) return -1;
+  const cx = Math.floor((px - block.x) / layout.pitch);
+  const cy = Math.floor((py - block.y - layout.labelH) / layout.pitch);
+  if (cx < 0 || cx >= layout.cols || cy < 0) return -1;
+  const j = cy * layout.cols + cx;
+  return j < block.count ? block.start + j : -1;
+}
+
+function describe(k) {
+  const i = layout.order[k];
+  const it = data.items[i];
+  const s = data.state[i];
+  const p = data.placement.get(`${it.node}/${it.gpu}`);
+  const parts = [`${it.node} GPU ${it.gpu}`];
+  parts.push(typeof it.risk === "number" ? `risk ${fmtPct(it.risk)}` : "not scored");
+  if (s & 1) parts.push("ALARM");
+  if (s & 2) parts.push(`stale (last sample ${ago(it.ts)})`);
+  if (s & 4) parts.push("node drained");
+  if (p) parts.push(`${p.role === "spare" ? "spare of" : "rank " + p.rank + " of"} ${p.job}`);
+  if (it.reasons && it.reasons.length) parts.push(it.reasons[0]);
+  return parts.join(" · ");
+}
+
+function onHover(ev) {
+  const r = canvas.getBoundingClientRect();
+  const k = hit(ev.clientX - r.left, ev.clientY - r.top);
+  if (k < 0) {
+    tip.hidden = true;
+    canvas.style.cursor = "default";
+    return;
+  }
+  canvas.style.cursor = "pointer";
+  tip.textContent = describe(k);
+  tip.hidden = false;
+  const x = Math.min(ev.clientX - r.left + 14, canvas.clientWidth - tip.offsetWidth - 4);
+  tip.style.left = `${Math.max(0, x)}px`;
+  tip.style.top = `${ev.clientY - r.top + canvas.offsetTop + 14}px`;
+}
+
+function open(k) {
+  const it = data.items[layout.order[k]];
+  location.hash = gpuHref(it.node, it.gpu);
+}
+
+function onClick(ev) {
+  const r = canvas.getBoundingClientRect();
+  const k = hit(ev.clientX - r.left, ev.clientY - r.top);
+  if (k >= 0) open(k);
+}
+
+function blockOf(k) {
+  let lo = 0;
+  let hi = layout.blocks.length - 1;
+  while (lo < hi) {
+    const mid = (lo + hi + 1) >> 1;
+    if (layout.blocks[mid].start <= k) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo;
+}
+
+function onKey(ev) {
+  if (!layout || !layout.order.length) return;
+  const n = layout.order.length;
+  let k = focus < 0 ? 0 : focus;
+  const moveBlocks = (delta) => {
+    const b = blockOf(k);
+    const j = k - layout.blocks[b].start;
+    const t = layout.blocks[Math.max(0, Math.min(layout.blocks.length - 1, b + delta))];
+    return t.start + Math.min(j, t.count - 1);
+  };
+  switch (ev.key) {
+    case "ArrowRight": k = focus < 0 ? 0 : Math.min(n - 1, k + 1); break;
+    case "ArrowLeft": k = Math.max(0, k - 1); break;
+    case "ArrowDown": k = moveBlocks(layout.perRow); break;
+    case "ArrowUp": k = moveBlocks(-layout.perRow); break;
+    case "PageDown": k = moveBlocks(layout.perRow * 10); break;
+    case "PageUp": k = moveBlocks(-layout.perRow * 10); break;
+    case "Home": k = 0; break;
+    case "End": k = n - 1; break;
+    case "Enter":
+    case " ":
+      if (focus >= 0) open(focus);
+      ev.preventDefault();
+      return;
+    default: return;
+  }
+  ev.preventDefault();
+  focus = k;
+  draw();
+  root.querySelector("#fleet-focus").textContent = describe(k);
+}
+
+// For the tests: the GPUs drawn, in drawing order.
+window.__forewarnFleetCells = () =>
+  layout && data ? [...layout.order].map((i) => `${data.items[i].node}/${data.items[i].gpu}`) : [];
