@@ -18,6 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import JSONResponse, Response
 
 from api import dashboard, fleet, ingest
+from api.control.service import install_control, start_control
 from api.errors import error_body, install_error_handlers
 from api.metrics import Metrics, TimingMiddleware
 from api.settings import DEV_TOKEN, Settings
@@ -62,6 +63,7 @@ def create_app(settings: Settings | None = None, *, store: Store | None = None) 
         if DEV_TOKEN in app.state.token_scopes:
             log.warning("no tokens configured: development token '%s' has every scope", DEV_TOKEN)
         tasks = [asyncio.create_task(_retention(app), name="retention")]
+        tasks += await start_control(app)
         if settings.webhook_dispatch:
             dispatcher = webhook_dispatcher(settings, app.state.store)
             tasks.append(asyncio.create_task(dispatcher.run(), name="webhooks"))
@@ -88,6 +90,7 @@ def create_app(settings: Settings | None = None, *, store: Store | None = None) 
     app.add_middleware(TimingMiddleware, metrics=metrics)
     app.include_router(ingest.router)
     app.include_router(fleet.router)
+    install_control(app, settings)
     install_webhooks(app, settings)
     app.include_router(dashboard.router)
 

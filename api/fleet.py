@@ -66,10 +66,16 @@ async def list_nodes(store: StoreDep) -> Response:
     return _page(rows)
 
 
-@router.get("/v1/gpus", summary="The latest sample of every GPU")
+@router.get("/v1/gpus", summary="The latest sample of every GPU, with its risk")
 async def list_gpus(store: StoreDep, node: str | None = None) -> Response:
+    from api.routes.risk import gpu_risk_fields  # the control loop's risk, merged per GPU
+
     frame = await to_thread.run_sync(lambda: store.latest_samples(node=node))
-    return _page(frame_records(frame))
+    records = frame_records(frame)
+    risk = await to_thread.run_sync(lambda: gpu_risk_fields(store, node=node))
+    for record in records:
+        record.update(risk.get((record["node"], record["gpu"]), gpu_risk_fields.UNSCORED))
+    return _page(records)
 
 
 Since = Annotated[datetime | None, Query(description="ISO 8601 or Unix seconds (inclusive).")]

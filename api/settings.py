@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from api.control.policy import Policy
 from store.engine import default_data_dir, default_database_url
 
 __all__ = ["SCOPES", "Scope", "Settings"]
@@ -48,6 +49,15 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(default=32 * 1024 * 1024, gt=0)
     """Largest ingest body accepted, after gzip decompression (larger: 413)."""
 
+    max_body_objects: int = Field(default=250_000, gt=0)
+    """Most JSON objects one ingest body may hold (refused before parsing; bounds memory)."""
+
+    max_batch_rows: int = Field(default=100_000, gt=0, le=100_000)
+    """Most samples (and, apart, events) in one ingest batch."""
+
+    writer_process: bool = True
+    """Insert through a child process (its own core and GIL) rather than a thread."""
+
     max_clock_skew_s: float = Field(default=300.0, ge=0)
     """Samples stamped further than this into the future are rejected."""
 
@@ -59,6 +69,36 @@ class Settings(BaseSettings):
 
     retention_interval_s: float = Field(default=3600.0, gt=0)
     """How often the retention task runs."""
+
+    control_enabled: bool = True
+    """Run the control loop (scoring, policy, migrations) in this process when it leads."""
+
+    control_tick_s: float = Field(default=5.0, gt=0)
+    """Interval of the control loop: score the fleet, apply the policy."""
+
+    model: Path | None = None
+    """Model card to score with (``FOREWARN_MODEL``); default the newest in ``models_dir``."""
+
+    models_dir: Path = Path("models")
+    """Where trained models live (the newest is loaded when ``model`` is not set)."""
+
+    policy: Policy = Field(default_factory=Policy)
+    """Default policy as JSON (``FOREWARN_POLICY='{"hysteresis": 3}'``); PUT /v1/policy wins."""
+
+    warm_window_s: float = Field(default=3600.0, gt=0)
+    """How much stored history warms the scorer when a replica takes over the loop."""
+
+    risk_history_interval_s: float = Field(default=60.0, gt=0)
+    """One stored risk point per GPU per interval (and on every alarm change)."""
+
+    risk_history_days: float = Field(default=7.0, gt=0)
+    """Risk history older than this is pruned."""
+
+    ack_timeout_s: float = Field(default=120.0, gt=0)
+    """A requested migration no job agent acknowledged within this fails."""
+
+    agent_timeout_s: float = Field(default=60.0, gt=0)
+    """An in-flight migration fails when its job agent stops heartbeating for this long."""
 
     webhook_dispatch: bool = True
     """Run the webhook dispatcher in this process (replicas share the work through leases)."""

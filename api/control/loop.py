@@ -1,0 +1,544 @@
+"""The control loop: telemetry -> risk -> policy -> migration, once per tick, on the leader.
+
+Every ``control_tick_s`` the replica that holds the leadership (:mod:`api.control.leader`)
+
+1. reads the samples and events the store received since the last tick, by arrival order
+   (:class:`ArrivalCursor`), folds them into the :class:`predictor.scoring.Scorer` and scores
+   every GPU it has seen;
+2. updates each GPU's streak of alarming scores (hysteresis), its crossed/cleared, stale and
+   failed flags, writes the latest risk and a bounded history, and announces changes
+   (``risk.threshold_crossed``, ``risk.cleared``, ``gpu.stale``, ``gpu.failed``);
+3. for every crossed or failed GPU under an active rank, and every active rank on a drained
+   node, asks the policy (:func:`api.control.policy.decide`) and records the decision in the
+   audit log (once per episode and outcome, not once per tick); a ``request`` becomes a
+   ``requested`` migration that the job agent long-polls;
+4. fails in-flight migrations that can no longer finish (:func:`orchestrator.reconcile`).
+
+Steps 2-4 commit in one transaction with their audit entries and outbox events. Becoming leader
+(at start, or when the previous leader died) warms the scorer from the window the store still
+holds and reloads each GPU's streak and flags from ``risk_latest``, so a restart neither loses
+a crossing nor announces it twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from prometheus_client import Gauge, Histogram
+
+from api.control import orchestrator
+from api.control.leader import Leadership
+from api.control.policy import Policy, Situation, breaker_should_trip, decide
+from store import Store
+from store import control as db
+from store.outbox import emit_event
+
+__all__ = ["ArrivalCursor", "ControlLoop", "GpuState"]
+
+log = logging.getLogger("forewarn.control")
+
+FATAL_EVENT_KINDS = frozenset({"gpu_lost", "power_loss", "thermal_shutdown"})
+
+
+class ArrivalCursor:
+    """Which arrival sequence numbers have been consumed, tolerant of holes.
+
+    Numbers are handed out when a row is inserted and become visible when its transaction
+    commits, so a concurrent writer can commit a lower number after a higher one. The cursor
+    only moves over a hole once the hole is ``hole_wait_s`` old; rows past it are read again
+    until then and skipped by number (``seen``).
+    """
+
+    def __init__(self, start: int = 0, *, hole_wait_s: float = 2.0) -> None:
+        self.position = start
+        self.seen: set[int] = set()
+        self.hole_wait_s = hole_wait_s
+        self._stuck_since: float | None = None
+
+    def fresh(self, seqs: list[int]) -> np.ndarray:
+        """Mask of the rows not consumed yet."""
+        return np.fromiter((s not in self.seen for s in seqs), dtype=bool, count=len(seqs))
+
+    def consume(self, seqs: list[int], *, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        self.seen.update(seqs)
+        while self.seen:
+            if self.position + 1 in self.seen:
+                self.seen.discard(self.position + 1)
+                self.position += 1
+                self._stuck_since = None
+                continue
+            if self._stuck_since is None:
+                self._stuck_since = now
+            if now - self._stuck_since >= self.hole_wait_s:
+                self.position = min(self.seen) - 1
+                self._stuck_since = None
+                continue
+            break
+
+
+@dataclass
+class GpuState:
+    streak: int = 0
+    crossed: bool = False
+    stale: bool = False
+    failed: bool = False
+    history_ms: int = 0
+    last_alarm: bool = False
+
+
+class ControlLoop:
+    """One per service process; acts only while this replica leads (see the module docstring).
+
+    Args:
+        store: the open store.
+        model: a :class:`predictor.model.RiskModel`, or None (no scoring: jobs, migrations and
+            drains still work, and GPUs show no risk).
+        defaults: the policy from the settings (an operator's ``PUT /v1/policy`` overrides).
+        registry: the Prometheus registry for the loop's metrics.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        model: Any,
+        defaults: Policy,
+        tick_s: float,
+        registry: Any = None,
+        warm_window_s: float = 3600.0,
+        history_interval_s: float = 60.0,
+        history_days: float = 7.0,
+        ack_timeout_s: float = 120.0,
+        agent_timeout_s: float = 60.0,
+    ) -> None:
+        self.store = store
+        self.model = model
+        self.defaults = defaults
+        self.tick_s = tick_s
+        self.warm_window_s = warm_window_s
+        self.history_interval_s = history_interval_s
+        self.history_days = history_days
+        self.ack_timeout_s = ack_timeout_s
+        self.agent_timeout_s = agent_timeout_s
+        self.leadership = Leadership(store.engine)
+        self.scorer: Any = None
+        self.samples = ArrivalCursor()
+        self.events = ArrivalCursor()
+        self.gpus: dict[tuple[str, int], GpuState] = {}
+        self._audited: dict[tuple[str, Any], str] = {}
+        self._crossings: deque[int] = deque()
+        self.ticks = 0
+        self.last_tick_s = 0.0
+        self.risk_gauge = self.tick_hist = self.leader_gauge = None
+        if registry is not None:
+            self.risk_gauge = Gauge(
+                "forewarn_gpu_risk",
+                "Latest risk score per GPU.",
+                ["node", "gpu"],
+                registry=registry,
+            )
+            self.tick_hist = Histogram(
+                "forewarn_scorer_tick_seconds",
+                "Duration of one control-loop tick (read, score, decide, write).",
+                buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+                registry=registry,
+            )
+            self.leader_gauge = Gauge(
+                "forewarn_control_leader",
+                "1 if this replica runs the control loop.",
+                registry=registry,
+            )
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Tick forever (cancel to stop); errors are logged and the next tick tries again."""
+        try:
+            while True:
+                started = time.monotonic()
+                try:
+                    await asyncio.to_thread(self.step)
+                except Exception:
+                    log.exception("control loop tick failed")
+                await asyncio.sleep(max(0.0, self.tick_s - (time.monotonic() - started)))
+        finally:
+            await asyncio.to_thread(self.leadership.release)
+
+    def step(self, now_ms: int | None = None) -> bool:
+        """Lead if possible, then tick; returns whether this replica leads."""
+        was = self.leadership.is_leader
+        if not self.leadership.acquire():
+            if self.leader_gauge is not None:
+                self.leader_gauge.set(0)
+            return False
+        if self.leader_gauge is not None:
+            self.leader_gauge.set(1)
+        if not was:
+            self.take_over()
+        self.tick(now_ms)
+        return True
+
+    def take_over(self) -> None:
+        """Warm the scorer from the store's window and reload each GPU's flags."""
+        with self.store.begin() as c:
+            db.ensure_arrival(c)
+        now_ms = int(time.time() * 1000)
+        with self.store.engine.connect() as c:
+            sample_top = db.max_sample_seq(c)
+            event_top = db.max_event_seq(c)
+            self.gpus = {}
+            for row in db.risk_rows(c):
+                self.gpus[(row["node"], row["gpu"])] = GpuState(
+                    streak=row["streak"],
+                    crossed=row["crossed"],
+                    stale=row["stale"],
+                    failed=row["failed"],
+                    history_ms=row["scored_ms"],
+                    last_alarm=row["alarm"],
+                )
+        self.samples = ArrivalCursor(sample_top)
+        self.events = ArrivalCursor(event_top)
+        self._audited = {}
+        if self.model is None:
+            return
+        from predictor.scoring import Scorer
+
+        self.scorer = Scorer(self.model)
+        since = now_ms - int(self.warm_window_s * 1000)
+        window = self.store.fleet_window(since_ms=since)
+        with self.store.engine.connect() as c:
+            events = db.events_window(c, since_ms=since)
+        # Rows numbered after the tops are read again by the cursors; the scorer ignores a
+        # sample it already holds (not newer than the GPU's newest), events are cut at the top.
+        clock = max(now_ms, int(window["ts_ms"].max()) if len(window) else 0)
+        if len(events):
+            clock = max(clock, int(events["ts_ms"].max()))
+        self.scorer.update(window, events, now_ms=clock)
+        log.info("scorer warmed from %d samples and %d events", len(window), len(events))
+
+    def reset_breaker(self) -> None:
+        """Forget the crossings that tripped the breaker (an operator reset it)."""
+        self._crossings.clear()
+
+    # -- one tick ---------------------------------------------------------------------------
+
+    def policy(self, connection: Any) -> Policy:
+        stored = db.read_policy(connection)
+        return Policy.model_validate(stored) if stored is not None else self.defaults
+
+    def tick(self, now_ms: int | None = None) -> None:
+        started = time.perf_counter()
+        now_ms = int(time.time() * 1000) if now_ms is None else now_ms
+        with self.store.engine.connect() as c:
+            samples, sample_seqs = db.samples_after(c, self.samples.position)
+            events, event_seqs = db.events_after(c, self.events.position)
+        # Frames are sorted by time; their index is each row's position in arrival order.
+        fresh = self.samples.fresh(sample_seqs)
+        if not fresh.all():
+            samples = samples[fresh[samples.index.to_numpy()]]
+        efresh = self.events.fresh(event_seqs)
+        if not efresh.all():
+            events = events[efresh[events.index.to_numpy()]]
+        scores = None
+        if self.scorer is not None:
+            clock = max(now_ms, self.scorer.state.now_ms or 0)
+            if len(samples):
+                clock = max(clock, int(samples["ts_ms"].max()))
+            if len(events):
+                clock = max(clock, int(events["ts_ms"].max()))
+            self.scorer.update(samples, events, now_ms=clock)
+            if self.scorer.state.size:
+                scores = self.scorer.score()
+        self.samples.consume(sample_seqs)
+        self.events.consume(event_seqs)
+        with self.store.begin() as c:
+            policy = self.policy(c)
+            threshold = policy.threshold
+            if threshold is None:
+                threshold = float(self.model.threshold) if self.model is not None else 1.0
+            self._apply_scores(c, scores, events, policy, threshold, now_ms)
+            self._decide(c, policy, now_ms)
+            for m in orchestrator.reconcile(
+                c,
+                now_ms=now_ms,
+                ack_timeout_s=self.ack_timeout_s,
+                agent_timeout_s=self.agent_timeout_s,
+            ):
+                log.warning("migration %s failed: %s", m["id"], m["error"])
+            if self.ticks % 100 == 0:
+                db.prune_history(c, before_ms=now_ms - int(self.history_days * 86_400_000))
+        self.ticks += 1
+        self.last_tick_s = time.perf_counter() - started
+        if self.tick_hist is not None:
+            self.tick_hist.observe(self.last_tick_s)
+
+    def _apply_scores(
+        self,
+        c: Any,
+        scores: pd.DataFrame | None,
+        events: pd.DataFrame,
+        policy: Policy,
+        threshold: float,
+        now_ms: int,
+    ) -> None:
+        failed_now: dict[tuple[str, int], str] = {}
+        if len(events):
+            from predictor.catalog import FATAL_XIDS
+
+            for ev in events.itertuples(index=False):
+                if pd.isna(ev.gpu):
+                    continue
+                xid = None if pd.isna(ev.xid) else int(ev.xid)
+                if ev.kind in FATAL_EVENT_KINDS or (ev.kind == "xid" and xid in FATAL_XIDS):
+                    what = f"Xid {xid}" if ev.kind == "xid" else str(ev.kind).replace("_", " ")
+                    failed_now[(str(ev.node), int(ev.gpu))] = what
+        rows: list[dict[str, Any]] = []
+        history: list[dict[str, Any]] = []
+        stale_ms = policy.stale_after_s * 1000
+        if scores is not None:
+            for node, gpu, risk, reasons, last_ms in zip(
+                scores["node"].tolist(),
+                scores["gpu"].tolist(),
+                scores["risk"].tolist(),
+                scores["reasons"].tolist(),
+                scores["last_seen_ms"].tolist(),
+                strict=True,
+            ):
+                key = (node, int(gpu))
+                st = self.gpus.setdefault(key, GpuState())
+                alarm = risk >= threshold
+                stale = now_ms - last_ms > stale_ms
+                if not stale:
+                    st.streak = st.streak + 1 if alarm else 0
+                if st.streak >= policy.hysteresis and not st.crossed and not stale:
+                    st.crossed = True
+                    self._crossings.append(now_ms)
+                    emit_event(
+                        c,
+                        "risk.threshold_crossed",
+                        {
+                            "node": node,
+                            "gpu": int(gpu),
+                            "risk": risk,
+                            "threshold": threshold,
+                            "reasons": reasons,
+                            "consecutive": st.streak,
+                        },
+                        node=node,
+                    )
+                elif st.crossed and not alarm and not stale:
+                    st.crossed = False
+                    self._audited = {k: v for k, v in self._audited.items() if k[0] != key}
+                    emit_event(
+                        c,
+                        "risk.cleared",
+                        {"node": node, "gpu": int(gpu), "risk": risk, "threshold": threshold},
+                        node=node,
+                    )
+                if stale and not st.stale:
+                    emit_event(
+                        c,
+                        "gpu.stale",
+                        {"node": node, "gpu": int(gpu), "last_seen_ms": last_ms},
+                        node=node,
+                    )
+                st.stale = stale
+                if key in failed_now and not st.failed:
+                    st.failed = True
+                    emit_event(
+                        c,
+                        "gpu.failed",
+                        {"node": node, "gpu": int(gpu), "cause": failed_now[key]},
+                        node=node,
+                    )
+                rows.append(
+                    {
+                        "node": node,
+                        "gpu": int(gpu),
+                        "risk": float(risk),
+                        "alarm": bool(alarm),
+                        "reasons": db.dumps(reasons),
+                        "scored_ms": now_ms,
+                        "last_seen_ms": int(last_ms),
+                        "stale": stale,
+                        "streak": st.streak,
+                        "crossed": st.crossed,
+                        "crossed_ms": now_ms if st.crossed else None,
+                        "failed": st.failed,
+                    }
+                )
+                if (
+                    alarm != st.last_alarm
+                    or now_ms - st.history_ms >= self.history_interval_s * 1000
+                ):
+                    history.append(
+                        {
+                            "node": node,
+                            "gpu": int(gpu),
+                            "ts_ms": now_ms,
+                            "risk": float(risk),
+                            "alarm": bool(alarm),
+                        }
+                    )
+                    st.history_ms = now_ms
+                st.last_alarm = bool(alarm)
+                if self.risk_gauge is not None:
+                    self.risk_gauge.labels(node, str(gpu)).set(float(risk))
+        for key, what in failed_now.items():  # a GPU the scorer has not seen yet
+            st = self.gpus.setdefault(key, GpuState())
+            if not st.failed:
+                st.failed = True
+                emit_event(
+                    c, "gpu.failed", {"node": key[0], "gpu": key[1], "cause": what}, node=key[0]
+                )
+        db.upsert_risk(c, rows)
+        db.append_history(c, history)
+        window_ms = policy.breaker_window_s * 1000
+        while self._crossings and now_ms - self._crossings[0] > window_ms:
+            self._crossings.popleft()
+
+    def _decide(self, c: Any, policy: Policy, now_ms: int) -> None:
+        tripped = (db.get_state(c, "breaker_tripped_ms") or "") != ""
+        fleet = max(len(self.gpus), 1)
+        if not tripped and breaker_should_trip(
+            policy, crossings_in_window=len(self._crossings), fleet_size=fleet
+        ):
+            tripped = True
+            db.set_state(c, "breaker_tripped_ms", str(now_ms))
+            data = {
+                "crossings": len(self._crossings),
+                "fleet": fleet,
+                "window_s": policy.breaker_window_s,
+                "breaker_pct": policy.breaker_pct,
+            }
+            db.write_audit(
+                c,
+                ts_ms=now_ms,
+                kind="policy",
+                action="breaker_tripped",
+                reason=f"{len(self._crossings)} of {fleet} GPUs crossed within "
+                f"{policy.breaker_window_s:g} s; automatic action stopped",
+                data=data,
+            )
+            emit_event(c, "policy.breaker_tripped", data)
+        ranks = db.placements(c)
+        active = [r for r in ranks if r["role"] == "active"]
+        spares: dict[str, list[dict[str, Any]]] = {}
+        for r in sorted(ranks, key=lambda r: r["slot"]):
+            if r["role"] == "spare":
+                spares.setdefault(r["job_id"], []).append(r)
+        inflight = db.list_migrations(c, states=db.ACTIVE_STATES)
+        by_job: dict[str, int] = {}
+        moving: set[tuple[str, int]] = set()
+        for m in inflight:
+            by_job[m["job_id"]] = by_job.get(m["job_id"], 0) + 1
+            moving.add((m["job_id"], m["rank"]))
+            if m["target_slot"] is not None:  # a spare already promised is not free
+                spares[m["job_id"]] = [
+                    s for s in spares.get(m["job_id"], []) if s["slot"] != m["target_slot"]
+                ]
+        recent = db.list_migrations(c, limit=500)
+        last: dict[tuple[str, int], int] = {}
+        for m in recent:
+            if m["source_node"] is not None and m["source_gpu"] is not None:
+                k = (m["source_node"], m["source_gpu"])
+                last[k] = max(last.get(k, 0), m["requested_ms"])
+        drained = db.drained_nodes(c)
+        unsafe = {k for k, st in self.gpus.items() if st.crossed or st.failed or st.stale}
+        situation = Situation(
+            now_ms=now_ms,
+            breaker_tripped=tripped,
+            inflight_by_job=by_job,
+            inflight_fleet=len(inflight),
+            last_request_ms=last,
+            spares_by_job=spares,
+            drained=drained,
+            unsafe=unsafe,
+        )
+        for r in active:
+            if (r["job_id"], r["rank"]) in moving or r["gpu"] is None:
+                continue
+            key = (r["node"], int(r["gpu"]))
+            st = self.gpus.get(key)
+            if st is not None and st.failed and policy.act_on_failures:
+                trigger, acting = "unplanned", policy
+            elif st is not None and st.crossed and not st.stale:
+                trigger, acting = "preventive", policy
+            elif r["node"] in drained:
+                trigger, acting = "planned", policy.model_copy(update={"dry_run": False})
+            else:
+                continue
+            decision = decide(
+                acting, situation, job_id=r["job_id"], node=key[0], gpu=key[1], trigger=trigger
+            )
+            risk_row = self._risk_of(c, key)
+            outcome = f"{decision.action}:{decision.reason}"
+            episode = (key, r["job_id"], r["rank"], trigger)
+            if decision.action != "request" and self._audited.get(episode) == outcome:
+                continue
+            self._audited[episode] = outcome
+            data = {
+                "job_id": r["job_id"],
+                "rank": r["rank"],
+                "trigger": trigger,
+                "risk": risk_row.get("risk"),
+                "reasons": risk_row.get("reasons", []),
+                "source": {"node": key[0], "gpu": key[1]},
+                "target": decision.target
+                and {
+                    "node": decision.target["node"],
+                    "gpu": decision.target["gpu"],
+                    "slot": decision.target["slot"],
+                },
+            }
+            if decision.action == "request":
+                m = orchestrator.request(
+                    c,
+                    job_id=r["job_id"],
+                    rank=r["rank"],
+                    trigger=trigger,
+                    now_ms=now_ms,
+                    source=key,
+                    target=decision.target,
+                    risk=risk_row.get("risk"),
+                    reasons=risk_row.get("reasons", []),
+                    why=decision.reason,
+                )
+                situation.inflight_by_job[r["job_id"]] = by_job.get(r["job_id"], 0) + 1
+                situation.inflight_fleet += 1
+                situation.spares_by_job[r["job_id"]] = [
+                    s
+                    for s in situation.spares_by_job.get(r["job_id"], [])
+                    if s["slot"] != m["target_slot"]
+                ]
+                log.info(
+                    "requested %s migration %s of %s rank %s",
+                    trigger,
+                    m["id"],
+                    r["job_id"],
+                    r["rank"],
+                )
+            else:
+                db.write_audit(
+                    c,
+                    ts_ms=now_ms,
+                    kind="migration",
+                    action=decision.action,
+                    reason=decision.reason,
+                    node=key[0],
+                    gpu=key[1],
+                    job_id=r["job_id"],
+                    data=data,
+                )
+
+    def _risk_of(self, c: Any, key: tuple[str, int]) -> dict[str, Any]:
+        rows = [r for r in db.risk_rows(c, node=key[0]) if r["gpu"] == key[1]]
+        return rows[0] if rows else {}

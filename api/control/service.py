@@ -1,0 +1,65 @@
+"""Wiring of the control loop into the app: its routes, its model and its background task.
+
+``install_control(app, settings)`` includes the routes (risk, jobs, migrations, policy, audit,
+drain); ``start_control(app)``, called from the app's lifespan, loads the model (``FOREWARN_MODEL``
+or the newest in ``models_dir``) and starts :class:`api.control.loop.ControlLoop` as a task.
+Every replica runs the task; only the leader acts (``api.control.leader``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from fastapi import FastAPI
+
+from api.control.loop import ControlLoop
+from api.routes import audit, drain, jobs, migrations, policy, risk
+from api.settings import Settings
+
+__all__ = ["install_control", "load_model", "start_control"]
+
+log = logging.getLogger("forewarn.control")
+
+
+def install_control(app: FastAPI, settings: Settings) -> None:
+    app.state.control = None
+    for module in (risk, jobs, migrations, policy, audit, drain):
+        app.include_router(module.router)
+
+
+def load_model(settings: Settings) -> Any:
+    """The risk model to score with, or None (logged) when there is none."""
+    from forewarn.errors import ForewarnError
+    from predictor import registry
+
+    try:
+        if settings.model is not None:
+            return registry.load(settings.model)
+        return registry.load_latest(settings.models_dir)
+    except ForewarnError as exc:
+        log.warning("no risk model (%s): GPUs will not be scored", exc)
+        return None
+
+
+async def start_control(app: FastAPI) -> list[asyncio.Task[None]]:
+    """Start the control loop if the settings enable it; returns its task (to cancel)."""
+    settings: Settings = app.state.settings
+    if not settings.control_enabled:
+        return []
+    model = await asyncio.to_thread(load_model, settings)
+    loop = ControlLoop(
+        app.state.store,
+        model=model,
+        defaults=settings.policy,
+        tick_s=settings.control_tick_s,
+        registry=app.state.metrics.registry,
+        warm_window_s=settings.warm_window_s,
+        history_interval_s=settings.risk_history_interval_s,
+        history_days=settings.risk_history_days,
+        ack_timeout_s=settings.ack_timeout_s,
+        agent_timeout_s=settings.agent_timeout_s,
+    )
+    app.state.control = loop
+    return [asyncio.create_task(loop.run(), name="control")]

@@ -1,0 +1,1 @@
+"""Route modules, one a resource; ``api.app`` includes each router."""

@@ -1,0 +1,216 @@
+"""Job routes: registration and heartbeats from job agents, the command long-poll, reads.
+
+Scopes: a job agent (``forewarn launch --service --token``) holds a token with the ``operate``
+scope — it registers, heartbeats, takes commands and reports transitions, which is acting on
+the fleet, not reading it; reads need ``read``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Annotated, Any
+
+from anyio import to_thread
+from fastapi import APIRouter, Query
+from pydantic import BaseModel
+from sqlalchemy import text
+
+from api.deps import StoreDep, require
+from api.routes._common import now_ms, stamp
+from forewarn.errors import NotFound
+from forewarn.wire import JobHeartbeat, JobRegistration, MigrationCommand, Placement
+from store import control as db
+
+__all__ = ["JobPublic", "router"]
+
+router = APIRouter(tags=["jobs"])
+
+
+class RankPublic(BaseModel):
+    slot: int
+    rank: int
+    node: str
+    gpu: int | None
+    uuid: str | None
+    pid: int | None
+    role: str
+    """active, spare or retired."""
+
+
+class JobPublic(BaseModel):
+    job_id: str
+    world_size: int
+    spares: int
+    agent_url: str | None
+    status: str
+    generation: int
+    message: str | None
+    registered_at: str | None
+    heartbeat_at: str | None
+    ranks: list[RankPublic]
+
+
+class JobsPublic(BaseModel):
+    data: list[JobPublic]
+    count: int
+
+
+class CommandsPublic(BaseModel):
+    data: list[MigrationCommand]
+    count: int
+
+
+def _public(job: dict[str, Any]) -> dict[str, Any]:
+    return stamp(job, "registered_ms", "heartbeat_ms")
+
+
+def _resolve(c: Any, p: Placement) -> tuple[str, int | None]:
+    """A GPU UUID names the GPU whatever the launcher calls its node; else node + index."""
+    if p.uuid:
+        row = c.execute(text("SELECT node, gpu FROM gpus WHERE uuid = :u"), {"u": p.uuid}).first()
+        if row is not None:
+            return str(row[0]), int(row[1])
+    return p.node, p.gpu
+
+
+@router.post(
+    "/v1/jobs",
+    status_code=201,
+    response_model=JobPublic,
+    dependencies=[require("operate")],
+    summary="Register a job and its placement (job agents; the full placement each time)",
+)
+async def register_job(store: StoreDep, body: JobRegistration) -> dict[str, Any]:
+    def write() -> dict[str, Any]:
+        ts = now_ms()
+        with store.begin() as c:
+            ranks = []
+            for i, p in enumerate(body.placement):
+                node, gpu = _resolve(c, p)
+                ranks.append(
+                    {
+                        "slot": p.slot if p.slot is not None else i,
+                        "rank": p.rank,
+                        "node": node,
+                        "gpu": gpu,
+                        "uuid": p.uuid,
+                        "pid": p.pid,
+                        "role": p.role,
+                    }
+                )
+            job = {
+                "job_id": body.job_id,
+                "world_size": body.world_size,
+                "spares": body.spares,
+                "agent_url": body.agent_url,
+                "status": "running",
+                "registered_ms": ts,
+                "heartbeat_ms": ts,
+            }
+            db.upsert_job(c, job=job, ranks=ranks)
+            return db.get_jobs(c, job_id=body.job_id)[0]
+
+    return _public(await to_thread.run_sync(write))
+
+
+@router.post(
+    "/v1/jobs/{job_id}/heartbeat",
+    response_model=JobPublic,
+    dependencies=[require("operate")],
+    summary="A job agent's sign of life",
+)
+async def heartbeat(store: StoreDep, job_id: str, body: JobHeartbeat) -> dict[str, Any]:
+    def write() -> dict[str, Any]:
+        values = {
+            "heartbeat_ms": now_ms(),
+            "status": body.status,
+            "generation": body.generation,
+            "message": body.message,
+        }
+        with store.begin() as c:
+            if not db.heartbeat_job(c, job_id=job_id, values=values):
+                raise NotFound(f"no job {job_id!r} (register it first)")
+            return db.get_jobs(c, job_id=job_id)[0]
+
+    return _public(await to_thread.run_sync(write))
+
+
+@router.get(
+    "/v1/jobs", response_model=JobsPublic, dependencies=[require("read")], summary="Every job"
+)
+async def list_jobs(store: StoreDep) -> dict[str, Any]:
+    def read() -> list[dict[str, Any]]:
+        with store.engine.connect() as c:
+            return db.get_jobs(c)
+
+    rows = [_public(j) for j in await to_thread.run_sync(read)]
+    return {"data": rows, "count": len(rows)}
+
+
+@router.get(
+    "/v1/jobs/{job_id}",
+    response_model=JobPublic,
+    dependencies=[require("read")],
+    summary="One job: ranks with node, GPU and role, generation, status",
+)
+async def get_job(store: StoreDep, job_id: str) -> dict[str, Any]:
+    def read() -> list[dict[str, Any]]:
+        with store.engine.connect() as c:
+            return db.get_jobs(c, job_id=job_id)
+
+    found = await to_thread.run_sync(read)
+    if not found:
+        raise NotFound(f"no job {job_id!r}")
+    return _public(found[0])
+
+
+def command_of(m: dict[str, Any]) -> MigrationCommand:
+    target = None
+    if m["target_slot"] is not None:
+        target = Placement(
+            rank=m["rank"],
+            node=m["target_node"],
+            gpu=m["target_gpu"],
+            role="spare",
+            slot=m["target_slot"],
+        )
+    trigger = m["trigger"]
+    return MigrationCommand(
+        migration_id=m["id"],
+        job_id=m["job_id"],
+        rank=m["rank"],
+        reason="planned" if trigger == "manual" else trigger,  # type: ignore[arg-type]
+        requested_at=m["requested_ms"] / 1000,  # type: ignore[arg-type]
+        detail=m["detail"],
+        trigger=trigger,
+        target=target,
+    )
+
+
+POLL_INTERVAL_S = 0.2
+
+
+@router.get(
+    "/v1/jobs/{job_id}/commands",
+    response_model=CommandsPublic,
+    dependencies=[require("operate")],
+    summary="Long-poll: the job's requested migrations (answers as soon as there is one)",
+)
+async def commands(
+    store: StoreDep,
+    job_id: str,
+    wait_s: Annotated[float, Query(ge=0, le=30)] = 10.0,
+) -> dict[str, Any]:
+    def read() -> list[dict[str, Any]]:
+        with store.engine.connect() as c:
+            return db.list_migrations(c, job_id=job_id, states=["requested"])
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        pending = await to_thread.run_sync(read)
+        if pending or time.monotonic() >= deadline:
+            break
+        await asyncio.sleep(POLL_INTERVAL_S)
+    data = [command_of(m) for m in sorted(pending, key=lambda m: m["requested_ms"])]
+    return {"data": data, "count": len(data)}

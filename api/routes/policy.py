@@ -1,0 +1,103 @@
+"""Policy routes: read it (``read``), replace it (``admin``), reset the breaker (``admin``)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from anyio import to_thread
+from fastapi import APIRouter, Request
+from pydantic import BaseModel
+
+from api.control.policy import Policy
+from api.deps import SettingsDep, StoreDep, require
+from api.routes._common import iso, now_ms
+from store import control as db
+
+__all__ = ["PolicyPublic", "router"]
+
+router = APIRouter(tags=["policy"])
+
+
+class PolicyPublic(BaseModel):
+    policy: Policy
+    source: Literal["settings", "operator"]
+    """``operator``: set by ``PUT /v1/policy``; ``settings``: the service's defaults."""
+    model_threshold: float | None
+    """The loaded model card's threshold (used when ``policy.threshold`` is null)."""
+    breaker_tripped_at: str | None
+    updated_at: str | None
+
+
+def _read(store: Any, settings: Any, request: Request) -> dict[str, Any]:
+    with store.engine.connect() as c:
+        stored = db.read_policy(c)
+        tripped = db.get_state(c, "breaker_tripped_ms") or ""
+        updated = c.execute(db.policy.select().where(db.policy.c.id == 1)).mappings().first()
+    loop = getattr(request.app.state, "control", None)
+    model = getattr(loop, "model", None)
+    return {
+        "policy": Policy.model_validate(stored) if stored is not None else settings.policy,
+        "source": "operator" if stored is not None else "settings",
+        "model_threshold": float(model.threshold) if model is not None else None,
+        "breaker_tripped_at": iso(int(tripped)) if tripped else None,
+        "updated_at": iso(updated["updated_ms"]) if updated else None,
+    }
+
+
+@router.get(
+    "/v1/policy",
+    response_model=PolicyPublic,
+    dependencies=[require("read")],
+    summary="The policy in force and the breaker's state",
+)
+async def get_policy(store: StoreDep, settings: SettingsDep, request: Request) -> dict[str, Any]:
+    return await to_thread.run_sync(_read, store, settings, request)
+
+
+@router.put(
+    "/v1/policy",
+    response_model=PolicyPublic,
+    dependencies=[require("admin")],
+    summary="Replace the policy (every field; omitted ones take their defaults)",
+)
+async def put_policy(
+    store: StoreDep, settings: SettingsDep, request: Request, body: Policy
+) -> dict[str, Any]:
+    def write() -> None:
+        ts = now_ms()
+        with store.begin() as c:
+            before = db.read_policy(c)
+            db.write_policy(c, data=body.model_dump(), ts_ms=ts)
+            db.write_audit(
+                c,
+                ts_ms=ts,
+                kind="policy",
+                action="updated",
+                reason="policy replaced by an operator",
+                data={"before": before, "after": body.model_dump()},
+            )
+
+    await to_thread.run_sync(write)
+    return await to_thread.run_sync(_read, store, settings, request)
+
+
+@router.post(
+    "/v1/policy/breaker/reset",
+    response_model=PolicyPublic,
+    dependencies=[require("admin")],
+    summary="Re-arm automatic action after the breaker tripped",
+)
+async def reset_breaker(store: StoreDep, settings: SettingsDep, request: Request) -> dict[str, Any]:
+    def write() -> None:
+        ts = now_ms()
+        with store.begin() as c:
+            db.set_state(c, "breaker_tripped_ms", "")
+            db.write_audit(
+                c, ts_ms=ts, kind="policy", action="breaker_reset", reason="reset by an operator"
+            )
+
+    await to_thread.run_sync(write)
+    loop = getattr(request.app.state, "control", None)
+    if loop is not None:
+        loop.reset_breaker()
+    return await to_thread.run_sync(_read, store, settings, request)

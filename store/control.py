@@ -1,0 +1,583 @@
+"""Tables and reads/writes of the control loop: risk, jobs and placement, migrations, audit,
+node drain state, policy, and the arrival cursor over samples and events.
+
+Every function takes the caller's connection, so a state change, its audit entry and its
+outbox event (``store.outbox.emit_event``) commit together. Times are integer milliseconds
+since the epoch (UTC), as everywhere in the store. JSON columns are text (orjson).
+
+Arrival order: the scorer follows the rows the store *received*, not their timestamps, so a
+collector's spool replayed late still reaches it. SQLite numbers rows as it appends them
+(``rowid``); PostgreSQL gets an identity column ``samples.arrival_seq`` (revision
+``0003_control``). ``events.id`` is already an arrival sequence on both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import orjson
+import pandas as pd
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    Column,
+    Connection,
+    Float,
+    Index,
+    Integer,
+    PrimaryKeyConstraint,
+    SmallInteger,
+    String,
+    Table,
+    Text,
+    delete,
+    insert,
+    select,
+    text,
+    update,
+)
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+
+from store.reads import FRAME_COLUMNS, _frame
+from store.schema import NO_GPU, NO_XID, metadata
+
+__all__ = [
+    "ACTIVE_STATES",
+    "MIGRATION_STATES",
+    "audit",
+    "events_after",
+    "job_ranks",
+    "jobs",
+    "migrations",
+    "node_drain",
+    "policy",
+    "risk_history",
+    "risk_latest",
+    "samples_after",
+]
+
+_ID = BigInteger().with_variant(Integer, "sqlite")
+
+risk_latest = Table(
+    "risk_latest",
+    metadata,
+    Column("node", String(253), nullable=False),
+    Column("gpu", SmallInteger, nullable=False),
+    Column("risk", Float),
+    Column("alarm", Boolean, nullable=False, default=False),
+    Column("reasons", Text, nullable=False, default="[]"),
+    Column("scored_ms", BigInteger, nullable=False),
+    Column("last_seen_ms", BigInteger),
+    Column("stale", Boolean, nullable=False, default=False),
+    Column("streak", Integer, nullable=False, default=0),
+    Column("crossed", Boolean, nullable=False, default=False),
+    Column("crossed_ms", BigInteger),
+    Column("failed", Boolean, nullable=False, default=False),
+    PrimaryKeyConstraint("node", "gpu", name="pk_risk_latest"),
+)
+"""The newest score of every GPU; ``streak`` counts consecutive scores above the threshold,
+``crossed`` is the alarm after hysteresis, ``failed`` a GPU lost or a fatal Xid seen."""
+
+risk_history = Table(
+    "risk_history",
+    metadata,
+    Column("id", _ID, primary_key=True, autoincrement=True),
+    Column("node", String(253), nullable=False),
+    Column("gpu", SmallInteger, nullable=False),
+    Column("ts_ms", BigInteger, nullable=False),
+    Column("risk", Float),
+    Column("alarm", Boolean, nullable=False),
+    Index("ix_risk_history_gpu", "node", "gpu", "ts_ms"),
+    Index("ix_risk_history_ts", "ts_ms"),
+)
+"""Bounded: one row per GPU per history interval (and on every alarm change), pruned by age."""
+
+jobs = Table(
+    "jobs",
+    metadata,
+    Column("job_id", String(253), primary_key=True),
+    Column("world_size", Integer, nullable=False),
+    Column("spares", Integer, nullable=False),
+    Column("agent_url", Text),
+    Column("status", String(32), nullable=False, default="running"),
+    Column("generation", Integer, nullable=False, default=0),
+    Column("message", Text),
+    Column("registered_ms", BigInteger, nullable=False),
+    Column("heartbeat_ms", BigInteger, nullable=False),
+)
+
+job_ranks = Table(
+    "job_ranks",
+    metadata,
+    Column("job_id", String(253), nullable=False),
+    Column("slot", Integer, nullable=False),
+    Column("rank", Integer, nullable=False),
+    Column("node", String(253), nullable=False),
+    Column("gpu", SmallInteger),
+    Column("uuid", String(96)),
+    Column("pid", Integer),
+    Column("role", String(16), nullable=False),
+    PrimaryKeyConstraint("job_id", "slot", name="pk_job_ranks"),
+    Index("ix_job_ranks_gpu", "node", "gpu"),
+)
+
+MIGRATION_STATES = ("requested", "acknowledged", "transferring", "completed", "failed", "cancelled")
+ACTIVE_STATES = ("requested", "acknowledged", "transferring")
+
+migrations = Table(
+    "migrations",
+    metadata,
+    Column("id", String(64), primary_key=True),
+    Column("job_id", String(253), nullable=False),
+    Column("rank", Integer, nullable=False),
+    Column("trigger", String(16), nullable=False),
+    Column("state", String(16), nullable=False),
+    Column("risk", Float),
+    Column("reasons", Text, nullable=False, default="[]"),
+    Column("source_node", String(253)),
+    Column("source_gpu", SmallInteger),
+    Column("target_node", String(253)),
+    Column("target_gpu", SmallInteger),
+    Column("target_slot", Integer),
+    Column("requested_ms", BigInteger, nullable=False),
+    Column("acknowledged_ms", BigInteger),
+    Column("transferring_ms", BigInteger),
+    Column("finished_ms", BigInteger),
+    Column("step", BigInteger),
+    Column("pause_s", Float),
+    Column("transfer_s", Float),
+    Column("bytes_moved", BigInteger),
+    Column("error", Text),
+    Column("detail", Text),
+    Index("ix_migrations_job", "job_id", "state"),
+    Index("ix_migrations_state", "state"),
+)
+
+audit = Table(
+    "audit",
+    metadata,
+    Column("seq", _ID, primary_key=True, autoincrement=True),
+    Column("ts_ms", BigInteger, nullable=False),
+    Column("kind", String(32), nullable=False),
+    Column("action", String(16), nullable=False),
+    Column("reason", Text, nullable=False),
+    Column("node", String(253)),
+    Column("gpu", SmallInteger),
+    Column("job_id", String(253)),
+    Column("migration_id", String(64)),
+    Column("data", Text, nullable=False, default="{}"),
+    Index("ix_audit_ts", "ts_ms"),
+    Index("ix_audit_migration", "migration_id"),
+)
+"""Every decision of the control loop, taken or declined, and every operator action."""
+
+node_drain = Table(
+    "node_drain",
+    metadata,
+    Column("node", String(253), primary_key=True),
+    Column("drained", Boolean, nullable=False),
+    Column("changed_ms", BigInteger, nullable=False),
+    Column("reason", Text),
+)
+
+policy = Table(
+    "policy",
+    metadata,
+    Column("id", Integer, primary_key=True),
+    Column("data", Text, nullable=False),
+    Column("updated_ms", BigInteger, nullable=False),
+)
+"""One row (id 1): the policy operators set through ``PUT /v1/policy``; settings are defaults."""
+
+control_state = Table(
+    "control_state",
+    metadata,
+    Column("key", String(64), primary_key=True),
+    Column("value", Text, nullable=False),
+)
+"""Small persisted facts of the loop (the breaker's trip time)."""
+
+
+def _upsert(connection: Connection) -> Any:
+    return sqlite_insert if connection.dialect.name == "sqlite" else pg_insert
+
+
+def dumps(value: Any) -> str:
+    return orjson.dumps(value, option=orjson.OPT_SERIALIZE_NUMPY).decode()
+
+
+# -- arrival cursor ---------------------------------------------------------------------------
+
+
+def arrival_column(connection: Connection) -> str:
+    return "rowid" if connection.dialect.name == "sqlite" else "arrival_seq"
+
+
+def samples_after(
+    connection: Connection, cursor: int, *, limit: int = 200_000
+) -> tuple[pd.DataFrame, list[int]]:
+    """Samples the store received after ``cursor`` (arrival order), and their sequence numbers.
+
+    Returns:
+        (frame in :data:`store.reads.FRAME_COLUMNS`, sorted by ts_ms; the rows' arrival seqs).
+    """
+    seq = arrival_column(connection)
+    sql = (
+        f"SELECT {seq} AS seq, {', '.join(FRAME_COLUMNS)} FROM samples "
+        f"WHERE {seq} > :c ORDER BY {seq} LIMIT :n"
+    )
+    rows = connection.execute(text(sql), {"c": cursor, "n": limit}).all()
+    seqs = [int(r[0]) for r in rows]
+    frame = _frame([tuple(r[1:]) for r in rows], list(FRAME_COLUMNS))
+    # Sorted by time; the index keeps each row's position in arrival order (``seqs``).
+    return frame.sort_values(["ts_ms", "node", "gpu"], kind="stable"), seqs
+
+
+def max_sample_seq(connection: Connection) -> int:
+    seq = arrival_column(connection)
+    return int(
+        connection.execute(text(f"SELECT COALESCE(MAX({seq}), 0) FROM samples")).scalar_one()
+    )
+
+
+def events_after(
+    connection: Connection, cursor: int, *, limit: int = 50_000
+) -> tuple[pd.DataFrame, list[int]]:
+    """Events received after ``cursor`` (by ``events.id``), as the predictor's event frame."""
+    sql = (
+        "SELECT id, node, gpu, ts_ms, kind, xid, message FROM events WHERE id > :c "
+        "ORDER BY id LIMIT :n"
+    )
+    rows = connection.execute(text(sql), {"c": cursor, "n": limit}).mappings().all()
+    return event_frame(rows), [int(r["id"]) for r in rows]
+
+
+def event_frame(rows: Sequence[Any]) -> pd.DataFrame:
+    frame = pd.DataFrame(
+        [
+            {
+                "node": r["node"],
+                "gpu": None if r["gpu"] == NO_GPU else r["gpu"],
+                "ts_ms": int(r["ts_ms"]),
+                "kind": r["kind"],
+                "xid": None if r["xid"] == NO_XID else r["xid"],
+                "message": r["message"],
+            }
+            for r in rows
+        ],
+        columns=["node", "gpu", "ts_ms", "kind", "xid", "message"],
+    )
+    frame["gpu"] = frame["gpu"].astype("Int64")
+    frame["xid"] = frame["xid"].astype("Int64")
+    return frame.sort_values("ts_ms", kind="stable")  # index: position in arrival order
+
+
+def events_window(connection: Connection, *, since_ms: int) -> pd.DataFrame:
+    sql = "SELECT id, node, gpu, ts_ms, kind, xid, message FROM events WHERE ts_ms >= :s"
+    return event_frame(connection.execute(text(sql), {"s": since_ms}).mappings().all())
+
+
+def max_event_seq(connection: Connection) -> int:
+    return int(connection.execute(text("SELECT COALESCE(MAX(id), 0) FROM events")).scalar_one())
+
+
+# -- risk -------------------------------------------------------------------------------------
+
+
+def risk_rows(connection: Connection, *, node: str | None = None) -> list[dict[str, Any]]:
+    query = select(risk_latest)
+    if node is not None:
+        query = query.where(risk_latest.c.node == node)
+    out = []
+    for row in connection.execute(query.order_by(risk_latest.c.node, risk_latest.c.gpu)).mappings():
+        item = dict(row)
+        item["reasons"] = orjson.loads(item["reasons"])
+        out.append(item)
+    return out
+
+
+def upsert_risk(connection: Connection, rows: Sequence[dict[str, Any]]) -> None:
+    """Replace the latest score of each GPU in ``rows`` (keys: the columns of risk_latest)."""
+    if not rows:
+        return
+    statement = _upsert(connection)(risk_latest)
+    keep = {
+        c.name: statement.excluded[c.name] for c in risk_latest.c if c.name not in ("node", "gpu")
+    }
+    for chunk in _chunks(list(rows), 2000):
+        connection.execute(
+            statement.on_conflict_do_update(index_elements=["node", "gpu"], set_=keep), chunk
+        )
+
+
+def append_history(connection: Connection, rows: Sequence[dict[str, Any]]) -> None:
+    for chunk in _chunks(list(rows), 5000):
+        connection.execute(insert(risk_history), chunk)
+
+
+def history(
+    connection: Connection, *, node: str, gpu: int, since_ms: int, until_ms: int, limit: int
+) -> list[dict[str, Any]]:
+    query = (
+        select(risk_history.c.ts_ms, risk_history.c.risk, risk_history.c.alarm)
+        .where(
+            risk_history.c.node == node,
+            risk_history.c.gpu == gpu,
+            risk_history.c.ts_ms >= since_ms,
+            risk_history.c.ts_ms < until_ms,
+        )
+        .order_by(risk_history.c.ts_ms)
+        .limit(limit)
+    )
+    return [dict(r) for r in connection.execute(query).mappings()]
+
+
+def prune_history(connection: Connection, *, before_ms: int) -> int:
+    return int(
+        connection.execute(delete(risk_history).where(risk_history.c.ts_ms < before_ms)).rowcount
+    )
+
+
+# -- jobs -------------------------------------------------------------------------------------
+
+
+def upsert_job(
+    connection: Connection, *, job: dict[str, Any], ranks: Iterable[dict[str, Any]]
+) -> None:
+    """Create or replace a job and its whole placement (a registration is the full picture)."""
+    statement = _upsert(connection)(jobs).values(job)
+    keep = {k: statement.excluded[k] for k in job if k not in ("job_id", "registered_ms")}
+    connection.execute(statement.on_conflict_do_update(index_elements=["job_id"], set_=keep))
+    connection.execute(delete(job_ranks).where(job_ranks.c.job_id == job["job_id"]))
+    rows = [{"job_id": job["job_id"], **r} for r in ranks]
+    if rows:
+        connection.execute(insert(job_ranks), rows)
+
+
+def heartbeat_job(connection: Connection, *, job_id: str, values: dict[str, Any]) -> bool:
+    result = connection.execute(update(jobs).where(jobs.c.job_id == job_id).values(values))
+    return bool(result.rowcount)
+
+
+def get_jobs(connection: Connection, *, job_id: str | None = None) -> list[dict[str, Any]]:
+    query = select(jobs).order_by(jobs.c.job_id)
+    if job_id is not None:
+        query = query.where(jobs.c.job_id == job_id)
+    found = [dict(r) for r in connection.execute(query).mappings()]
+    if not found:
+        return []
+    rq = select(job_ranks).order_by(job_ranks.c.job_id, job_ranks.c.slot)
+    if job_id is not None:
+        rq = rq.where(job_ranks.c.job_id == job_id)
+    by_job: dict[str, list[dict[str, Any]]] = {}
+    for r in connection.execute(rq).mappings():
+        by_job.setdefault(r["job_id"], []).append({k: v for k, v in r.items() if k != "job_id"})
+    for j in found:
+        j["ranks"] = by_job.get(j["job_id"], [])
+    return found
+
+
+def placements(connection: Connection) -> list[dict[str, Any]]:
+    """Ranks and spares of every unfinished job: job_id, slot, rank, node, gpu, role."""
+    query = (
+        select(job_ranks)
+        .join(jobs, jobs.c.job_id == job_ranks.c.job_id)
+        .where(jobs.c.status.in_(("starting", "running", "paused")))
+    )
+    return [dict(r) for r in connection.execute(query).mappings()]
+
+
+def set_rank(connection: Connection, *, job_id: str, slot: int, values: dict[str, Any]) -> None:
+    connection.execute(
+        update(job_ranks)
+        .where(job_ranks.c.job_id == job_id, job_ranks.c.slot == slot)
+        .values(values)
+    )
+
+
+# -- migrations -------------------------------------------------------------------------------
+
+
+def insert_migration(connection: Connection, row: dict[str, Any]) -> None:
+    connection.execute(insert(migrations).values(row))
+
+
+def get_migration(
+    connection: Connection, migration_id: str, *, for_update: bool = False
+) -> dict[str, Any] | None:
+    query = select(migrations).where(migrations.c.id == migration_id)
+    if for_update and connection.dialect.name == "postgresql":
+        query = query.with_for_update()
+    row = connection.execute(query).mappings().first()
+    return _migration(row) if row is not None else None
+
+
+def list_migrations(
+    connection: Connection,
+    *,
+    job_id: str | None = None,
+    states: Sequence[str] | None = None,
+    limit: int = 1000,
+) -> list[dict[str, Any]]:
+    query = select(migrations).order_by(migrations.c.requested_ms.desc()).limit(limit)
+    if job_id is not None:
+        query = query.where(migrations.c.job_id == job_id)
+    if states:
+        query = query.where(migrations.c.state.in_(list(states)))
+    return [_migration(r) for r in connection.execute(query).mappings()]
+
+
+def update_migration(
+    connection: Connection, migration_id: str, *, expect: Sequence[str], values: dict[str, Any]
+) -> bool:
+    """Change a migration only if it is in one of ``expect`` (compare-and-set); True if it did."""
+    result = connection.execute(
+        update(migrations)
+        .where(migrations.c.id == migration_id, migrations.c.state.in_(list(expect)))
+        .values(values)
+    )
+    return bool(result.rowcount)
+
+
+def _migration(row: Any) -> dict[str, Any]:
+    item = dict(row)
+    item["reasons"] = orjson.loads(item["reasons"] or "[]")
+    return item
+
+
+# -- audit ------------------------------------------------------------------------------------
+
+
+def write_audit(
+    connection: Connection,
+    *,
+    ts_ms: int,
+    kind: str,
+    action: str,
+    reason: str,
+    node: str | None = None,
+    gpu: int | None = None,
+    job_id: str | None = None,
+    migration_id: str | None = None,
+    data: dict[str, Any] | None = None,
+) -> None:
+    connection.execute(
+        insert(audit).values(
+            ts_ms=ts_ms,
+            kind=kind,
+            action=action,
+            reason=reason,
+            node=node,
+            gpu=gpu,
+            job_id=job_id,
+            migration_id=migration_id,
+            data=dumps(data or {}),
+        )
+    )
+
+
+def read_audit(
+    connection: Connection,
+    *,
+    since_ms: int | None = None,
+    kind: str | None = None,
+    migration_id: str | None = None,
+    limit: int = 1000,
+) -> list[dict[str, Any]]:
+    query = select(audit).order_by(audit.c.seq).limit(limit)
+    if since_ms is not None:
+        query = query.where(audit.c.ts_ms >= since_ms)
+    if kind is not None:
+        query = query.where(audit.c.kind == kind)
+    if migration_id is not None:
+        query = query.where(audit.c.migration_id == migration_id)
+    out = []
+    for r in connection.execute(query).mappings():
+        item = dict(r)
+        item["data"] = orjson.loads(item["data"])
+        out.append(item)
+    return out
+
+
+# -- drain, policy, state ---------------------------------------------------------------------
+
+
+def set_drain(
+    connection: Connection, *, node: str, drained: bool, ts_ms: int, reason: str | None
+) -> None:
+    statement = _upsert(connection)(node_drain).values(
+        node=node, drained=drained, changed_ms=ts_ms, reason=reason
+    )
+    connection.execute(
+        statement.on_conflict_do_update(
+            index_elements=["node"],
+            set_={"drained": drained, "changed_ms": ts_ms, "reason": reason},
+        )
+    )
+
+
+def drained_nodes(connection: Connection) -> set[str]:
+    query = select(node_drain.c.node).where(node_drain.c.drained.is_(True))
+    return {r[0] for r in connection.execute(query)}
+
+
+def read_policy(connection: Connection) -> dict[str, Any] | None:
+    row = connection.execute(select(policy.c.data).where(policy.c.id == 1)).first()
+    return orjson.loads(row[0]) if row is not None else None
+
+
+def write_policy(connection: Connection, *, data: dict[str, Any], ts_ms: int) -> None:
+    statement = _upsert(connection)(policy).values(id=1, data=dumps(data), updated_ms=ts_ms)
+    connection.execute(
+        statement.on_conflict_do_update(
+            index_elements=["id"], set_={"data": dumps(data), "updated_ms": ts_ms}
+        )
+    )
+
+
+def get_state(connection: Connection, key: str) -> str | None:
+    row = connection.execute(
+        select(control_state.c.value).where(control_state.c.key == key)
+    ).first()
+    return None if row is None else str(row[0])
+
+
+def set_state(connection: Connection, key: str, value: str) -> None:
+    statement = _upsert(connection)(control_state).values(key=key, value=value)
+    connection.execute(
+        statement.on_conflict_do_update(index_elements=["key"], set_={"value": value})
+    )
+
+
+def _chunks(items: list[Any], size: int) -> list[list[Any]]:
+    return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+# -- PostgreSQL arrival numbering -------------------------------------------------------------
+
+_PG_ARRIVAL = (
+    "CREATE SEQUENCE IF NOT EXISTS samples_arrival_seq",
+    "ALTER TABLE samples ADD COLUMN IF NOT EXISTS arrival_seq BIGINT",
+    "CREATE OR REPLACE FUNCTION samples_arrival() RETURNS trigger LANGUAGE plpgsql AS "
+    "$$ BEGIN NEW.arrival_seq := nextval('samples_arrival_seq'); RETURN NEW; END $$",
+    "CREATE OR REPLACE TRIGGER samples_arrival BEFORE INSERT ON samples "
+    "FOR EACH ROW EXECUTE FUNCTION samples_arrival()",
+    "CREATE INDEX IF NOT EXISTS ix_samples_arrival ON samples (arrival_seq)",
+)
+
+
+def ensure_arrival(connection: Connection) -> None:
+    """Number samples in arrival order on PostgreSQL (idempotent; SQLite has ``rowid``).
+
+    A trigger, not a column default: the ingest path stages rows in a ``LIKE samples`` table,
+    which would copy a default and spend numbers twice. Run by revision ``0003_control`` and
+    again when a control loop becomes leader, so a later rebuild of ``samples`` (partitioning)
+    cannot leave rows unnumbered. Serialised by a transaction-scoped advisory lock.
+    """
+    if connection.dialect.name != "postgresql":
+        return
+    connection.execute(text("SELECT pg_advisory_xact_lock(4242004)"))
+    for statement in _PG_ARRIVAL:
+        connection.execute(text(statement))
