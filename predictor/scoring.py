@@ -40,7 +40,13 @@ class Scorer:
 
         scorer = Scorer(registry.load_latest("models"))
         scorer.update(new_samples, new_events, now_ms=now)
-        frame = scorer.score()   # node, gpu, risk, alarm, reasons, staleness_s
+        frame = scorer.score()   # node, gpu, risk, score, alarm, reasons, staleness_s
+
+    With an alarm budget instead of the card's fixed threshold (row ``i`` is slot ``i``)::
+
+        budget = AlarmBudget(2.0, fallback=model.card["raw_threshold"])
+        budget.observe(frame["score"].to_numpy(), now_ms=now)
+        alarm = frame["score"].to_numpy() >= budget.threshold
     """
 
     model: RiskModel
@@ -72,6 +78,8 @@ class Scorer:
             a frame with ``node``, ``gpu``, ``risk`` (calibrated probability of a failure
             within the model's horizon), ``alarm`` (risk >= the model's threshold),
             ``reasons`` (list of up to ``max_reasons`` sentences; empty below the floor),
+            ``score`` (the booster's own output, finer than the stepwise calibrated risk: the
+            scale :class:`predictor.budget.AlarmBudget` keeps its threshold on),
             ``last_seen_ms`` and ``staleness_s``.
         """
         x = self.features()
@@ -96,7 +104,8 @@ def score_fleet(
 ) -> pd.DataFrame:
     """Risk and reasons for the feature matrix ``x`` of ``state``'s slots."""
     n = state.size
-    risk = model.risk(x)
+    raw = model.raw(x)
+    risk = model.calibrate(raw)
     floor = model.threshold / 2 if reason_floor is None else reason_floor
     said: list[list[str]] = [[] for _ in range(n)]
     if reasons:
@@ -111,6 +120,7 @@ def score_fleet(
             "node": np.asarray(state.nodes, dtype=object)[state.node_of[:n]],
             "gpu": state.gpu_of[:n],
             "risk": risk,
+            "score": raw,
             "alarm": risk >= model.threshold,
             "reasons": said,
             "last_seen_ms": last,

@@ -101,6 +101,7 @@ def test_scorer_gives_risk_and_reasons_for_the_failing_gpu(tiny_model, tiny: Dat
         "node",
         "gpu",
         "risk",
+        "score",
         "alarm",
         "reasons",
         "last_seen_ms",
