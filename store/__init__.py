@@ -23,7 +23,7 @@ import pandas as pd
 from sqlalchemy import Connection, Engine, text
 
 from forewarn.errors import StoreUnavailable
-from store import reads, writes
+from store import reads, tiers, writes
 from store.engine import default_database_url, make_engine
 from store.migrate import current_heads, head_revisions, upgrade
 from store.writer import GroupWriter
@@ -144,6 +144,21 @@ class Store:
     def fleet_window(self, **kwargs: Any) -> pd.DataFrame:
         with self.engine.connect() as c:
             return reads.fleet_window(c, **kwargs)
+
+    def gpu_series(self, **kwargs: Any) -> tuple[pd.DataFrame, tiers.Resolution]:
+        """One GPU's window from the tier that holds it (see :func:`store.tiers.gpu_series`)."""
+        with self.engine.connect() as c:
+            return tiers.gpu_series(c, **kwargs)
+
+    def tiered_window(self, **kwargs: Any) -> pd.DataFrame:
+        """Every GPU's window: raw where held, per minute before it (see
+        :func:`store.tiers.tiered_window`)."""
+        with self.engine.connect() as c:
+            return tiers.tiered_window(c, **kwargs)
+
+    def maintain_tiers(self, policy: tiers.TierPolicy, *, now_ms: int) -> tiers.TierReport:
+        """Roll closed hours up, archive them, drop what left every tier (idempotent)."""
+        return tiers.maintain(self.engine, policy, now_ms=now_ms)
 
     def latest_samples(self, **kwargs: Any) -> pd.DataFrame:
         with self.engine.connect() as c:

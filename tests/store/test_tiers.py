@@ -1,0 +1,304 @@
+"""Storage tiers on both backends: rollups equal a pandas resample, retention drops whole
+partitions, the Parquet history is a training dataset, a restart across a tier boundary
+serves the same window, and the migration from the flat table keeps its rows."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from sqlalchemy import create_engine, text
+
+from store import Store, partitions, tiers
+from store.migrate import upgrade
+from store.reads import FRAME_COLUMNS
+from store.rollups import COUNTER_COLUMNS, GAUGE_COLUMNS, MINUTE_MS, STAT_COLUMNS
+from store.schema import SAMPLE_COLUMNS
+
+HOUR = partitions.HOUR_MS
+START = 1_764_504_000_000  # 2025-11-30 12:00 UTC, an hour boundary
+
+
+def raw_frame(
+    *, gpus: int = 2, hours: float = 3, step_s: int = 5, start: int = START, seed: int = 0
+) -> pd.DataFrame:
+    """Samples of ``gpus`` GPUs on one node: noisy gauges, growing counters with one reset
+    and a few nulls, a gap of ten minutes on GPU 1."""
+    rng = np.random.default_rng(seed)
+    ts = np.arange(start, start + int(hours * HOUR), step_s * 1000)
+    frames = []
+    for g in range(gpus):
+        n = len(ts)
+        sbe = np.cumsum(rng.integers(0, 3, n)).astype(float)
+        reset = n // 2 + 7 * g
+        sbe[reset:] -= sbe[reset] - 1  # a reset to 1, counting on from there
+        sbe[rng.random(n) < 0.02] = np.nan
+        temp = 60 + rng.normal(0, 2, n)
+        temp[rng.random(n) < 0.02] = np.nan
+        frame = pd.DataFrame(
+            {
+                "ts_ms": ts,
+                "node": "node-a",
+                "gpu": g,
+                "uuid": f"GPU-a-{g}",
+                "vendor": "nvidia",
+                "temp_gpu_c": temp,
+                "power_w": 400 + rng.normal(0, 20, n),
+                "throttle_reasons": rng.choice([0, 4], n),
+                "ecc_sbe_volatile": pd.array(sbe, dtype="Float64").astype("Int64"),
+                "nvlink_crc_flit": np.cumsum(rng.integers(0, 2, n)),
+                "pcie_link_width": 16,
+                "remap_pending": rng.random(n) < 0.1,
+            }
+        )
+        if g == 1:
+            gap = (ts >= start + HOUR + 600_000) & (ts < start + HOUR + 1_200_000)
+            frame = frame[~gap]
+        frames.append(frame)
+    out = pd.concat(frames, ignore_index=True)
+    return out.sort_values(["ts_ms", "node", "gpu"], ignore_index=True)
+
+
+def rows_of(frame: pd.DataFrame) -> list[tuple]:
+    full = frame.reindex(columns=list(SAMPLE_COLUMNS))
+    out = []
+    for record in full.astype(object).itertuples(index=False):
+        out.append(tuple(None if pd.isna(v) else v for v in record))
+    return out
+
+
+def expected_rollup(raw: pd.DataFrame) -> pd.DataFrame:
+    """Per-minute rollups the plain pandas way: resample each GPU's series."""
+    out = []
+    for (node, gpu), series in raw.groupby(["node", "gpu"]):
+        s = series.set_index(pd.to_datetime(series["ts_ms"], unit="ms"))
+        bins = s.resample("1min")
+        stats = {"n": bins.size()}
+        for c in GAUGE_COLUMNS:
+            values = s[c].astype("float64") if c in s else pd.Series(np.nan, index=s.index)
+            by = values.resample("1min")
+            stats.update(
+                {
+                    f"{c}_min": by.min(),
+                    f"{c}_max": by.max(),
+                    f"{c}_mean": by.mean(),
+                    f"{c}_last": by.last(),
+                }
+            )
+        for c in COUNTER_COLUMNS:
+            values = s[c].astype("float64") if c in s else pd.Series(np.nan, index=s.index)
+            known = values.dropna()
+            step = known.diff()
+            step[step < 0] = known[step < 0]  # a reset: counted up from zero again
+            step = step.fillna(0.0)
+            stats[f"{c}_delta"] = step.resample("1min").sum(min_count=1).reindex(stats["n"].index)
+            stats[f"{c}_last"] = values.resample("1min").last()
+        frame = pd.DataFrame(stats)
+        frame = frame[frame["n"] > 0]
+        frame.insert(0, "gpu", gpu)
+        frame.insert(0, "node", node)
+        frame.insert(0, "ts_ms", frame.index.as_unit("ms").asi8)
+        out.append(frame.reset_index(drop=True))
+    result = pd.concat(out, ignore_index=True)
+    return result.sort_values(["ts_ms", "node", "gpu"], ignore_index=True)
+
+
+def stored_minutes(store: Store, since_ms: int, until_ms: int) -> pd.DataFrame:
+    with store.engine.connect() as c:
+        frame = tiers._minutes(c, since_ms=since_ms, until_ms=until_ms)
+    return frame
+
+
+def assert_same_rollups(got: pd.DataFrame, want: pd.DataFrame) -> None:
+    assert len(got) == len(want)
+    assert got[["ts_ms", "gpu"]].astype("int64").equals(want[["ts_ms", "gpu"]].astype("int64"))
+    for c in STAT_COLUMNS:
+        np.testing.assert_allclose(
+            got[c].to_numpy(float), want[c].to_numpy(float), rtol=1e-12, equal_nan=True, err_msg=c
+        )
+
+
+POLICY = tiers.TierPolicy(raw_window_s=3600.0, rollup_window_s=30 * 86400.0, history_url=None)
+
+
+def test_rollups_equal_a_pandas_resample_across_a_counter_reset(store: Store) -> None:
+    raw = raw_frame()
+    store.write(samples=rows_of(raw))
+    report = store.maintain_tiers(POLICY, now_ms=START + 4 * HOUR)
+    assert report.hours_rolled == 3 and report.samples_rolled == len(raw)
+    want = expected_rollup(raw)
+    # The resets happened (the test exercises them) and the deltas never went negative.
+    assert (raw.groupby("gpu")["ecc_sbe_volatile"].diff() < 0).any()
+    assert (want["ecc_sbe_volatile_delta"].dropna() >= 0).all()
+    assert_same_rollups(stored_minutes(store, START, START + 3 * HOUR), want)
+
+
+def test_on_the_fly_rollup_of_raw_rows_equals_the_stored_one(store: Store) -> None:
+    raw = raw_frame()
+    store.write(samples=rows_of(raw))
+    store.maintain_tiers(POLICY, now_ms=START + 2 * HOUR)  # hour 0 rolled, hours 1-2 raw
+    with store.begin() as c:
+        assert tiers.rolled_until(c) == START + HOUR
+    assert_same_rollups(stored_minutes(store, START, START + 3 * HOUR), expected_rollup(raw))
+
+
+def test_a_restarted_service_serves_the_same_window_across_a_tier_boundary(
+    database_url: str,
+) -> None:
+    raw = raw_frame()
+    window = {
+        "node": "node-a",
+        "gpu": 1,
+        "since_ms": START + 30 * MINUTE_MS,
+        "until_ms": START + 3 * HOUR,
+    }
+    first = Store.open(database_url)
+    try:
+        first.write(samples=rows_of(raw))
+        first.maintain_tiers(POLICY, now_ms=START + 2 * HOUR)
+        before, resolution = first.gpu_series(**window)
+        fleet_before = first.tiered_window(since_ms=START + 2 * HOUR, until_ms=START + 3 * HOUR)
+    finally:
+        first.close()
+    assert resolution == "1m"
+    second = Store.open(database_url)  # the service restarts an hour and a half later
+    try:
+        report = second.maintain_tiers(POLICY, now_ms=START + 4 * HOUR + 1_800_000)
+        assert report.hours_rolled == 2
+        after, resolution = second.gpu_series(**window)
+        fleet_after = second.tiered_window(since_ms=START + 2 * HOUR, until_ms=START + 3 * HOUR)
+        with second.begin() as c:
+            assert tiers.rolled_until(c) == START + 3 * HOUR
+            raw_left = c.execute(text("SELECT COUNT(*) FROM samples")).scalar_one()
+    finally:
+        second.close()
+    assert resolution == "1m"
+    assert raw_left == (raw["ts_ms"] >= START + 2 * HOUR).sum()  # one rolled hour stays raw
+    pd.testing.assert_frame_equal(before, after)
+    assert len(before) == 150 - 10  # 2.5 h of minutes, less GPU 1's ten-minute gap
+    assert list(before.columns[:3]) == ["ts_ms", "node", "gpu"]
+    # The warm-start read: raw rows while raw, one per minute after.
+    assert len(fleet_before) == (raw["ts_ms"] >= START + 2 * HOUR).sum()
+    assert list(fleet_after.columns) == list(FRAME_COLUMNS)
+    assert len(fleet_after) == 2 * 60
+    third = Store.open(database_url)
+    try:
+        _, resolution = third.gpu_series(
+            node="node-a", gpu=0, since_ms=START + 3 * HOUR, until_ms=START + 4 * HOUR
+        )
+    finally:
+        third.close()
+    assert resolution == "raw"
+
+
+def test_retention_drops_whole_partitions_and_keeps_everything_younger(store: Store) -> None:
+    raw = raw_frame(gpus=1, hours=6, step_s=30)
+    store.write(samples=rows_of(raw))
+    store.write(
+        events=[
+            ("node-a", 0, START + 10 * MINUTE_MS, "xid", 79, "fell off the bus", "kmsg"),
+            ("node-a", 0, START + 5 * HOUR, "xid", 13, "graphics engine", "kmsg"),
+        ]
+    )
+    policy = tiers.TierPolicy(raw_window_s=2 * 3600.0, rollup_window_s=3 * 3600.0)
+    now = START + 6 * HOUR
+    report = store.maintain_tiers(policy, now_ms=now)
+    assert report.hours_rolled == 4  # hours 0-3 left the 2 h raw window
+    with store.begin() as c:
+        left = pd.read_sql(text("SELECT ts_ms FROM samples ORDER BY ts_ms"), c)["ts_ms"]
+        after = {p.table for p in partitions.existing(c, "samples")}
+        events = c.execute(text("SELECT ts_ms FROM events")).scalars().all()
+    # Raw: hours 3.. stay (hour 3 is the predecessor hour); nothing younger is lost.
+    younger = raw["ts_ms"][raw["ts_ms"] >= START + 3 * HOUR]
+    assert left.tolist() == younger.tolist()
+    assert events == [START + 5 * HOUR]  # the 3 h event window
+    if store.dialect == "postgresql":
+        hours = [partitions.partition_name("samples", START + h * HOUR) for h in range(6)]
+        assert set(hours[:3]).isdisjoint(after) and set(hours[3:]) <= after
+        assert report.raw_dropped == 3
+    # Rollups: everything from the rollup cutoff on is still there.
+    minutes = stored_minutes(store, START, now)["ts_ms"]
+    cutoff = now - 3 * HOUR
+    assert minutes.min() <= cutoff and (minutes >= cutoff).sum() == 3 * 60
+    policy = tiers.TierPolicy(raw_window_s=2 * 3600.0, rollup_window_s=86400.0)
+    report = store.maintain_tiers(policy, now_ms=START + 2 * partitions.DAY_MS + 6 * HOUR)
+    with store.begin() as c:
+        chunks = c.execute(text("SELECT COUNT(*) FROM sample_rollups")).scalar_one()
+    assert chunks == 0 and report.rollups_dropped >= 1
+
+
+def test_parquet_history_is_a_dataset_with_failure_labels(store: Store, tmp_path: Path) -> None:
+    from predictor.dataset import load_dataset
+
+    raw = raw_frame(gpus=2, hours=3, step_s=10)
+    store.write(samples=rows_of(raw))
+    store.write(
+        events=[
+            ("node-a", 1, START + 70 * MINUTE_MS, "xid", 79, "fell off the bus", "kmsg"),
+            ("node-a", 1, START + 71 * MINUTE_MS, "gpu_lost", None, "lost", "nvml"),
+            ("node-a", 1, START + 100 * MINUTE_MS, "gpu_recovered", None, "back", "agent"),
+            ("node-a", 0, START + 20 * MINUTE_MS, "xid", 13, "app", "kmsg"),
+        ]
+    )
+    policy = tiers.TierPolicy(raw_window_s=3600.0, history_url=str(tmp_path / "history"))
+    report = store.maintain_tiers(policy, now_ms=START + 4 * HOUR)
+    assert report.history_rows == len(raw)
+    dataset = load_dataset(tmp_path / "history")
+    assert dataset.manifest["counts"]["samples"] == len(raw)
+    assert (dataset.start_ms, dataset.end_ms) == (START, START + 3 * HOUR)
+    history = pd.read_parquet(tmp_path / "history" / "samples")
+    assert list(history.columns) == list(FRAME_COLUMNS)
+    expected = raw.reindex(columns=list(FRAME_COLUMNS))
+    assert history["ts_ms"].tolist() == expected["ts_ms"].tolist()
+    for c in ("temp_gpu_c", "ecc_sbe_volatile", "remap_pending", "throttle_reasons"):
+        assert history[c].astype("float64").equals(expected[c].astype("float64")), c
+    assert str(history["ecc_sbe_volatile"].dtype) == "Int64"
+    failures = dataset.failures
+    assert failures[["ts_ms", "node", "gpu", "kind"]].values.tolist() == [
+        [START + 70 * MINUTE_MS, "node-a", 1, "pcie"]
+    ]
+    assert failures["recovered_ts_ms"].tolist() == [START + 100 * MINUTE_MS]
+    assert len(dataset.events) == 4
+
+
+def test_migration_from_the_flat_table_keeps_its_rows(database_url: str) -> None:
+    engine = create_engine(database_url)
+    upgrade(engine, "0002")
+    raw = raw_frame(gpus=2, hours=1, step_s=60)
+    flat = Store(engine)
+    flat.write(samples=rows_of(raw))
+    flat.close()
+    engine = create_engine(database_url)
+    upgrade(engine)
+    store = Store(engine)
+    try:
+        frame = store.fleet_window(since_ms=0)
+        assert len(frame) == len(raw)
+        assert store.write(samples=rows_of(raw)) == (0, 0)  # the key still de-duplicates
+        if store.dialect == "postgresql":
+            with store.begin() as c:
+                kind = c.execute(
+                    text("SELECT relkind FROM pg_class WHERE relname = 'samples'")
+                ).scalar_one()
+                assert kind == "p"
+                assert partitions.partition_name("samples", START) in {
+                    p.table for p in partitions.existing(c, "samples")
+                }
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("late_hours", [30])
+def test_rows_without_a_partition_land_in_the_default_and_move_on_creation(
+    store: Store, late_hours: int
+) -> None:
+    raw = raw_frame(gpus=1, hours=1, step_s=60, start=START + late_hours * HOUR)
+    store.write(samples=rows_of(raw))  # far ahead of every partition created so far
+    store.maintain_tiers(POLICY, now_ms=START + late_hours * HOUR)
+    assert len(store.fleet_window(since_ms=0)) == len(raw)
+    if store.dialect == "postgresql":
+        with store.begin() as c:
+            stray = c.execute(text("SELECT COUNT(*) FROM samples_default")).scalar_one()
+        assert stray == 0
