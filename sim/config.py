@@ -159,6 +159,9 @@ def validate(params: Params) -> None:
             total += entry["trace_count"]
     check(total > 0, "at least one trace class that kills a job")
     check(sum(params["noise"]["app_xid_mix"].values()) > 0, "noise.app_xid_mix not empty")
+    from sim.shapes import check as check_shapes
+
+    check_shapes(params["shapes"])
 
 
 def randomised(seed: int, base: Params | None = None) -> Params:

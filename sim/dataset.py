@@ -25,6 +25,7 @@ from sim import blocks, schema
 from sim.calibration import per_gpu_hazard_per_h
 from sim.config import Params, load_params, validate
 from sim.fleet import FleetModel
+from sim.shapes import families
 
 __all__ = ["DEFAULT_START_MS", "DatasetInfo", "generate_dataset", "write_parquet_frame"]
 
@@ -188,6 +189,7 @@ def generate_dataset(
         "end_ms": int(end_ms),
         "interval_s": step,
         "params": full,
+        "families": families(full),
         "lemon_nodes": [model.node_names[n] for n in np.flatnonzero(model.lemon).tolist()],
         "per_gpu_hazard_per_h": per_gpu_hazard_per_h(full),
         "counts": {

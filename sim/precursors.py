@@ -34,6 +34,11 @@ if TYPE_CHECKING:
 __all__ = ["app_xids", "apply", "terminal"]
 
 MEMORY, THERMAL, NVLINK, PCIE = 0, 1, 2, 3
+_BURST = 15.0  # corrected errors per cluster, memory shape "bursts"
+# progress after which a remap stays pending / the PCIe link drops lanes, per shape
+# (absent: the kind's own parameter; above 1: never)
+_REMAP_FROM = {"early": 0.2, "late": 0.9, "never": 2.0}
+_WIDTH_FROM = {"early": 0.2, "never": 2.0}
 
 _XID_TEXT = {
     13: "Graphics Engine Exception",
@@ -101,16 +106,23 @@ def apply(
             (m.tf - m.onset_f[idx]) / np.maximum(m.fail_f[idx] - m.onset_f[idx], 1e-9), 0, 1
         )
         k = m.kind[idx]
+        shapes = m.params["shapes"]
         mem = k == MEMORY
         if mem.any():
             s = kinds["memory"]
             gi, pm = idx[mem], p[mem]
             rate_h = _geometric(s["sbe_start_per_h"], s["sbe_end_per_h"], pm)
-            n = rng.poisson(rate_h * dtf / 3600.0)
+            if shapes["memory"] == "bursts":
+                # the same mean rate in clusters of ~BURST errors (self-exciting arrivals)
+                n_burst = rng.poisson(rate_h / _BURST * dtf / 3600.0)
+                n = rng.poisson(_BURST * n_burst)
+            else:
+                n = rng.poisson(rate_h * dtf / 3600.0)
             sbe[gi] += n
             rm = rng.binomial(n, 1.0 / max(s["remap_every_sbe"], 1.0))
             remap[gi] += rm
-            m.counters.remap_pending[gi] |= (rm > 0) & (pm >= s["remap_pending_from"])
+            pending_from = _REMAP_FROM.get(shapes["memory_remap"], s["remap_pending_from"])
+            m.counters.remap_pending[gi] |= (rm > 0) & (pm >= pending_from)
             storm = (rate_h >= s["storm_per_h"]) & ~m.storm_sent[gi]
             for j in gi[storm].tolist():
                 m.storm_sent[j] = True
@@ -124,7 +136,13 @@ def apply(
             full = w["load_rise_c"] * w["train_util_pct"] / 100.0
             base = w["ambient_c"] + m.workload.offset_c[gi]
             f_end = np.maximum((w["shutdown_c"] + 2.0 - base) / full, 1.2)
-            f = 1.0 + (f_end - 1.0) * pt**2
+            if shapes["thermal"] == "time":
+                grow = pt
+            elif shapes["thermal"] == "step":  # a fan dies: nearly flat, then a jump
+                grow = np.where(pt >= 0.8, 0.9 + 0.5 * (pt - 0.8), 0.05 * pt)
+            else:
+                grow = pt**2
+            f = 1.0 + (f_end - 1.0) * grow
             r_factor[gi] = np.maximum(r_factor[gi], f)
             share = kinds["thermal"]["neighbour_share"]
             for j, fj in zip(gi.tolist(), f.tolist(), strict=True):
@@ -135,6 +153,8 @@ def apply(
         if nv.any():
             s = kinds["nvlink"]
             gi, pn = idx[nv], p[nv]
+            if shapes["nvlink"] == "steps":
+                pn = np.floor(pn * 4.0) / 4.0
             n = rng.poisson(_geometric(s["crc_start_per_min"], s["crc_end_per_min"], pn) * dtf / 60)
             crc[gi] += n
             rec = rng.poisson(s["recovery_per_min"] * dtf / 60.0 * (pn >= s["recovery_from"]))
@@ -143,9 +163,11 @@ def apply(
         if pc.any():
             s = kinds["pcie"]
             gi, pp = idx[pc], p[pc]
-            rate = _geometric(s["replay_start_per_min"], s["replay_end_per_min"], pp)
+            pr = np.floor(pp * 4.0) / 4.0 if shapes["pcie"] == "steps" else pp
+            rate = _geometric(s["replay_start_per_min"], s["replay_end_per_min"], pr)
             replay[gi] += rng.poisson(rate * dtf / 60.0)
-            drop = m.width_drop[gi] & (pp >= s["width_drop_from"])
+            drop_from = _WIDTH_FROM.get(shapes["pcie_width"], s["width_drop_from"])
+            drop = m.width_drop[gi] & (pp >= drop_from)
             width[gi[drop]] = int(s["width_dropped"])
 
     s = kinds["nvlink"]

@@ -48,6 +48,7 @@ class Workload:
         self.phase_until = rng.exponential(self.p["checkpoint_every_median_s"], nodes)
         self.hot_until = np.zeros(nodes)
         self.hot_rise = np.zeros(nodes)
+        self.slow_until = np.zeros(nodes)
         self.temp = None  # set on the first step, at the steady state of the first load
 
     def crash(self, nodes: np.ndarray, t: float) -> None:
@@ -85,6 +86,13 @@ class Workload:
             self.hot_until[idx] = t + rng.lognormal(math.log(med), 0.5, idx.size)
             self.hot_rise[idx] = p["hot_aisle_rise_c"] * rng.uniform(0.6, 1.4, idx.size)
         self.hot_rise[t >= self.hot_until] = 0.0
+        rate = p.get("node_slowdown_rate_per_node_day", 0.0)
+        if rate > 0:
+            slow = (rng.random(self.nodes) < rate * dt / 86400.0) & (t >= self.slow_until)
+            if slow.any():
+                idx = np.flatnonzero(slow)
+                med = max(p.get("node_slowdown_median_s", 900.0), 1.0)
+                self.slow_until[idx] = t + rng.lognormal(math.log(med), 0.7, idx.size)
 
     def step(self, t: float, dt: float, ts_s: float, r_factor: np.ndarray) -> dict[str, np.ndarray]:
         """Advance by ``dt`` seconds; ``r_factor``: thermal resistance multiplier per GPU."""
@@ -121,6 +129,9 @@ class Workload:
         throttle |= np.where(hw_th, THROTTLE["hw_thermal"] | THROTTLE["hw_slowdown"], 0)
         clock_f = np.where(sw_th, 0.8, clock_f)
         clock_f = np.where(hw_th, 0.5, clock_f)
+        slow = np.repeat(t < self.slow_until, gpn)  # benign node-wide board slowdown
+        throttle |= np.where(slow, THROTTLE["hw_slowdown"], 0)
+        clock_f = np.where(slow, np.minimum(clock_f, 0.6), clock_f)
         dyn = (p["power_max_w"] - p["power_idle_w"]) * (util / 100.0) ** 1.2 * clock_f
         power = p["power_idle_w"] + dyn + rng.normal(0.0, 4.0, g)
         capped = power >= 0.97 * p["power_max_w"]
