@@ -27,7 +27,7 @@ import sys
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -38,6 +38,16 @@ from forewarn.errors import Conflict, InvalidInput, NoSpareAvailable
 from forewarn.wire import JobRegistration, MigrationReason, MigrationReport, Placement
 from migrator import protocol as P
 from migrator.faults import FaultPlan
+from migrator.nodes import (
+    NodeMonitor,
+    RemoteProc,
+    SlotSpec,
+    layout,
+    say_goodbye,
+    slot_env,
+    spawn,
+    wait_for_nodes,
+)
 from migrator.recovery import Recovery, _Migration
 
 __all__ = ["Agent", "AgentConfig", "Slot"]
@@ -74,6 +84,13 @@ class AgentConfig:
     report_path: Path | None = None
     env: dict[str, str] = field(default_factory=dict)
     node: str = field(default_factory=lambda: socket.gethostname().split(".")[0] or "localhost")
+    nnodes: int = 1
+    """Launchers of the job, this one (node rank 0, the coordinator) included: it waits for
+    the others (``join_timeout_s``) and hosts the store on ``host:store_port`` for them."""
+    join_timeout_s: float = 300.0
+    node_timeout_s: float | None = None
+    """A node whose launcher is silent this long is lost with its processes (None:
+    timeout_s)."""
 
 
 _PLACEMENT_ROLE: dict[str, Literal["active", "spare", "retired"]] = {
@@ -89,17 +106,19 @@ class Slot:
 
     index: int
     role: str  # active | spare | assigned | retired | done | dead
-    proc: subprocess.Popen[bytes] | None = None
+    proc: Any = None  # a subprocess.Popen, or a migrator.nodes.RemoteProc on another node
     rank: int | None = None
+    node: str | None = None  # None: the coordinator's own node
+    local: int | None = None  # index on its node (its GPU with NCCL)
 
     def placement(self, node: str, backend: str) -> Placement:
         # A retired, done or dead slot no longer serves the job: a migration's source ends so.
         role = _PLACEMENT_ROLE.get(self.role, "retired")
-        gpu = self.index if backend == "nccl" else None
+        gpu = (self.index if self.local is None else self.local) if backend == "nccl" else None
         pid = self.proc.pid if self.proc else None
         return Placement(
             rank=self.rank if self.rank is not None else self.index,
-            node=node,
+            node=self.node or node,
             gpu=gpu,
             pid=pid,
             role=role,
@@ -138,34 +157,66 @@ class Agent(Recovery):
         self._pause_deadline: float | None = None
         self._script_errors: list[dict[str, Any]] = []
         self._endpoint: Any = None
+        self.world_size = config.nproc  # all nodes' active ranks, once they joined
+        self.monitor: NodeMonitor | None = None  # the other nodes (several launchers)
+        self._slot_config: dict[str, Any] = {}
 
     # -- processes --------------------------------------------------------------------------
 
-    def _spawn(self, index: int, rank: int | None) -> Slot:
+    def _start_slots(self) -> None:
+        """Lay the job's slots out over its nodes and start this node's processes.
+
+        With several launchers, waits (outside the lock) for the others to say hello, then
+        publishes the layout they start their own processes from.
+        """
+        shapes = [(self.cfg.nproc, self.cfg.spares)]
+        names = [self.cfg.node]
+        if self.cfg.nnodes > 1:
+            hellos = wait_for_nodes(self.store, self.cfg.nnodes, timeout_s=self.cfg.join_timeout_s)
+            shapes += [(int(h["nproc"]), int(h["spares"])) for h in hellos]
+            names += [str(h["name"]) for h in hellos]
+        specs = layout(shapes)
+        with self.lock:
+            self.world_size = sum(n for n, _ in shapes)
+            self._slot_config = {
+                "store": self.store_address,
+                "world_size": self.world_size,
+                "job_id": self.cfg.job_id,
+                "backend": self.cfg.backend,
+                "timeout_s": self.cfg.timeout_s,
+                "agent_url": self.agent_url or "",
+                "faults": self.cfg.faults.to_json() if self.cfg.faults else "",
+                "join_timeout_s": self.cfg.join_timeout_s,
+            }
+            if self.cfg.nnodes > 1:
+                grace = self.cfg.node_timeout_s or self.cfg.timeout_s
+                self.monitor = NodeMonitor(self.store, node_timeout_s=grace)
+                for n in range(1, self.cfg.nnodes):
+                    self.monitor.watch(n)
+                slots = [asdict(spec) for spec in specs]
+                P.put_json(self.store, "job/config", {**self._slot_config, "slots": slots})
+            for spec in specs:
+                if spec.node_rank == 0:
+                    self._spawn(spec.index, spec.rank, local=spec.local)
+                else:
+                    assert self.monitor is not None
+                    proc = RemoteProc(self.monitor, spec.node_rank, spec.index)
+                    role = "active" if spec.rank is not None else "spare"
+                    node = names[spec.node_rank]
+                    self.slots.append(Slot(spec.index, role, proc, spec.rank, node, spec.local))
+            self.roster = {s.rank: s.index for s in specs if s.rank is not None}
+
+    def _spawn(self, index: int, rank: int | None, *, local: int | None = None) -> Slot:
+        """Start slot ``index`` on this node (``local``: its index here; default: the next)."""
+        if local is None:
+            local = sum(1 for s in self.slots if s.node is None)
+        spec = SlotSpec(index, 0, local, rank)
         env = dict(os.environ)
         env.update(self.cfg.env)
-        env.update(
-            FOREWARN_STORE=self.store_address,
-            FOREWARN_SLOT=str(index),
-            FOREWARN_WORLD_SIZE=str(self.cfg.nproc),
-            FOREWARN_INITIAL_RANK="" if rank is None else str(rank),
-            FOREWARN_JOB_ID=self.cfg.job_id,
-            FOREWARN_BACKEND=self.cfg.backend,
-            FOREWARN_TIMEOUT_S=str(self.cfg.timeout_s),
-            FOREWARN_AGENT_URL=self.agent_url or "",
-            FOREWARN_FAULTS=self.cfg.faults.to_json() if self.cfg.faults else "",
-            FOREWARN_LOCAL_SLOT=str(index),
-        )
-        out: Any = None
-        if self.cfg.log_dir is not None:
-            self.cfg.log_dir.mkdir(parents=True, exist_ok=True)
-            out = open(self.cfg.log_dir / f"slot{index}.log", "ab")  # noqa: SIM115
-        proc = subprocess.Popen(
-            self.cfg.command, env=env, stdout=out, stderr=subprocess.STDOUT if out else None
-        )
-        if out is not None:
-            out.close()
-        slot = Slot(index, "active" if rank is not None else "spare", proc, rank)
+        local_world = self.cfg.nproc + self.cfg.spares
+        env.update(slot_env(spec, self._slot_config, local_world=local_world, node_rank=0))
+        proc = spawn(self.cfg.command, env, log_dir=self.cfg.log_dir, index=index)
+        slot = Slot(index, "active" if rank is not None else "spare", proc, rank, None, local)
         self.slots.append(slot)
         return slot
 
@@ -179,7 +230,7 @@ class Agent(Recovery):
             live = [s for s in self.slots if s.role in ("active", "spare", "assigned")]
             return JobRegistration(
                 job_id=self.cfg.job_id,
-                world_size=self.cfg.nproc,
+                world_size=self.world_size,
                 spares=sum(1 for s in live if s.role == "spare"),
                 placement=[s.placement(self.cfg.node, self.cfg.backend) for s in live],
                 agent_url=self.agent_url,
@@ -211,8 +262,8 @@ class Agent(Recovery):
             )
         if job_id is not None and job_id != self.cfg.job_id:
             raise InvalidInput(f"this agent runs job {self.cfg.job_id!r}, not {job_id!r}")
-        if not 0 <= rank < self.cfg.nproc:
-            raise InvalidInput(f"rank {rank} is not in 0..{self.cfg.nproc - 1}")
+        if not 0 <= rank < self.world_size:
+            raise InvalidInput(f"rank {rank} is not in 0..{self.world_size - 1}")
         with self.lock:
             if self.status != "running":
                 raise Conflict(f"the job is {self.status}", details={"status": self.status})
@@ -275,10 +326,8 @@ class Agent(Recovery):
 
             self._endpoint = serve(self, self.cfg.host, self.cfg.http_port)
             self.agent_url = f"http://{self.cfg.host}:{self._endpoint.server_port}"
+        self._start_slots()
         with self.lock:
-            for i in range(self.cfg.nproc + self.cfg.spares):
-                self._spawn(i, i if i < self.cfg.nproc else None)
-            self.roster = {r: r for r in range(self.cfg.nproc)}
             P.put_json(self.store, P.roster_key(0), self.roster)
             self.status = "running"
         self._register()
@@ -378,7 +427,7 @@ class Agent(Recovery):
                 self._kill(self.slots[src])  # the spare gave up on it: it must not come back
         if not all(self.store.check([f"{base}/received/{r}"]) for r in m.ranks):
             return
-        others = [r for r in range(self.cfg.nproc) if r not in m.ranks]
+        others = [r for r in range(self.world_size) if r not in m.ranks]
         if not all(self.store.check([f"{base}/pause/{r}"]) for r in others):
             return
         reports = [
@@ -493,6 +542,10 @@ class Agent(Recovery):
                 slot.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 self._kill(slot)
+        if self.monitor is not None:  # the other launchers leave with the job
+            self.monitor.refresh(force=True)
+            live = [n for n, st in self.monitor.nodes.items() if not st["lost"]]
+            say_goodbye(self.store, live, 0 if self.status == "completed" else 1)
         if self._endpoint is not None:
             self._endpoint.shutdown()
             self._endpoint.server_close()

@@ -17,7 +17,8 @@ Points inside a step:
 - ``receive``: in the spare taking over ``rank``, while it receives the state of ``step``
   (the handover step), after the first tensor: the spare dies mid-receive.
 
-Kinds: ``kill`` (SIGKILL: the process vanishes), ``wedge`` (SIGSTOP: alive, silent; only a
+Kinds: ``kill`` (SIGKILL: the process vanishes), ``kill_node`` (SIGKILL of the process's
+whole process group: its launcher and all it started), ``wedge`` (SIGSTOP: alive, silent; only a
 timeout can tell), ``migrate`` (the rank asks its agent, over the agent's HTTP endpoint, to
 migrate ``target`` — the same path ``forewarn migrate`` takes).
 
@@ -41,7 +42,7 @@ Point = Literal["step_start", "forward", "backward", "before_optimizer", "transf
 
 @dataclass(frozen=True)
 class Fault:
-    kind: Literal["kill", "wedge", "migrate"]
+    kind: Literal["kill", "wedge", "migrate", "kill_node"]
     rank: int
     step: int
     where: Point = "forward"
@@ -58,6 +59,13 @@ class FaultPlan:
     def fail_at(self, rank: int, step: int, *, where: Point = "forward") -> FaultPlan:
         """SIGKILL the process holding ``rank`` at ``step`` (at ``where`` in the step)."""
         self.faults.append(Fault("kill", rank, step, where))
+        return self
+
+    def kill_node_at(self, rank: int, step: int, *, where: Point = "forward") -> FaultPlan:
+        """SIGKILL the whole process group of the process holding ``rank``: its node's
+        launcher and every process it started (a launcher run in its own session, as the
+        multi-node tests run them): a node lost at once."""
+        self.faults.append(Fault("kill_node", rank, step, where))
         return self
 
     def wedge_at(self, rank: int, step: int, *, where: Point = "forward") -> FaultPlan:
@@ -93,6 +101,8 @@ class FaultPlan:
                 continue
             if fault.kind == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
+            elif fault.kind == "kill_node":
+                os.killpg(os.getpgrp(), signal.SIGKILL)
             elif fault.kind == "wedge":
                 os.kill(os.getpid(), signal.SIGSTOP)
             else:

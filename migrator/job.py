@@ -146,6 +146,8 @@ class Job(HandoverMixin):
         device: this rank's CUDA device, for NCCL.
         mirror: mirror the rank state to the store at each boundary (needed to rebuild a
             dead rank from a replica).
+        join_timeout_s: how long the ranks wait for each other to start (the launchers of
+            a multi-node job do not start at the same moment).
     """
 
     def __init__(
@@ -162,6 +164,7 @@ class Job(HandoverMixin):
         agent_url: str | None = None,
         device: torch.device | None = None,
         mirror: bool = True,
+        join_timeout_s: float = 300.0,
     ) -> None:
         self.store = store
         self.slot = slot
@@ -173,6 +176,7 @@ class Job(HandoverMixin):
         self.agent_url = agent_url
         self.device = device
         self.mirror = mirror
+        self.join_timeout_s = join_timeout_s
         self.registry = Registry()
         self.rank: int | None = initial_rank
         self.gen = 0
@@ -209,6 +213,7 @@ class Job(HandoverMixin):
             "timeout_s": timeout_s,
             "faults": FaultPlan.from_json(env.get("FOREWARN_FAULTS")),
             "agent_url": env.get("FOREWARN_AGENT_URL") or None,
+            "join_timeout_s": float(env.get("FOREWARN_JOIN_TIMEOUT_S", "300")),
         }
         if kwargs["backend"] == "nccl":
             local = int(env.get("LOCAL_RANK", env.get("FOREWARN_LOCAL_SLOT", "0")))
@@ -301,7 +306,24 @@ class Job(HandoverMixin):
         if self.rank is None:
             self._serve_as_spare()
         else:
+            self._arrive()
             self._join(0, self.rank, None, initial=True)
+
+    def _arrive(self) -> None:
+        """Wait until every rank of generation 0 started (bounded by ``join_timeout_s``).
+
+        Processes of a multi-node job start when their node's launcher does; the group's own
+        rendezvous is bounded by ``timeout_s`` (the failure bound), which must not be spent
+        waiting for a slow node to import torch.
+        """
+        self.store.add("g0/arrived", 1)
+        deadline = time.monotonic() + self.join_timeout_s
+        while int(self.store.add("g0/arrived", 0)) < self.world_size:
+            if time.monotonic() >= deadline:
+                raise P.HandoverTimeout(
+                    f"waited {self.join_timeout_s:.0f} s for the {self.world_size} ranks to start"
+                )
+            time.sleep(0.02)
 
     def steps(self, total: int) -> Iterator[Step]:
         """Yield one :class:`Step` per step from the current one up to ``total``.

@@ -19,14 +19,62 @@ from pathlib import Path
 from forewarn.errors import ForewarnError
 from migrator.endpoint import job_file, write_job_file
 from migrator.faults import FaultPlan
+from migrator.nodes import node_rank_from_env, run_node
 
 __all__ = ["configure", "run"]
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--nproc", type=int, required=True, help="active ranks (world size)")
-    parser.add_argument("--spares", type=int, default=1, help="warm spares (default 1)")
-    parser.add_argument("--job-id", default="job", help="the job's name (default: job)")
+    env = os.environ.get
+    parser.add_argument(
+        "--nproc-per-node",
+        "--nproc",
+        dest="nproc",
+        type=int,
+        default=int(env("PET_NPROC_PER_NODE", "0")) or None,
+        help="active ranks on this node (the world size on one node)",
+    )
+    parser.add_argument(
+        "--spares-per-node",
+        "--spares",
+        dest="spares",
+        type=int,
+        default=1,
+        help="warm spares on this node (default 1); spares on any node serve any rank",
+    )
+    parser.add_argument(
+        "--job-id",
+        "--rdzv-id",
+        dest="job_id",
+        default=env("PET_RDZV_ID", "job"),
+        help="the job's name, the same on every node (default: job)",
+    )
+    parser.add_argument(
+        "--nnodes",
+        type=int,
+        default=int(env("PET_NNODES", "1")),
+        help="launchers of the job, one per node (default 1)",
+    )
+    parser.add_argument(
+        "--node-rank",
+        type=int,
+        default=node_rank_from_env(os.environ),
+        help="this launcher's node rank; 0 coordinates and hosts the store "
+        "(default: $PET_NODE_RANK, $SLURM_NODEID, $JOB_COMPLETION_INDEX, else automatic)",
+    )
+    parser.add_argument(
+        "--rdzv-endpoint",
+        default=env("PET_RDZV_ENDPOINT"),
+        metavar="HOST[:PORT]",
+        help="the store of a multi-node job, hosted by node rank 0 (port default 29400)",
+    )
+    parser.add_argument("--node-name", help="this node's name in placements (default: hostname)")
+    parser.add_argument(
+        "--join-timeout-s",
+        type=float,
+        default=300.0,
+        help="how long launchers wait for each other at the start (default 300)",
+    )
     parser.add_argument("--service", metavar="URL", help="register the job with the service")
     parser.add_argument(
         "--token",
@@ -75,6 +123,16 @@ def run(args: argparse.Namespace) -> int:
     if not command:
         print("forewarn launch: no training command (put it after --)", file=sys.stderr)
         return 2
+    if args.nproc is None:
+        print("forewarn launch: --nproc-per-node is required", file=sys.stderr)
+        return 2
+    if args.rdzv_endpoint:  # several launchers: node rank 0 hosts the store there
+        host, _, port = args.rdzv_endpoint.partition(":")
+        args.host, args.store_port = host, int(port or 29400)
+    if args.nnodes > 1:
+        code = run_node(args, command)
+        if code is not None:  # another node's launcher: it ran its share of the job
+            return code
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
@@ -95,7 +153,11 @@ def run(args: argparse.Namespace) -> int:
         faults=FaultPlan.from_json(args.faults) if args.faults else None,
         log_dir=args.log_dir,
         report_path=args.report,
+        nnodes=args.nnodes,
+        join_timeout_s=args.join_timeout_s,
     )
+    if args.node_name:
+        cfg.node = args.node_name
     link = None
     if args.service:
         from migrator.service_link import ServiceLink, parse_placement

@@ -65,6 +65,7 @@ class Recovery:
 
     if TYPE_CHECKING:
         cfg: AgentConfig
+        world_size: int
         store: dist.TCPStore
         slots: list[Slot]
         roster: dict[int, int]
@@ -90,7 +91,7 @@ class Recovery:
         return spares[0] if spares else None
 
     def _replica_for(self, lost: set[int]) -> int | None:
-        healthy = [r for r in range(self.cfg.nproc) if r not in lost]
+        healthy = [r for r in range(self.world_size) if r not in lost]
         return healthy[0] if healthy else None
 
     # -- unplanned --------------------------------------------------------------------------
