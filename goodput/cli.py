@@ -1,0 +1,274 @@
+"""``forewarn goodput``: how much training time a cluster keeps, three ways, on real failures.
+
+    forewarn goodput                                  # 1,024 and 16,384 GPUs, both sources
+    forewarn goodput --gpus 4096 --source trace --trace ../shared/data/stepfun-fault-trace
+    forewarn goodput --json --no-png
+
+Prints every assumption, the predictor's figures it uses, the table (ETTR, GPU-hours lost per
+day, share of failures handled with nothing lost) and the 64xH200 sanity check; writes a PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, fields, replace
+from pathlib import Path
+
+from goodput import trace as trace_mod
+from goodput.compare import Row, Scenario, compare, model_mttf_h, write_png
+from goodput.model import Assumptions
+from goodput.profile import DEFAULT_PROFILE, KINDS, PredictorProfile, find_card, from_card
+from goodput.published import PUBLISHED_MIN, run_sanity_check
+
+__all__ = ["configure", "run"]
+
+_FLAGS = {  # Assumptions field -> (flag, unit conversion from the flag to seconds or as is)
+    "step_s": ("--step-s", 1.0),
+    "ckpt_save_s": ("--ckpt-save-s", 1.0),
+    "restart_s": ("--restart-min", 60.0),
+    "detect_s": ("--detect-s", 1.0),
+    "rank_state_gb": ("--rank-state-gb", 1.0),
+    "transfer_gb_s": ("--transfer-gb-s", 1.0),
+    "regroup_s": ("--regroup-s", 1.0),
+    "wrapper_overhead": ("--wrapper-overhead", 1.0),
+}
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--gpus",
+        type=int,
+        nargs="+",
+        default=[1024, 16384],
+        help="cluster sizes (GPUs in the job; default 1024 16384)",
+    )
+    parser.add_argument(
+        "--source",
+        nargs="+",
+        choices=["fleet", "trace"],
+        default=["fleet", "trace"],
+        help="failures from the fleet model, the StepFun trace, or both",
+    )
+    parser.add_argument(
+        "--trace",
+        type=Path,
+        default=None,
+        help="StepFun trace directory or derived table (default: the trace "
+        "beside a source checkout, else the copy shipped in the package)",
+    )
+    parser.add_argument(
+        "--days",
+        type=float,
+        default=349.0,
+        help="window simulated, days (default 349, the trace's length)",
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--runs", type=int, default=1, help="seeded runs per row (spread)")
+    parser.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="model card (or directory) for the predictor's figures "
+        "(default: the newest in ./models or beside the source)",
+    )
+    parser.add_argument(
+        "--recall",
+        action="append",
+        default=[],
+        metavar="KIND=R",
+        help=f"override recall of one kind ({', '.join(KINDS)})",
+    )
+    parser.add_argument("--false-alarms-per-1000-gpu-days", type=float, default=None)
+    d = Assumptions()
+    for name, (flag, unit) in _FLAGS.items():
+        parser.add_argument(
+            flag,
+            type=float,
+            default=getattr(d, name) / unit,
+            dest=name,
+            help=f"(default {getattr(d, name) / unit:g})",
+        )
+    parser.add_argument(
+        "--ckpt-interval-min",
+        type=float,
+        default=None,
+        help="checkpoint-restart interval (default: Young/Daly optimum)",
+    )
+    parser.add_argument(
+        "--sanity-seeds", type=int, default=20, help="runs of the 64xH200 sanity check (0: skip it)"
+    )
+    parser.add_argument("--png", type=Path, default=Path("var/goodput.png"))
+    parser.add_argument("--no-png", action="store_true")
+    parser.add_argument("--json", action="store_true", help="one JSON document on stdout")
+
+
+def _assumptions(args: argparse.Namespace) -> Assumptions:
+    values = {name: getattr(args, name) * unit for name, (_, unit) in _FLAGS.items()}
+    if args.ckpt_interval_min is not None:
+        values["ckpt_interval_s"] = args.ckpt_interval_min * 60.0
+    return Assumptions(**values)
+
+
+def _profile(args: argparse.Namespace) -> PredictorProfile:
+    card = args.model or find_card()
+    profile = from_card(card) if card is not None else DEFAULT_PROFILE
+    if args.recall:
+        overrides = {}
+        for item in args.recall:
+            kind, _, value = item.partition("=")
+            overrides[kind] = float(value)
+        profile = profile.with_recall(overrides)
+    if args.false_alarms_per_1000_gpu_days is not None:
+        profile = replace(
+            profile, false_alarms_per_1000_gpu_days=args.false_alarms_per_1000_gpu_days
+        )
+    return profile
+
+
+def _describe_assumptions(a: Assumptions) -> list[str]:
+    docs = {
+        "step_s": "training step",
+        "ckpt_interval_s": "checkpoint-restart interval",
+        "ckpt_save_s": "checkpoint save (blocking)",
+        "restart_s": "checkpoint-restart: detect, replace node, reload, re-initialise",
+        "detect_s": "unplanned: survivors agree a rank is gone",
+        "rank_state_gb": "state per migrated rank, GB",
+        "transfer_gb_s": "transfer bandwidth, GB/s",
+        "pause_per_transfer": "pause per ideal transfer second (measured, loopback)",
+        "pause_fixed_s": "fixed pause (measured, loopback)",
+        "regroup_s": "new process-group generation at scale (assumed)",
+        "wrapper_overhead": "per-step cost of the Migratable wrapper (budget)",
+        "migrating_ckpt_interval_s": "checkpoints a migrating job still keeps",
+        "replica_step_overhead": "extra per-step cost of the peer-replica baseline",
+    }
+    lines = []
+    for f in fields(a):
+        value = getattr(a, f.name)
+        shown = "Young/Daly optimum sqrt(2 x save x MTTF)" if value is None else f"{value:g}"
+        lines.append(f"  {f.name:<27} {shown:<12} {docs.get(f.name, '')}")
+    lines.append(f"  {'=> preventive pause':<27} {a.migration_pause_s():<12.1f} s, nothing lost")
+    lines.append(
+        f"  {'=> replica recovery':<27} {a.replica_recovery_s():<12.1f} "
+        "s + the step in flight (uniform over one step)"
+    )
+    lines.append(
+        "  failures stop the whole (synchronous) job; a warm spare is always free; "
+        "a false alarm costs one preventive pause"
+    )
+    return lines
+
+
+def _table(rows: list[Row]) -> list[str]:
+    head = (
+        f"{'GPUs':>6} {'source':<6} {'MTTF h':>7} {'fail/d':>6} {'strategy':<19} "
+        f"{'ETTR':>7} {'GPU-h lost/d':>12} {'no loss':>7} {'<=1 step':>8}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        spread = "" if r.ettr_min == r.ettr_max else f" ({r.ettr_min:.4f}-{r.ettr_max:.4f})"
+        lines.append(
+            f"{r.gpus:>6} {r.source:<6} {r.mttf_h:>7.2f} {r.failures_per_day:>6.1f} "
+            f"{r.strategy:<19} {r.ettr:>7.4f} {r.gpu_hours_lost_per_day:>12,.0f} "
+            f"{r.no_loss_share:>7.0%} {r.at_most_one_step_share:>8.0%}{spread}"
+        )
+    return lines
+
+
+def run(args: argparse.Namespace) -> int:
+    assumptions = _assumptions(args)
+    profile = _profile(args)
+    trace_path = args.trace or trace_mod.find_trace_dir()
+    faults, trace_source = trace_mod.load(trace_path) if "trace" in args.source else ([], "")
+    scenario = Scenario(tuple(args.gpus), tuple(args.source), args.days, args.seed, args.runs)
+    rows = compare(scenario, assumptions, profile, faults)
+    sanity = run_sanity_check(args.sanity_seeds, args.seed) if args.sanity_seeds > 0 else None
+    png = None if args.no_png else write_png(rows, args.png)
+
+    if args.json:
+        doc = {
+            "scenario": asdict(scenario),
+            "assumptions": asdict(assumptions),
+            "migration_pause_s": assumptions.migration_pause_s(),
+            "replica_recovery_s": assumptions.replica_recovery_s(),
+            "fleet_model_mttf_h": {str(g): model_mttf_h(g) for g in args.gpus},
+            "trace": trace_source,
+            "predictor": {**asdict(profile), "notes": list(profile.notes)},
+            "rows": [r.as_dict() for r in rows],
+            "sanity_64xh200": None
+            if sanity is None
+            else {
+                "published_min": PUBLISHED_MIN,
+                "model_min": {
+                    k: {"mean": v[0], "min": v[1], "max": v[2]} for k, v in sanity.minutes.items()
+                },
+                "failures_mean": sanity.failures_mean,
+                "seeds": sanity.seeds,
+                "assumptions": asdict(sanity.assumptions),
+            },
+            "png": None if png is None else str(png),
+        }
+        json.dump(doc, sys.stdout, indent=2, default=str)
+        sys.stdout.write("\n")
+        return 0
+
+    out = print
+    out(
+        f"forewarn goodput: {scenario.days:g} days, seed {scenario.seed}, "
+        f"{scenario.runs} run(s) per row"
+    )
+    out("\nAssumptions (seconds unless stated):")
+    for line in _describe_assumptions(assumptions):
+        out(line)
+    out("\nFailure sources:")
+    if "fleet" in args.source:
+        mttfs = ", ".join(f"{g:,} GPUs {model_mttf_h(g):.2f} h" for g in args.gpus)
+        out(
+            f"  fleet: the simulator's calibration (7.9 h job MTTF at 1,024 GPUs, per-GPU "
+            f"rate constant; kinds in the StepFun mix): {mttfs}"
+        )
+    if "trace" in args.source:
+        out(
+            f"  trace: {trace_source}: job-stopping hardware faults replayed on the job's "
+            f"share of the 400 servers (copies shifted in time beyond 400 nodes)"
+        )
+    out(f"\nPredictor ({profile.source}):")
+    for kind in KINDS:
+        lead = profile.lead_median_s.get(kind)
+        lead_s = "-" if lead is None else f"{lead / 60:.0f} min"
+        out(f"  {kind:<11} recall {profile.recall.get(kind, 0.0):.2f}  median lead {lead_s}")
+    out(f"  false alarms {profile.false_alarms_per_1000_gpu_days:.2f} per 1,000 GPU-days")
+    for note in profile.notes:
+        out(f"  ({note})")
+    out("")
+    for line in _table(rows):
+        out(line)
+    out(
+        "  ETTR: training kept / wall time. 'no loss': failures moved away before they "
+        "happened (nothing recomputed); '<=1 step': at most the step in flight redone."
+    )
+    if sanity is not None:
+        out(
+            f"\nSanity check, 64xH200 (published schedule: 3,000 steps, checkpoint every 100 "
+            f"steps, a failure every 2,700-4,500 s; {sanity.seeds} seeds):"
+        )
+        ratios = sanity.ratios()
+        for name, pub in PUBLISHED_MIN.items():
+            mean, lo, hi = sanity.minutes[name]
+            out(
+                f"  {name:<19} published {pub:>5.0f} min   model {mean:>5.0f} min "
+                f"({lo:.0f}-{hi:.0f}), x{ratios[name]:.2f} of live migration "
+                f"(published x{pub / PUBLISHED_MIN['live migration']:.2f}), "
+                f"{sanity.failures_mean[name]:.1f} failures"
+            )
+        sa = sanity.assumptions
+        out(
+            f"  assumed (not published): step {sa.step_s:g} s, save {sa.ckpt_save_s:g} s, "
+            f"restart {sa.restart_s / 60:g} min, replica recovery "
+            f"{sa.replica_recovery_s():.0f} s; peer-replica = TorchFT's per-step overhead "
+            f"taken from the published ratio (+{PUBLISHED_MIN['peer-replica'] / 405 - 1:.0%})"
+        )
+    if png is not None:
+        out(f"\nPNG: {png}")
+    return 0
