@@ -37,7 +37,7 @@ COMMANDS: dict[str, Command] = {
     "launch": Command("migrator.launch_cli", "start a migratable training job with spares"),
     "migrate": Command("migrator.migrate_cli", "ask a running job to move a rank to a spare"),
     "demo": Command("api.demo_cli", "service, simulated fleet and a job that survives failures"),
-    "goodput": Command("predictor.goodput_cli", "replay a fault trace: goodput with and without"),
+    "goodput": Command("goodput.cli", "training time kept through failures, three ways"),
 }
 
 
