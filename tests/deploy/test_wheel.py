@@ -141,6 +141,7 @@ class Venv:
             capture_output=True,
             text=True,
             timeout=120,
+            cwd=self.path.parent,  # away from the source tree and its models/
         )
 
     def heavy_imports(self, command: str, forbidden: tuple[str, ...]) -> list[str]:
@@ -180,6 +181,23 @@ def test_node_install_then_server(wheel: Path, venv: Venv) -> None:
     for module in (*SERVER_ONLY, "torch"):
         assert not venv.has(module), f"{module} came with the base install"
     assert venv.heavy_imports("collect", (*SERVER_ONLY, "torch")) == []
+    # The goodput model runs from the wheel alone, on the trace copy shipped in it.
+    result = venv.forewarn(
+        "goodput",
+        "--gpus",
+        "64",
+        "--days",
+        "30",
+        "--source",
+        "trace",
+        "--no-png",
+        "--sanity-seeds",
+        "1",
+        "--json",
+    )
+    assert result.returncode == 0, result.stderr
+    doc = json.loads(result.stdout)
+    assert "shipped copy" in doc["trace"] and len(doc["rows"]) == 3
 
     venv.install(f"{wheel}[server]")
     result = venv.forewarn("serve", "--help")
