@@ -16,30 +16,23 @@ from __future__ import annotations
 
 import numpy as np
 
-from predictor.features import FEATURE_NAMES
+from predictor import features as _features
+from predictor.features import FEATURE_NAMES, RULES
 
 __all__ = ["RULES", "THRESHOLD", "rule_hits", "score"]
 
 THRESHOLD = 1.0
-RULES: tuple[str, ...] = ("dbe", "remap", "fatal_xid", "thermal")
-_RECENT_S = 3600.0
-_THERMAL_SHARE = 0.2
-
-
-def _col(x: np.ndarray, name: str) -> np.ndarray:
-    return x[:, FEATURE_NAMES.index(name)].astype(np.float64)
 
 
 def rule_hits(features: np.ndarray) -> np.ndarray:
-    """Boolean matrix (rows x :data:`RULES`) of the rules each row trips."""
-    with np.errstate(invalid="ignore"):
-        dbe = _col(features, "since_dbe_s") <= _RECENT_S
-        remap = (np.nan_to_num(_col(features, "remap_pending")) > 0) | (
-            np.nan_to_num(_col(features, "remap_failure")) > 0
-        )
-        fatal = _col(features, "since_fatal_xid_s") <= _RECENT_S
-        thermal = np.nan_to_num(_col(features, "thermal_throttle_5m")) >= _THERMAL_SHARE
-    return np.column_stack([dbe, remap, fatal, thermal])
+    """Boolean matrix (rows x :data:`RULES`) of the rules each row trips (the rules are
+    defined once, in :func:`predictor.features.rule_hits`; the model sees them as features)."""
+
+    def col(name: str) -> np.ndarray:
+        return features[:, FEATURE_NAMES.index(name)].astype(np.float64)
+
+    hits = _features.rule_hits(col)
+    return np.column_stack([hits[r] for r in RULES])
 
 
 def score(features: np.ndarray) -> np.ndarray:

@@ -15,7 +15,14 @@ turned into plain words (:mod:`predictor.reasons`). Families:
 - events: Xid counts by class, ECC storms, link down, stalls, resets (5 min, 1 h, 24 h) and the
   time since the last of each (capped at 7 days);
 - telemetry staleness (seconds since the last sample, against the node) and the sample rate
-  of the last 5 min against the last day (missing data).
+  of the last 5 min against the last day (missing data);
+- the rules of the baseline (:mod:`predictor.baseline`) as features (``rule_*``, and how many
+  fire), so the trees start from what DCGM and NVSentinel already know.
+
+:data:`MONOTONE` gives each feature's direction for the trees' monotone constraints: +1 for
+signals that only ever mean more danger (uncorrectable ECC, remaps pending or failed, retired
+pages, fatal Xids, thermal slowdown share, the rules), -1 where less means more danger (PCIe
+link width against its maximum, time since a DBE or a fatal Xid), 0 elsewhere.
 
 Windows are normalised by how long the GPU has been watched, so a scorer that started an hour
 ago does not read every 24 h rate as 24 times too small.
@@ -23,6 +30,7 @@ ago does not read every 24 h rate as 24 times too small.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,7 +38,7 @@ import numpy as np
 from forewarn.wire import COUNTER_FIELDS
 from predictor.state import COLUMN, EVENT_CHANNELS, LATEST, TAU, WINDOWS, FleetState
 
-__all__ = ["FEATURES", "FEATURE_NAMES", "Feature", "compute"]
+__all__ = ["FEATURES", "FEATURE_NAMES", "MONOTONE", "RULES", "Feature", "compute", "rule_hits"]
 
 SINCE_CAP_S = 7 * 86400.0
 _FLOOR_PER_H = 1.0 / 24.0  # one error a day: the floor under every rate ratio
@@ -84,7 +92,15 @@ def _specs() -> list[Feature]:
     out.append(Feature("xid_app_1h_node", "xid_app", "node_count", "1h"))
     for e in SINCE:
         out.append(Feature(f"since_{e}_s", e, "since"))
+    out += [Feature(f"rule_{r}", r, "rule") for r in RULES]
+    out.append(Feature("rules_fired", "rules", "count"))
     return out
+
+
+RULES: tuple[str, ...] = ("dbe", "remap", "fatal_xid", "thermal")
+"""The baseline's rules (DCGM health watches, NVSentinel), in feature order."""
+RULE_RECENT_S = 3600.0  # a DBE or fatal Xid counts for an hour
+RULE_THERMAL_SHARE = 0.2  # thermal slowdown in at least 20 % of the last 5 min
 
 
 SINCE: tuple[str, ...] = (
@@ -203,12 +219,54 @@ def compute(state: FleetState, now_ms: int | None = None) -> np.ndarray:
             )
     finally:
         np.seterr(**errs)
+    _rules(cols)
     matrix = np.empty((n, len(FEATURE_NAMES)), dtype=np.float32)
     for i, name in enumerate(FEATURE_NAMES):
         col = cols[name]
         matrix[:, i] = np.where(np.isfinite(col), col, np.nan)
     return matrix
 
+
+def rule_hits(col: Callable[[str], np.ndarray]) -> dict[str, np.ndarray]:
+    """Which rows trip each rule of :data:`RULES`, from the features ``col(name)`` returns."""
+    with np.errstate(invalid="ignore"):
+        return {
+            "dbe": col("since_dbe_s") <= RULE_RECENT_S,
+            "remap": (np.nan_to_num(col("remap_pending")) > 0)
+            | (np.nan_to_num(col("remap_failure")) > 0),
+            "fatal_xid": col("since_fatal_xid_s") <= RULE_RECENT_S,
+            "thermal": np.nan_to_num(col("thermal_throttle_5m")) >= RULE_THERMAL_SHARE,
+        }
+
+
+def _rules(cols: dict[str, np.ndarray]) -> None:
+    """The rules as features (0/1 each, and their count)."""
+    hits = rule_hits(cols.__getitem__)
+    for r in RULES:
+        cols[f"rule_{r}"] = hits[r].astype(np.float64)
+    cols["rules_fired"] = np.sum([cols[f"rule_{r}"] for r in RULES], axis=0)
+
+
+def _direction(f: Feature) -> int:
+    danger_up = (
+        f.subject.startswith(("ecc_dbe", "remap_uncorrectable", "retired_pages"))
+        or f.subject in ("remap_pending", "remap_failure", "thermal_shutdown", "link_down")
+        or f.subject in ("xid_memory", "xid_nvlink", "xid_bus", "gpu_lost")
+        or (f.measure in ("rule", "count") and f.subject == "rules")
+    )
+    if f.measure == "rule" or (
+        danger_up and f.measure in ("rate", "total", "flag", "count", "rule")
+    ):
+        return 1
+    if f.subject == "thermal_throttle" and f.measure == "share":
+        return 1
+    if f.name == "pcie_width_ratio" or f.name in ("since_dbe_s", "since_fatal_xid_s"):
+        return -1
+    return 0
+
+
+MONOTONE: tuple[int, ...] = tuple(_direction(f) for f in FEATURES)
+"""Monotone direction of each feature (+1 more is riskier, -1 less is riskier, 0 free)."""
 
 assert len(set(FEATURE_NAMES)) == len(FEATURE_NAMES)
 assert len(TAU) == len(COLUMN)

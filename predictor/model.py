@@ -16,7 +16,7 @@ import lightgbm as lgb
 import numpy as np
 
 from forewarn.errors import InvalidInput
-from predictor.features import FEATURE_NAMES
+from predictor.features import FEATURE_NAMES, MONOTONE
 from predictor.reasons import MAX_REASONS, top_reasons
 
 __all__ = ["RiskModel", "fit_booster"]
@@ -33,6 +33,8 @@ DEFAULT_PARAMS: dict[str, Any] = {
     "max_bin": 63,
     "verbose": -1,
     "num_threads": 2,
+    "monotone_constraints": list(MONOTONE),
+    "monotone_constraints_method": "advanced",
 }
 DEFAULT_ROUNDS = 200
 
@@ -68,18 +70,26 @@ class RiskModel:
 
     def __post_init__(self) -> None:
         names = tuple(self.booster.feature_name())
+        # A model trained on an earlier feature list still loads when this version computes
+        # every feature it knows: its columns are picked by name.
+        self._cols: np.ndarray | None = None
         if names != FEATURE_NAMES:
-            missing = sorted(set(FEATURE_NAMES) ^ set(names))[:5]
-            raise InvalidInput(
-                "the model was trained on other features than this version computes",
-                details={"differences": missing},
-            )
+            missing = sorted(set(names) - set(FEATURE_NAMES))
+            if missing:
+                raise InvalidInput(
+                    "the model was trained on features this version does not compute",
+                    details={"differences": missing[:5]},
+                )
+            self._cols = np.array([FEATURE_NAMES.index(n) for n in names])
+
+    def _own(self, x: np.ndarray) -> np.ndarray:
+        return x if self._cols is None else x[:, self._cols]
 
     def raw(self, x: np.ndarray) -> np.ndarray:
         """The booster's own probability for each row (before calibration)."""
         if not len(x):
             return np.zeros(0)
-        return np.asarray(self.booster.predict(x, num_threads=2), dtype=np.float64)
+        return np.asarray(self.booster.predict(self._own(x), num_threads=2), dtype=np.float64)
 
     def calibrate(self, raw: np.ndarray) -> np.ndarray:
         """Map booster probabilities to calibrated risk (isotonic, piecewise linear)."""
@@ -95,8 +105,15 @@ class RiskModel:
         """Per-row, per-feature log-odds attributions (TreeSHAP); last column is the bias."""
         if not len(x):
             return np.zeros((0, len(FEATURE_NAMES) + 1))
-        out = self.booster.predict(x, pred_contrib=True, num_threads=2)
-        return np.asarray(out, dtype=np.float64)
+        out = np.asarray(
+            self.booster.predict(self._own(x), pred_contrib=True, num_threads=2), dtype=np.float64
+        )
+        if self._cols is None:
+            return out
+        full = np.zeros((len(x), len(FEATURE_NAMES) + 1))
+        full[:, self._cols] = out[:, :-1]
+        full[:, -1] = out[:, -1]
+        return full
 
     def reasons(self, x: np.ndarray, k: int = MAX_REASONS) -> list[list[str]]:
         """Up to ``k`` plain-word reasons per row."""
@@ -105,5 +122,6 @@ class RiskModel:
     def importances(self) -> dict[str, float]:
         """Total gain of each feature, largest first."""
         gain = self.booster.feature_importance(importance_type="gain")
-        pairs = sorted(zip(FEATURE_NAMES, gain, strict=True), key=lambda p: -p[1])
+        names = self.booster.feature_name()
+        pairs = sorted(zip(names, gain, strict=True), key=lambda p: -p[1])
         return {name: float(g) for name, g in pairs}
