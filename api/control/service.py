@@ -44,22 +44,29 @@ def load_model(settings: Settings) -> Any:
 
 
 async def start_control(app: FastAPI) -> list[asyncio.Task[None]]:
-    """Start the control loop if the settings enable it; returns its task (to cancel)."""
+    """Start the control loop if the settings enable it; returns its task (to cancel).
+
+    The model loads inside the task, so the service answers (``/readyz``) while it loads.
+    """
     settings: Settings = app.state.settings
     if not settings.control_enabled:
         return []
-    model = await asyncio.to_thread(load_model, settings)
-    loop = ControlLoop(
-        app.state.store,
-        model=model,
-        defaults=settings.policy,
-        tick_s=settings.control_tick_s,
-        registry=app.state.metrics.registry,
-        warm_window_s=settings.warm_window_s,
-        history_interval_s=settings.risk_history_interval_s,
-        history_days=settings.risk_history_days,
-        ack_timeout_s=settings.ack_timeout_s,
-        agent_timeout_s=settings.agent_timeout_s,
-    )
-    app.state.control = loop
-    return [asyncio.create_task(loop.run(), name="control")]
+
+    async def control() -> None:
+        model = await asyncio.to_thread(load_model, settings)
+        loop = ControlLoop(
+            app.state.store,
+            model=model,
+            defaults=settings.policy,
+            tick_s=settings.control_tick_s,
+            registry=app.state.metrics.registry,
+            warm_window_s=settings.warm_window_s,
+            history_interval_s=settings.risk_history_interval_s,
+            history_days=settings.risk_history_days,
+            ack_timeout_s=settings.ack_timeout_s,
+            agent_timeout_s=settings.agent_timeout_s,
+        )
+        app.state.control = loop
+        await loop.run()
+
+    return [asyncio.create_task(control(), name="control")]

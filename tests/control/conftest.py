@@ -1,0 +1,77 @@
+"""Fakes for the control loop's tests: a scorer whose risks the test sets."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pandas as pd
+import pytest
+
+from api.control.loop import ControlLoop
+from api.control.policy import Policy
+from store import Store
+from store import control as db
+
+
+class FakeScorer:
+    """Stands in for ``predictor.scoring.Scorer``: ``risk[(node, gpu)]`` is what it scores."""
+
+    def __init__(self) -> None:
+        self.risk: dict[tuple[str, int], float] = {}
+        self.state = SimpleNamespace(now_ms=None, size=0)
+
+    def update(self, samples: Any, events: Any = None, *, now_ms: int) -> None:
+        self.state.now_ms = now_ms
+        self.state.size = len(self.risk)
+
+    def score(self) -> pd.DataFrame:
+        keys = sorted(self.risk)
+        return pd.DataFrame(
+            {
+                "node": [k[0] for k in keys],
+                "gpu": [k[1] for k in keys],
+                "risk": [self.risk[k] for k in keys],
+                "alarm": [self.risk[k] >= 0.5 for k in keys],
+                "reasons": [["ECC errors rising"] if self.risk[k] >= 0.5 else [] for k in keys],
+                "last_seen_ms": [self.state.now_ms] * len(keys),
+            }
+        )
+
+
+def make_loop(store: Store, **policy: Any) -> tuple[ControlLoop, FakeScorer]:
+    loop = ControlLoop(store, model=None, defaults=Policy(**policy), tick_s=1.0)
+    assert loop.step(now_ms=1_000)  # leads (one replica), nothing to score yet
+    scorer = FakeScorer()
+    for gpu in range(4):
+        scorer.risk[("n0", gpu)] = 0.01
+    scorer.risk[("n1", 0)] = 0.01
+    loop.scorer, loop.model = scorer, SimpleNamespace(threshold=0.5)
+    return loop, scorer
+
+
+def register(store: Store, job_id: str = "j") -> None:
+    """Ranks 0 and 1 on n0:0 and n0:1, one spare on n1:0."""
+    with store.begin() as c:
+        db.upsert_job(
+            c,
+            job={
+                "job_id": job_id,
+                "world_size": 2,
+                "spares": 1,
+                "status": "running",
+                "registered_ms": 0,
+                "heartbeat_ms": 10**13,
+            },
+            ranks=[
+                {"slot": 0, "rank": 0, "node": "n0", "gpu": 0, "role": "active"},
+                {"slot": 1, "rank": 1, "node": "n0", "gpu": 1, "role": "active"},
+                {"slot": 2, "rank": 2, "node": "n1", "gpu": 0, "role": "spare"},
+            ],
+        )
+
+
+@pytest.fixture
+def registered(store: Store) -> Store:
+    register(store)
+    return store

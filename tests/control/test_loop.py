@@ -1,0 +1,136 @@
+"""The control loop on both backends: hysteresis, crossing -> one migration, dry-run, restart,
+unplanned and planned (drain) paths, the breaker. Risks come from a fake scorer."""
+
+from __future__ import annotations
+
+import time
+
+from api.control.loop import ControlLoop
+from api.control.policy import Policy
+from store import Store
+from store import control as db
+from store.outbox import events_after
+from tests.control.conftest import make_loop
+
+NOW = int(time.time() * 1000)
+
+
+def outbox_types(store: Store) -> list[str]:
+    with store.engine.connect() as c:
+        return [e["type"] for e in events_after(c, 0, limit=10_000)]
+
+
+def migrations(store: Store) -> list[dict]:  # type: ignore[type-arg]
+    with store.engine.connect() as c:
+        return db.list_migrations(c)
+
+
+def audit(store: Store, **kw) -> list[dict]:  # type: ignore[no-untyped-def, type-arg]
+    with store.engine.connect() as c:
+        return db.read_audit(c, **kw)
+
+
+def test_hysteresis_then_exactly_one_preventive_migration(registered: Store) -> None:
+    loop, scorer = make_loop(registered, hysteresis=3)
+    scorer.risk[("n0", 1)] = 0.9
+    loop.tick(NOW)
+    loop.tick(NOW + 1000)
+    assert migrations(registered) == []  # two scores above: not yet
+    loop.tick(NOW + 2000)
+    (m,) = migrations(registered)
+    assert (m["state"], m["trigger"], m["rank"]) == ("requested", "preventive", 1)
+    assert (m["source_node"], m["source_gpu"], m["target_slot"]) == ("n0", 1, 2)
+    assert m["risk"] == 0.9 and m["reasons"] == ["ECC errors rising"]
+    for k in range(3, 8):
+        loop.tick(NOW + k * 1000)
+    assert len(migrations(registered)) == 1
+    types = outbox_types(registered)
+    assert types.count("risk.threshold_crossed") == 1
+    assert types.count("migration.requested") == 1
+    with registered.engine.connect() as c:
+        (row,) = [r for r in db.risk_rows(c) if (r["node"], r["gpu"]) == ("n0", 1)]
+    assert row["crossed"] and row["streak"] >= 3
+
+
+def test_a_dip_resets_the_streak(registered: Store) -> None:
+    loop, scorer = make_loop(registered, hysteresis=2)
+    for k, risk in enumerate([0.9, 0.1, 0.9, 0.1, 0.9]):
+        scorer.risk[("n0", 1)] = risk
+        loop.tick(NOW + k * 1000)
+    assert migrations(registered) == []
+
+
+def test_dry_run_records_one_decision_and_moves_nothing(registered: Store) -> None:
+    loop, scorer = make_loop(registered, hysteresis=1, dry_run=True)
+    scorer.risk[("n0", 1)] = 0.9
+    for k in range(6):
+        loop.tick(NOW + k * 1000)
+    assert migrations(registered) == []
+    (entry,) = audit(registered, kind="migration")
+    assert entry["action"] == "dry_run" and entry["job_id"] == "j"
+    assert entry["data"]["target"]["slot"] == 2
+
+
+def test_declines_are_audited_once_per_reason(registered: Store) -> None:
+    loop, scorer = make_loop(registered, hysteresis=1)
+    with registered.begin() as c:
+        db.set_drain(c, node="n1", drained=True, ts_ms=NOW, reason="maintenance")
+    scorer.risk[("n0", 1)] = 0.9
+    for k in range(4):
+        loop.tick(NOW + k * 1000)
+    (entry,) = audit(registered, kind="migration")
+    assert entry["action"] == "declined" and "no free spare" in entry["reason"]
+
+
+def test_restart_neither_loses_nor_repeats(registered: Store) -> None:
+    loop, scorer = make_loop(registered, hysteresis=1)
+    scorer.risk[("n0", 1)] = 0.9
+    loop.tick(NOW)
+    loop.leadership.release()  # the process "dies"
+    again, scorer2 = make_loop(registered, hysteresis=1)
+    scorer2.risk[("n0", 1)] = 0.9
+    for k in range(1, 4):
+        again.tick(NOW + k * 1000)
+    (m,) = migrations(registered)
+    assert m["state"] == "requested"
+    assert outbox_types(registered).count("risk.threshold_crossed") == 1
+
+
+def test_unplanned_on_a_fatal_xid_bypasses_hysteresis(registered: Store) -> None:
+    loop, _ = make_loop(registered, hysteresis=5)
+    registered.write(events=[("n0", 0, NOW - 500, "xid", 79, "fallen off the bus", "kmsg")])
+    loop.tick(NOW)
+    (m,) = migrations(registered)
+    assert (m["trigger"], m["rank"], m["source_gpu"]) == ("unplanned", 0, 0)
+    assert "gpu.failed" in outbox_types(registered)
+
+
+def test_drain_moves_ranks_off_the_node_as_planned(registered: Store) -> None:
+    loop, _ = make_loop(registered)
+    with registered.begin() as c:
+        db.set_drain(c, node="n0", drained=True, ts_ms=NOW, reason=None)
+    loop.tick(NOW)
+    loop.tick(NOW + 1000)
+    (m,) = migrations(registered)  # one at a time: max one in flight per job
+    assert m["trigger"] == "planned" and m["target_node"] == "n1"
+
+
+def test_the_breaker_stops_automatic_action(registered: Store) -> None:
+    loop, scorer = make_loop(registered, hysteresis=1, breaker_pct=20, breaker_min_gpus=3)
+    for gpu in (1, 2, 3):
+        scorer.risk[("n0", gpu)] = 0.9
+    loop.tick(NOW)
+    assert migrations(registered) == []
+    assert "policy.breaker_tripped" in outbox_types(registered)
+    (entry,) = audit(registered, kind="policy")
+    assert entry["action"] == "breaker_tripped"
+
+
+def test_two_loops_one_leader(registered: Store) -> None:
+    first = ControlLoop(registered, model=None, defaults=Policy(), tick_s=1.0)
+    second = ControlLoop(registered, model=None, defaults=Policy(), tick_s=1.0)
+    assert first.step(now_ms=NOW)
+    assert not second.step(now_ms=NOW)
+    first.leadership.release()
+    assert second.step(now_ms=NOW)
+    second.leadership.release()
