@@ -32,15 +32,18 @@ log = logging.getLogger("forewarn.api")
 
 
 async def _retention(app: FastAPI) -> None:
+    """The storage tiers (``store.tiers``): roll closed hours up, archive them as Parquet,
+    drop what has left every tier."""
     settings: Settings = app.state.settings
+    policy = settings.tier_policy()
     while True:
-        cutoff_ms = int((time.time() - settings.retention_days * 86400) * 1000)
         try:
-            removed = await asyncio.to_thread(app.state.store.delete_before, cutoff_ms)
-            if any(removed.values()):
-                log.info("retention removed %s", removed)
-        except Exception:  # a failed sweep is retried next interval; the service stays up
-            log.exception("retention sweep failed")
+            now_ms = int(time.time() * 1000)
+            report = await asyncio.to_thread(app.state.store.maintain_tiers, policy, now_ms=now_ms)
+            if report:
+                log.info("storage tiers: %s", report)
+        except Exception:  # a failed pass is retried next interval; the service stays up
+            log.exception("storage tier maintenance failed")
         await asyncio.sleep(settings.retention_interval_s)
 
 

@@ -7,7 +7,7 @@ Sample rows come back in the wire shape of :class:`forewarn.wire.GpuSample` (``t
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import orjson
 import pandas as pd
@@ -103,27 +103,36 @@ async def gpu_samples(
     until: Until = None,
     fields: Annotated[str | None, Query(description="Comma-separated sample fields.")] = None,
     limit: Annotated[int, Query(ge=1, le=MAX_ROWS)] = 10_000,
+    resolution: Annotated[
+        Literal["auto", "raw", "1m"],
+        Query(
+            description="auto: raw samples while the window lies in the raw tier (default the "
+            "last 24 h), one row a minute with min/max/mean/last (counters: delta/last) beyond."
+        ),
+    ] = "auto",
 ) -> Response:
     since_ms, until_ms = _window(since, until)
     wanted = [f.strip() for f in fields.split(",") if f.strip()] if fields else None
 
-    def read() -> pd.DataFrame:
+    def read() -> tuple[pd.DataFrame, str]:
         try:
-            return store.gpu_window(
+            return store.gpu_series(
                 node=node,
                 gpu=gpu,
                 since_ms=since_ms,
                 until_ms=until_ms,
                 fields=wanted,
                 limit=limit,
+                resolution=None if resolution == "auto" else resolution,
             )
         except ValueError as exc:
             raise InvalidInput(str(exc)) from None
 
-    frame = await to_thread.run_sync(read)
+    frame, served = await to_thread.run_sync(read)
     if frame.empty and not await to_thread.run_sync(lambda: store.has_gpu(node=node, gpu=gpu)):
         raise NotFound(f"no GPU {gpu} on node '{node}'")
-    return _page(frame_records(frame))
+    records = frame_records(frame)
+    return json_response({"data": records, "count": len(records), "resolution": served})
 
 
 @router.get("/v1/events", summary="Events (Xids, lost GPUs, resets), newest first")

@@ -10,6 +10,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from api.control.policy import Policy
 from store.engine import default_data_dir, default_database_url
+from store.tiers import TierPolicy
 
 __all__ = ["SCOPES", "Scope", "Settings"]
 
@@ -65,10 +66,30 @@ class Settings(BaseSettings):
     """Samples older than this are rejected (a collector's spool replays within it)."""
 
     retention_days: float = Field(default=30.0, gt=0)
-    """Samples and events older than this are deleted by the retention task."""
+    """The Parquet history keeps raw samples this long (see ``docs/storage.md``)."""
 
-    retention_interval_s: float = Field(default=3600.0, gt=0)
-    """How often the retention task runs."""
+    retention_interval_s: float = Field(default=600.0, gt=0)
+    """How often the storage-tier task runs (roll-up, archive, retention)."""
+
+    raw_window_h: float = Field(default=24.0, gt=0)
+    """Raw samples are kept this long, then rolled up per minute and archived."""
+
+    rollup_days: float = Field(default=90.0, gt=0)
+    """Per-minute rollups and events are kept this long."""
+
+    history_url: str | None = None
+    """Where closed raw hours go as Parquet: a path or fsspec URL (``s3://…``); default
+    ``<data_dir>/history``; ``none`` keeps no history."""
+
+    def tier_policy(self) -> TierPolicy:
+        """The storage tiers these settings ask for."""
+        url = self.history_url or str(self.data_dir / "history")
+        return TierPolicy(
+            raw_window_s=self.raw_window_h * 3600,
+            rollup_window_s=self.rollup_days * 86400,
+            history_url=None if url.lower() == "none" else url,
+            history_window_s=self.retention_days * 86400,
+        )
 
     control_enabled: bool = True
     """Run the control loop (scoring, policy, migrations) in this process when it leads."""

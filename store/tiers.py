@@ -158,18 +158,27 @@ def _set_mark(connection: Connection, value_ms: int) -> None:
         )
 
 
-def _oldest_hour(connection: Connection) -> int | None:
+def _oldest_hour(connection: Connection, after_ms: int | None = None) -> int | None:
+    """The first hour (at or after ``after_ms``) that holds a raw sample; None: none does."""
+    after = -(2**62) if after_ms is None else after_ms
     if connection.dialect.name == "postgresql":
         # The default partition holds few rows; then probe partitions oldest first: no scan
         # for a minimum over the whole table.
-        stray = connection.execute(text("SELECT MIN(ts_ms) FROM samples_default")).scalar()
+        stray = connection.execute(
+            text("SELECT MIN(ts_ms) FROM samples_default WHERE ts_ms >= :a"), {"a": after}
+        ).scalar()
         for part in partitions.existing(connection, "samples"):
+            if part.end_ms <= after:
+                continue
             if stray is not None and stray < part.end_ms:
                 break
-            if connection.execute(text(f"SELECT 1 FROM {part.table} LIMIT 1")).first():
-                return part.start_ms
+            probe = f"SELECT 1 FROM {part.table} WHERE ts_ms >= :a LIMIT 1"
+            if connection.execute(text(probe), {"a": after}).first():
+                return max(part.start_ms, partitions.floor(after, SPAN_MS))
         return None if stray is None else partitions.floor(int(stray), SPAN_MS)
-    low = connection.execute(text("SELECT MIN(ts_ms) FROM samples")).scalar()
+    low = connection.execute(
+        text("SELECT MIN(ts_ms) FROM samples WHERE ts_ms >= :a"), {"a": after}
+    ).scalar()
     return None if low is None else partitions.floor(int(low), SPAN_MS)
 
 
@@ -202,16 +211,15 @@ def maintain(engine: Engine, policy: TierPolicy, *, now_ms: int) -> TierReport:
         mark = rolled_until(c)
         if mark is None:
             mark = _oldest_hour(c)
-        # Partitions from the oldest hour not rolled yet (rows of a store that was down wait
-        # in the default partition) to some hours ahead.
-        first = raw_cutoff - SPAN_MS if mark is None else min(mark, raw_cutoff - SPAN_MS)
+        # Partitions around now and ahead; an older hour gets its partitions when it is
+        # rolled (rows of a store that was down wait in the default partition till then).
         report.partitions_created += partitions.ensure(
-            c, "samples", start_ms=first, end_ms=now_ms + int(policy.ahead_s * 1000)
+            c, "samples", start_ms=now_ms - 2 * SPAN_MS, end_ms=now_ms + int(policy.ahead_s * 1000)
         )
         report.partitions_created += partitions.ensure(
             c,
             "sample_rollups",
-            start_ms=min(first, now_ms - partitions.DAY_MS),
+            start_ms=now_ms - partitions.DAY_MS,
             end_ms=now_ms + 2 * partitions.DAY_MS,
         )
     history = History(policy.history_url) if policy.history_url else None
@@ -221,6 +229,18 @@ def maintain(engine: Engine, policy: TierPolicy, *, now_ms: int) -> TierReport:
         and mark + SPAN_MS <= raw_cutoff
         and report.hours_rolled < policy.max_hours_per_run
     ):
+        with engine.begin() as c:
+            # Hours with no sample are skipped, not rolled one by one.
+            found = _oldest_hour(c, after_ms=mark)
+            ready = partitions.floor(raw_cutoff, SPAN_MS)
+            nearest = ready if found is None else min(found, ready)
+            if nearest > mark:
+                mark = nearest
+                _set_mark(c, mark)
+                continue
+            hour = {"start_ms": mark, "end_ms": mark + SPAN_MS}
+            report.partitions_created += partitions.ensure(c, "samples", **hour)
+            report.partitions_created += partitions.ensure(c, "sample_rollups", **hour)
         rows, chunks, archived = _roll_hour(engine, mark, policy, history)
         report.hours_rolled += 1
         report.samples_rolled += rows

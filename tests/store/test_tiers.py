@@ -302,3 +302,36 @@ def test_rows_without_a_partition_land_in_the_default_and_move_on_creation(
         with store.begin() as c:
             stray = c.execute(text("SELECT COUNT(*) FROM samples_default")).scalar_one()
         assert stray == 0
+
+
+def test_the_samples_route_says_which_resolution_it_served(store: Store, tmp_path: Path) -> None:
+    from fastapi.testclient import TestClient
+
+    from api.app import create_app
+    from api.settings import Settings
+
+    raw = raw_frame(gpus=1, hours=3, step_s=10)
+    store.write(samples=rows_of(raw))
+    store.maintain_tiers(POLICY, now_ms=START + 4 * HOUR)
+    settings = Settings(
+        database_url="unused://",
+        data_dir=tmp_path,
+        read_token="read-token-0123456789",
+        history_url="none",
+        # The service's own tier task runs at once on the real clock: keep it off this data.
+        raw_window_h=24 * 3650,
+        rollup_days=3650,
+    )
+    headers = {"Authorization": "Bearer read-token-0123456789"}
+    with TestClient(create_app(settings, store=store)) as client:
+        url = "/v1/gpus/node-a/0/samples"
+        window = {"since": START / 1000, "until": (START + 3 * HOUR) / 1000}
+        body = client.get(url, params={**window, "fields": "temp_gpu_c"}, headers=headers).json()
+        assert body["resolution"] == "1m" and body["count"] == 180
+        first = body["data"][0]
+        assert set(first) >= {"ts", "temp_gpu_c", "temp_gpu_c_min", "temp_gpu_c_max", "n"}
+        assert first["n"] == 6
+        raw_body = client.get(
+            url, params={**window, "resolution": "raw", "limit": 50}, headers=headers
+        ).json()
+        assert raw_body["resolution"] == "raw" and raw_body["count"] == 50
