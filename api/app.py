@@ -59,7 +59,9 @@ def create_app(settings: Settings | None = None, *, store: Store | None = None) 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if app.state.store is None:
-            app.state.store = await asyncio.to_thread(Store.open, settings.resolved_database_url())
+            app.state.store = await asyncio.to_thread(
+                Store.open, settings.resolved_database_url(), writer_process=settings.writer_process
+            )
             owns_store = True
         else:
             owns_store = False

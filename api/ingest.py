@@ -2,17 +2,28 @@
 
 The path of a batch, and what each step refuses:
 
-1. body: at most ``max_body_bytes`` after gzip decompression (413), JSON (400
-   ``malformed_json``; NaN and Infinity tokens are parsed so that only their rows fail);
+1. body: at most ``max_body_bytes`` as sent and after decompression (413); encodings
+   ``identity`` and ``gzip`` (several members allowed, nothing after the last; else 400/415);
+   at most ``max_body_objects`` JSON objects (413, before anything is parsed), JSON (400
+   ``malformed_json``; a key repeated in one object is refused, 422 ``repeated_key``; NaN and
+   Infinity tokens are parsed so that only their rows fail);
 2. envelope (:class:`~forewarn.wire.IngestBatch`): schema version, node, lists (422);
-3. rows: each sample and event validated on its own; a bad row is reported by index with the
-   reason and the rows beside it are kept. Beyond the schema, a row must belong to the batch's
-   node and be stamped within ``[now - max_sample_age_s, now + max_clock_skew_s]``;
-4. store: one transaction; rows already stored are counted as duplicates, not errors.
+3. rows, in either shape of :mod:`api.ingest_decode` (row objects or ``sample_columns``):
+   each sample and event validated on its own, strictly (``true`` or ``"7"`` is not a
+   counter); a bad row is reported by index with the reason and the rows beside it are kept.
+   Beyond the schema, a row must belong to the batch's node and be stamped within
+   ``[now - max_sample_age_s, now + max_clock_skew_s]``;
+4. store: one transaction (in the writer process); rows already stored are counted as
+   duplicates, not errors. A database that is locked or down: 503 ``store_unavailable`` with
+   ``Retry-After``; the collector keeps the batch and sends it again.
 
 All rows valid: 200 with :class:`~forewarn.wire.IngestResult`. Some rows rejected: 422 with
 ``{"error": {"code": "rows_rejected", …}, "result": IngestResult}`` — the valid rows are
 stored, and re-sending the batch is safe but will not make the rejected rows valid.
+
+Nearly every batch is valid, and those take the fast path of :mod:`api.ingest_decode` (C
+decoding into store rows); anything else takes the reference path here (pydantic, row by row),
+which says what is wrong.
 """
 
 from __future__ import annotations
@@ -26,13 +37,22 @@ from typing import Any, NamedTuple
 
 import orjson
 from fastapi import APIRouter, Request
-from pydantic import Field, TypeAdapter, ValidationError
+from pydantic import TypeAdapter, ValidationError
 from starlette.responses import Response
 
 from api.deps import SettingsDep, StoreDep, require
+from api.ingest_decode import decode_fast, rows_from_columns, strict_type_error
 from api.settings import Settings
 from forewarn.errors import InvalidInput, PayloadTooLarge
-from forewarn.wire import Event, GpuSample, IngestBatch, IngestResult, RowError
+from forewarn.wire import (
+    AgentStatus,
+    Event,
+    GpuSample,
+    IngestBatch,
+    IngestResult,
+    Name,
+    RowError,
+)
 from store import Store
 from store.writes import event_row, sample_row
 
@@ -40,8 +60,12 @@ __all__ = ["Prepared", "prepare_batch", "prepare_body", "process_batch", "router
 
 router = APIRouter(tags=["ingest"])
 
+_INLINE_BODY_BYTES = 256 * 1024
+"""Bodies larger than this (as sent) are decoded in a thread, off the event loop."""
+
 _SAMPLES = TypeAdapter(list[GpuSample])
 _EVENTS = TypeAdapter(list[Event])
+_NODE: TypeAdapter[str] = TypeAdapter(Name)
 
 
 class MalformedJson(InvalidInput):
@@ -52,6 +76,14 @@ class MalformedJson(InvalidInput):
 class UnsupportedEncoding(InvalidInput):
     code = "unsupported_encoding"
     status = 415
+
+
+class RepeatedKey(InvalidInput):
+    code = "repeated_key"
+
+
+class BadEncoding(InvalidInput):
+    code = "bad_encoding"
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -69,50 +101,99 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 
 def gunzip(raw: bytes, limit: int) -> bytes:
-    """Inflate a gzip body, refusing (413) past ``limit`` bytes without inflating the rest."""
-    inflater = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
-    try:
-        out = inflater.decompress(raw, limit + 1)
-    except zlib.error as exc:
-        raise InvalidInput(f"body is not valid gzip: {exc}") from None
-    if len(out) > limit or inflater.unconsumed_tail:
-        raise PayloadTooLarge(f"decompressed body exceeds the {limit}-byte limit")
+    """Inflate a gzip body of one or more members, refusing (413) past ``limit`` bytes.
+
+    Anything after the last member that is not another gzip member is refused (400): a body
+    is what its sender meant, entirely, or not at all.
+    """
+    out: list[bytes] = []
+    size = 0
+    rest = raw
+    while True:
+        inflater = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
+        try:
+            chunk = inflater.decompress(rest, limit - size + 1)
+        except zlib.error as exc:
+            raise BadEncoding(f"body is not valid gzip: {exc}") from None
+        size += len(chunk)
+        if size > limit or inflater.unconsumed_tail:
+            raise PayloadTooLarge(f"decompressed body exceeds the {limit}-byte limit")
+        out.append(chunk)
+        if not inflater.eof:
+            raise BadEncoding("body is not valid gzip: truncated")
+        rest = inflater.unused_data
+        if not rest:
+            return b"".join(out)
+        if not rest.startswith(b"\x1f\x8b"):
+            raise BadEncoding("body has data after its gzip stream")
+
+
+def decompress(raw: bytes, encoding: str | None, limit: int) -> bytes:
+    """The body as sent by the client, before any ``Content-Encoding`` (identity or gzip)."""
+    encoding = (encoding or "identity").strip().lower()
+    if encoding == "gzip":
+        return gunzip(raw, limit)
+    if encoding != "identity":
+        raise UnsupportedEncoding(f"Content-Encoding '{encoding}' is not supported (use gzip)")
+    return raw
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise RepeatedKey(f"key '{key[:64]}' is repeated in one object")
+            seen.add(key)
     return out
 
 
-def decode(raw: bytes, encoding: str | None, limit: int) -> Any:
-    """Decompress (gzip or identity) and parse JSON."""
-    encoding = (encoding or "identity").strip().lower()
-    if encoding == "gzip":
-        raw = gunzip(raw, limit)
-    elif encoding != "identity":
-        raise UnsupportedEncoding(f"Content-Encoding '{encoding}' is not supported (use gzip)")
+def parse_json(raw: bytes, *, max_objects: int) -> Any:
+    """Parse a JSON body exactly: repeated keys refused, NaN/Infinity tokens read as floats.
+
+    Refuses (413) a body of more than ``max_objects`` objects before parsing it, so that a
+    body of millions of ``{}`` cannot take the process's memory with it.
+    """
+    if raw.count(b"{") > max_objects:
+        raise PayloadTooLarge(f"body holds more than {max_objects} JSON objects")
     try:
-        return orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        pass
-    try:  # the standard parser also reads NaN/Infinity tokens: let only those rows fail
-        return json.loads(raw)
+        return json.loads(raw, object_pairs_hook=_unique_keys)
     except (ValueError, RecursionError) as exc:
+        if isinstance(exc, InvalidInput):
+            raise
         raise MalformedJson(f"body is not valid JSON: {exc}") from None
+
+
+def decode(raw: bytes, encoding: str | None, limit: int, *, max_objects: int = 10**9) -> Any:
+    """Decompress (gzip or identity) and parse JSON."""
+    return parse_json(decompress(raw, encoding, limit), max_objects=max_objects)
 
 
 def _validate_rows(
     adapter: TypeAdapter[Any], rows: list[Any], kind: str, errors: list[RowError]
 ) -> tuple[list[Any], list[int]]:
     """Validate ``rows`` in one call; on failure, report bad indices and keep the rest."""
+    bad: dict[int, str] = {}
+    for i, row in enumerate(rows):
+        reason = strict_type_error(kind, row)
+        if reason is not None:
+            bad[i] = reason
+    candidates = [i for i in range(len(rows)) if i not in bad]
     try:
-        return adapter.validate_python(rows), list(range(len(rows)))
+        valid = adapter.validate_python([rows[i] for i in candidates])
     except ValidationError as exc:
-        bad: dict[int, str] = {}
         for err in exc.errors(include_url=False):
             loc = err["loc"]
-            index = loc[0] if loc and isinstance(loc[0], int) else -1
+            at = candidates[loc[0]] if loc and isinstance(loc[0], int) else -1
             field = ".".join(str(p) for p in loc[1:]) or "row"
-            bad.setdefault(int(index), f"{field}: {err['msg']}")
+            bad.setdefault(at, f"{field}: {err['msg']}")
+        valid = None
     keep = [i for i in range(len(rows)) if i not in bad]
     errors.extend(RowError(kind=kind, index=i, reason=r) for i, r in sorted(bad.items()))  # type: ignore[arg-type]
-    return adapter.validate_python([rows[i] for i in keep]), keep
+    if valid is None:
+        valid = adapter.validate_python([rows[i] for i in keep])
+    return valid, keep
 
 
 def _check_rows(
@@ -169,11 +250,12 @@ def process_batch(
     return prepared.result(*stored)
 
 
-class _ValidBatch(IngestBatch):
-    """An ingest batch whose every row is valid: the fast path, parsed and checked in one pass."""
-
-    samples: list[GpuSample] = Field(default_factory=list, max_length=100_000)  # type: ignore[assignment]
-    events: list[Event] = Field(default_factory=list, max_length=100_000)  # type: ignore[assignment]
+def _node_valid(node: str) -> bool:
+    try:
+        _NODE.validate_python(node)
+    except ValidationError:
+        return False
+    return True
 
 
 def prepare_body(
@@ -181,25 +263,33 @@ def prepare_body(
 ) -> Prepared:
     """Decompress, parse and validate a request body.
 
-    Nearly every batch is entirely valid, and for those pydantic parses the JSON and checks
-    every row in one pass (a third cheaper than parsing first). Anything it refuses goes the
-    row-by-row way of :func:`prepare_batch`, which says what is wrong and keeps the rest.
+    Nearly every batch is entirely valid and takes the fast path (:mod:`api.ingest_decode`).
+    Anything it does not accept goes the row-by-row way of :func:`prepare_batch`, which says
+    what is wrong and keeps the rest.
     """
-    limit = settings.max_body_bytes
-    if (encoding or "identity").strip().lower() == "gzip":
-        raw = gunzip(raw, limit)
-        encoding = None
-    try:
-        batch = _ValidBatch.model_validate_json(raw)
-    except ValidationError:
-        return prepare_batch(decode(raw, encoding, limit), settings=settings, now_ms=now_ms)
+    raw = decompress(raw, encoding, settings.max_body_bytes)
+    if raw.count(b"{") > settings.max_body_objects:
+        raise PayloadTooLarge(f"body holds more than {settings.max_body_objects} JSON objects")
+    fast = decode_fast(raw, max_rows=settings.max_batch_rows, node_ok=_node_valid)
+    agent = None
+    if fast is not None and fast.agent is not None:
+        try:
+            agent = AgentStatus.model_validate(fast.agent)
+        except ValidationError:
+            fast = None
+    if fast is None:
+        payload = parse_json(raw, max_objects=settings.max_body_objects)
+        return prepare_batch(payload, settings=settings, now_ms=now_ms)
+    errors = [RowError(kind="sample", index=i, reason=r) for i, r in fast.rejected]
+    events, e_idx = _validate_rows(_EVENTS, fast.events, "event", errors)
     return _prepare(
-        batch,
-        batch.samples,
-        list(range(len(batch.samples))),
-        batch.events,
-        list(range(len(batch.events))),
-        [],
+        fast.node,
+        agent,
+        fast.samples,
+        fast.sample_index,
+        [event_row(e) for e in events],
+        e_idx,
+        errors,
         settings=settings,
         now_ms=now_ms,
     )
@@ -217,16 +307,39 @@ def prepare_batch(payload: Any, *, settings: Settings, now_ms: int | None = None
         where = ".".join(str(p) for p in first["loc"]) or "body"
         raise InvalidInput(f"{where}: {first['msg']}", details=details) from None
     errors: list[RowError] = []
-    samples, s_idx = _validate_rows(_SAMPLES, batch.samples, "sample", errors)
+    if batch.sample_columns is not None:
+        if batch.samples:
+            raise InvalidInput("a batch sends samples as rows or as sample_columns, not both")
+        try:
+            sample_rows, s_idx, bad = rows_from_columns(
+                batch.node, payload["sample_columns"], settings.max_batch_rows
+            )
+        except ValueError as exc:
+            raise InvalidInput(f"sample_columns: {exc}") from None
+        errors.extend(RowError(kind="sample", index=i, reason=r) for i, r in bad)
+    else:
+        samples, s_idx = _validate_rows(_SAMPLES, batch.samples, "sample", errors)
+        sample_rows = [sample_row(s) for s in samples]
     events, e_idx = _validate_rows(_EVENTS, batch.events, "event", errors)
-    return _prepare(batch, samples, s_idx, events, e_idx, errors, settings=settings, now_ms=now_ms)
+    return _prepare(
+        batch.node,
+        batch.agent,
+        sample_rows,
+        s_idx,
+        [event_row(e) for e in events],
+        e_idx,
+        errors,
+        settings=settings,
+        now_ms=now_ms,
+    )
 
 
 def _prepare(
-    batch: IngestBatch,
-    samples: list[GpuSample],
+    node: str,
+    agent_status: AgentStatus | None,
+    sample_rows: list[tuple[Any, ...]],
     s_idx: list[int],
-    events: list[Event],
+    event_rows: list[tuple[Any, ...]],
     e_idx: list[int],
     errors: list[RowError],
     *,
@@ -237,17 +350,17 @@ def _prepare(
     now_ms = int(time.time() * 1000) if now_ms is None else now_ms
     lo_ms = now_ms - int(settings.max_sample_age_s * 1000)
     hi_ms = now_ms + int(settings.max_clock_skew_s * 1000)
-    checks = {"node": batch.node, "lo_ms": lo_ms, "hi_ms": hi_ms, "errors": errors, "ts_pos": 2}
-    sample_rows = _check_rows([sample_row(s) for s in samples], s_idx, kind="sample", **checks)  # type: ignore[arg-type]
-    event_rows = _check_rows([event_row(e) for e in events], e_idx, kind="event", **checks)  # type: ignore[arg-type]
+    checks = {"node": node, "lo_ms": lo_ms, "hi_ms": hi_ms, "errors": errors, "ts_pos": 2}
+    sample_rows = _check_rows(sample_rows, s_idx, kind="sample", **checks)  # type: ignore[arg-type]
+    event_rows = _check_rows(event_rows, e_idx, kind="event", **checks)  # type: ignore[arg-type]
 
     agent = None
-    if batch.agent is not None:
-        status = batch.agent.model_dump()
+    if agent_status is not None:
+        status = agent_status.model_dump()
         started = status.pop("started_at")
         status["started_ms"] = int(started.timestamp() * 1000) if started else None
         status["last_seen_ms"] = now_ms
-        agent = (batch.node, status)
+        agent = (node, status)
     errors.sort(key=lambda e: (e.kind, e.index))
     return Prepared(sample_rows, event_rows, agent, errors)
 
@@ -268,9 +381,15 @@ async def ingest(request: Request, store: StoreDep, settings: SettingsDep) -> Re
     metrics = request.app.state.metrics
     try:
         raw = await read_body(request, settings.max_body_bytes)
-        # Validation is CPU-bound Python: it runs on the event loop (a thread would only add
-        # GIL hand-offs); the database write runs off it and is awaited.
-        prepared = prepare_body(raw, request.headers.get("content-encoding"), settings=settings)
+        encoding = request.headers.get("content-encoding")
+        # Validation of a usual batch takes well under a millisecond on the fast path: it runs
+        # on the event loop (a thread would only add GIL hand-offs). A large body goes to a
+        # thread, so the loop keeps answering (/healthz, other batches) while it is decoded.
+        # The database write runs in the writer process and is awaited.
+        if len(raw) > _INLINE_BODY_BYTES:
+            prepared = await asyncio.to_thread(prepare_body, raw, encoding, settings=settings)
+        else:
+            prepared = prepare_body(raw, encoding, settings=settings)
         future = store.submit(
             samples=prepared.samples, events=prepared.events, agent=prepared.agent
         )

@@ -52,7 +52,14 @@ from forewarn.errors import (
     ServiceUnavailable,
     Unauthorized,
 )
-from forewarn.wire import AgentStatus, Event, GpuSample, IngestBatch, IngestResult
+from forewarn.wire import (
+    AgentStatus,
+    Event,
+    GpuSample,
+    IngestBatch,
+    IngestResult,
+    sample_columns,
+)
 
 __all__ = [
     "Backoff",
@@ -98,6 +105,8 @@ class IngestClient:
         token: a bearer token with the ``ingest`` scope.
         timeout_s: limit for connecting and for the whole answer of one call, seconds.
         gzip: compress request bodies (``Content-Encoding: gzip``).
+        columns: send samples as ``sample_columns`` (smaller, decoded faster by the service);
+            rows again if the service is older and refuses them.
         transport: an httpx transport (tests: ``httpx.MockTransport``; default: network).
 
     Example::
@@ -113,10 +122,12 @@ class IngestClient:
         *,
         timeout_s: float = 10.0,
         gzip: bool = True,
+        columns: bool = False,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
         self.url = service_url.rstrip("/") + "/v1/ingest"
         self.gzip = gzip
+        self.columns = columns
         self._http = httpx.Client(
             timeout=httpx.Timeout(timeout_s),
             headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
@@ -133,6 +144,20 @@ class IngestClient:
             InvalidInput: the envelope was refused (re-sending the same body cannot succeed).
         """
         body = batch.model_dump(mode="json") if isinstance(batch, IngestBatch) else batch
+        columns = sample_columns(body.get("samples") or [], body.get("node", ""))
+        if self.columns and columns is not None:
+            as_columns = {k: v for k, v in body.items() if k != "samples"}
+            try:
+                return self._post({**as_columns, "sample_columns": columns})
+            except InvalidInput as exc:
+                if "sample_columns" not in exc.message:
+                    raise
+                # A service older than the columns shape: send rows from now on.
+                log.warning("the service does not take sample_columns; sending rows")
+                self.columns = False
+        return self._post(body)
+
+    def _post(self, body: dict[str, Any]) -> IngestResult:
         data = json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
         headers = {}
         if self.gzip:

@@ -39,6 +39,7 @@ __all__ = [
     "Placement",
     "RowError",
     "Vendor",
+    "sample_columns",
     "to_ms",
 ]
 
@@ -58,7 +59,13 @@ UtcDatetime = AwareDatetime
 Counter = Annotated[int, Field(ge=0, le=MAX_COUNTER)]
 Celsius = Annotated[float, Field(ge=-60.0, le=250.0, allow_inf_nan=False)]
 Percent = Annotated[float, Field(ge=0.0, le=100.0, allow_inf_nan=False)]
-Name = Annotated[str, Field(min_length=1, max_length=253, pattern=r"^[A-Za-z0-9._:-]+$")]
+# At least one character that is not a dot: "." and ".." cannot be read back by URL.
+Name = Annotated[
+    str,
+    Field(
+        min_length=1, max_length=253, pattern=r"^[A-Za-z0-9._:-]*[A-Za-z0-9_:-][A-Za-z0-9._:-]*$"
+    ),
+]
 
 
 def to_ms(ts: datetime) -> int:
@@ -92,7 +99,7 @@ class GpuSample(_Wire):
     sm_clock_mhz: float | None = Field(default=None, ge=0, le=10000, allow_inf_nan=False)
     mem_clock_mhz: float | None = Field(default=None, ge=0, le=20000, allow_inf_nan=False)
     throttle_reasons: int | None = Field(
-        default=None, ge=0, le=2**63 - 1, description="Clock-event reasons bitmask (NVML)."
+        default=None, ge=0, le=2**53 - 1, description="Clock-event reasons bitmask (NVML)."
     )
     util_gpu_pct: Percent | None = None
     util_mem_pct: Percent | None = None
@@ -197,6 +204,47 @@ class IngestBatch(BaseModel):
     samples: list[Any] = Field(default_factory=list, max_length=100_000)
     events: list[Any] = Field(default_factory=list, max_length=100_000)
     agent: AgentStatus | None = None
+    sample_columns: dict[str, list[Any]] | None = Field(
+        default=None,
+        description=(
+            "The samples as columns instead of rows (not both): one list per GpuSample field, "
+            "all the same length, `ts_ms` (integer ms since the epoch, UTC) in place of `ts`, "
+            "`null` for a field not reported, the node implied by the batch."
+        ),
+    )
+
+
+def sample_columns(rows: list[dict[str, Any]], node: str) -> dict[str, list[Any]] | None:
+    """The ``sample_columns`` of a batch from wire-shaped sample dicts, or None if they don't fit.
+
+    Columns are what the service decodes fastest and a third the size of rows. Rows that are
+    not plainly a sample of ``node`` (another node, an unknown field, a timestamp that is not
+    ISO 8601 with an offset) give None: send them as rows, and the service says what is wrong.
+    """
+    if not rows:
+        return None
+    known = set(SAMPLE_FIELDS)
+    present: set[str] = set()
+    ts_ms = []
+    for row in rows:
+        present.update(row)
+        ts = row.get("ts")
+        if row.get("node") != node or not isinstance(ts, str):
+            return None
+        try:
+            parsed = datetime.fromisoformat(ts)
+        except ValueError:
+            return None
+        if parsed.tzinfo is None:
+            return None
+        ts_ms.append(to_ms(parsed))
+    if not present <= known or "gpu" not in present:
+        return None
+    columns: dict[str, list[Any]] = {"ts_ms": ts_ms}
+    for name in SAMPLE_FIELDS:
+        if name in present and name not in ("node", "ts"):
+            columns[name] = [row.get(name) for row in rows]
+    return columns
 
 
 class RowError(BaseModel):

@@ -26,7 +26,7 @@ from forewarn.errors import StoreUnavailable
 from store import reads, tiers, writes
 from store.engine import default_database_url, make_engine
 from store.migrate import current_heads, head_revisions, upgrade
-from store.writer import GroupWriter
+from store.writer import GroupWriter, ProcessWriter
 
 __all__ = ["Store", "default_database_url"]
 
@@ -34,20 +34,32 @@ __all__ = ["Store", "default_database_url"]
 class Store:
     """One database: the engine plus the store's reads and writes."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, *, writer_process: bool = False) -> None:
         self.engine = engine
         # SQLite allows one writer at a time: writes go through one group-committing thread.
         # PostgreSQL takes concurrent writers: a small pool, as large as the connection pool.
-        self._writer = None
-        if engine.dialect.name == "sqlite":
-            database = engine.url.database
-            lock = Path(f"{database}.write-lock") if database and database != ":memory:" else None
+        # With ``writer_process`` (the service), either goes through a child process instead,
+        # which inserts on its own core while this interpreter validates the next batches.
+        self._writer: GroupWriter | ProcessWriter | None = None
+        database = engine.url.database
+        sqlite = engine.dialect.name == "sqlite"
+        on_file = not sqlite or bool(database and database != ":memory:")
+        lock = Path(f"{database}.write-lock") if sqlite and on_file else None
+        if writer_process and on_file:
+            url = engine.url.render_as_string(hide_password=False)
+            self._writer = ProcessWriter(url, lock_path=lock)
+        elif engine.dialect.name == "sqlite":
             self._writer = GroupWriter(engine, lock_path=lock)
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="store-write")
 
     @classmethod
-    def open(cls, url: str, *, migrate: bool = True) -> Store:
-        store = cls(make_engine(url))
+    def open(cls, url: str, *, migrate: bool = True, writer_process: bool = False) -> Store:
+        """Open (and by default migrate) the database at ``url``.
+
+        Args:
+            writer_process: insert through a child process (:class:`store.writer.ProcessWriter`).
+        """
+        store = cls(make_engine(url), writer_process=writer_process)
         if migrate:
             store.migrate()
         return store

@@ -14,6 +14,9 @@ import contextlib
 import fcntl
 import os
 import queue
+import struct
+import subprocess
+import sys
 import threading
 from concurrent.futures import Future
 from pathlib import Path
@@ -21,9 +24,10 @@ from typing import Any, NamedTuple
 
 from sqlalchemy import Engine
 
+from forewarn.errors import StoreUnavailable
 from store import writes
 
-__all__ = ["GroupWriter"]
+__all__ = ["GroupWriter", "ProcessWriter", "WriterUnavailable"]
 
 
 class _FileLock:
@@ -121,8 +125,273 @@ class GroupWriter:
                         writes.upsert_agent(tx, node=job.agent[0], status=job.agent[1])
                     results.append((stored, stored_events))
         except BaseException as exc:  # every caller of the failed transaction learns why
+            if isinstance(exc, Exception) and _error_kind(exc) == "unavailable":
+                wrapped = WriterUnavailable(f"database write failed: {type(exc).__name__}: {exc}")
+                wrapped.__cause__ = exc
+                exc = wrapped
             for job in group:
                 job.future.set_exception(exc)
             return
         for job, result in zip(group, results, strict=True):
             job.future.set_result(result)
+
+
+# The writer process ---------------------------------------------------------------------------
+#
+# The service validates batches on its event loop; inserting them in the same interpreter would
+# share one GIL with that loop, so at 50k rows/s the two halves would take turns instead of
+# running on two cores. ``ProcessWriter`` hands each write to a child process that owns the
+# database connection and group-commits like ``GroupWriter``. Frames on its stdin and stdout
+# are a 4-byte little-endian length and a msgpack array:
+#
+#   request:  [id, samples, events, agent]            (agent: [node, status] or nil)
+#   reply:    [id, new samples, new events, error]    (error: nil or [kind, message])
+#
+# A reply is written only after its transaction commits, so an acknowledged batch is a stored
+# batch even if the service is killed the next instant; a child whose parent died reads EOF,
+# finishes what it had read, and exits.
+
+_HEADER = struct.Struct("<I")
+
+
+class WriterUnavailable(StoreUnavailable):
+    """The database refused or timed out a write (locked, down, out of connections)."""
+
+
+def _error_kind(exc: BaseException) -> str:
+    """``unavailable`` for errors a retry may cure (locked, refused, dropped), else ``error``."""
+    import sqlite3
+
+    from sqlalchemy.exc import DBAPIError, OperationalError
+
+    if isinstance(exc, OperationalError | sqlite3.OperationalError | TimeoutError | OSError):
+        return "unavailable"
+    if isinstance(exc, DBAPIError) and exc.connection_invalidated:
+        return "unavailable"
+    try:
+        import psycopg
+
+        if isinstance(exc, psycopg.OperationalError):
+            return "unavailable"
+    except ImportError:  # pragma: no cover - psycopg is a server dependency
+        pass
+    return "error"
+
+
+def _read_frames(buffer: bytearray) -> list[bytes]:
+    frames = []
+    offset = 0
+    while len(buffer) - offset >= 4:
+        (size,) = _HEADER.unpack_from(buffer, offset)
+        if len(buffer) - offset - 4 < size:
+            break
+        frames.append(bytes(buffer[offset + 4 : offset + 4 + size]))
+        offset += 4 + size
+    del buffer[:offset]
+    return frames
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def serve_writes(url: str, lock_path: str | None, max_rows: int, fd_in: int, fd_out: int) -> None:
+    """The child's loop: read requests on ``fd_in``, commit them in groups, reply on ``fd_out``."""
+    import select
+
+    import msgspec
+
+    from store.engine import make_engine
+
+    engine = make_engine(url)
+    lock = _FileLock(Path(lock_path)) if lock_path else contextlib.nullcontext()
+    decode, encode = msgspec.msgpack.decode, msgspec.msgpack.encode
+    buffer = bytearray()
+    pending: list[Any] = []
+    eof = False
+    while not (eof and not pending and not buffer):
+        if not pending:
+            chunk = os.read(fd_in, 1 << 22)
+            if not chunk:
+                eof = True
+            buffer += chunk
+            pending.extend(decode(f) for f in _read_frames(buffer))
+            if eof and not pending:
+                break
+            if not pending:
+                continue
+        rows = sum(len(p[1]) for p in pending)
+        while not eof and rows < max_rows and select.select([fd_in], [], [], 0)[0]:
+            chunk = os.read(fd_in, 1 << 22)
+            if not chunk:
+                eof = True
+                break
+            buffer += chunk
+            for frame in _read_frames(buffer):
+                request = decode(frame)
+                pending.append(request)
+                rows += len(request[1])
+        group, pending = pending, []
+        replies = _commit_requests(engine, lock, group)
+        _write_all(fd_out, b"".join(_HEADER.pack(len(r)) + r for r in map(encode, replies)))
+    engine.dispose()
+
+
+def _commit_requests(engine: Engine, lock: Any, group: list[Any]) -> list[list[Any]]:
+    try:
+        with lock, engine.begin() as tx:
+            stored = writes.insert_sample_groups(tx, [request[1] for request in group])
+            stored_events = [writes.insert_events(tx, request[2]) for request in group]
+            for request in group:
+                if request[3] is not None:
+                    writes.upsert_agent(tx, node=request[3][0], status=request[3][1])
+    except Exception as exc:  # every caller of the failed transaction learns why
+        error = [_error_kind(exc), f"{type(exc).__name__}: {exc}"[:500]]
+        return [[request[0], 0, 0, error] for request in group]
+    return [
+        [request[0], s, e, None] for request, s, e in zip(group, stored, stored_events, strict=True)
+    ]
+
+
+class _Child(NamedTuple):
+    process: subprocess.Popen[bytes]
+    outbox: queue.SimpleQueue[tuple[int, Any] | None]
+    pending: dict[int, Future[tuple[int, int]]]
+
+
+class ProcessWriter:
+    """Writes through a child process that owns the database connection (see above).
+
+    Same contract as :class:`GroupWriter`: ``submit`` returns a future that resolves to
+    (new samples, new events) once committed. If the child dies, the writes in flight fail
+    with :class:`~forewarn.errors.StoreUnavailable` and the next write starts a new child.
+
+    Args:
+        url: the database URL (the child opens its own engine).
+        lock_path: an ``flock`` file serialising writers of one SQLite file across processes.
+        max_rows: stop adding queued writes to a transaction once it holds this many rows.
+    """
+
+    def __init__(self, url: str, *, lock_path: Path | None = None, max_rows: int = 50_000) -> None:
+        import msgspec
+
+        self._url = url
+        self._lock_path = lock_path
+        self._max_rows = max_rows
+        self._encode = msgspec.msgpack.encode
+        self._decode = msgspec.msgpack.decode
+        self._mutex = threading.Lock()
+        self._next_id = 0
+        self._closed = False
+        self._child: _Child | None = None
+        self._start()
+
+    @property
+    def pid(self) -> int | None:
+        """The child's process id (tests kill it)."""
+        return self._child.process.pid if self._child else None
+
+    def _start(self) -> _Child:
+        args = [self._url, str(self._lock_path or ""), str(self._max_rows)]
+        code = "import sys; from store.writer import _child_main; _child_main(sys.argv[1:])"
+        process = subprocess.Popen(
+            [sys.executable, "-c", code, *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            bufsize=0,
+            cwd=str(Path(__file__).resolve().parents[1]),
+        )
+        self._child = child = _Child(process, queue.SimpleQueue(), {})
+        threading.Thread(
+            target=self._send, args=(child,), name="store-writer-send", daemon=True
+        ).start()
+        threading.Thread(
+            target=self._receive, args=(child,), name="store-writer-recv", daemon=True
+        ).start()
+        return child
+
+    def submit(
+        self,
+        samples: Any = (),
+        events: Any = (),
+        agent: tuple[str, dict[str, Any]] | None = None,
+    ) -> Future[tuple[int, int]]:
+        """Queue a write; the future resolves to (new samples, new events) once committed."""
+        future: Future[tuple[int, int]] = Future()
+        with self._mutex:
+            if self._closed:
+                raise RuntimeError("writer is closed")
+            child = self._child
+            if child is None or child.process.poll() is not None:
+                child = self._start()
+            self._next_id += 1
+            child.pending[self._next_id] = future
+            child.outbox.put((self._next_id, (samples, events, agent)))
+        return future
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Finish what is queued, then stop the child."""
+        with self._mutex:
+            if self._closed:
+                return
+            self._closed = True
+            child = self._child
+        if child is not None:
+            child.outbox.put(None)
+            try:
+                child.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                child.process.kill()
+                child.process.wait(5)
+
+    def _send(self, child: _Child) -> None:
+        process = child.process
+        assert process.stdin is not None
+        fd = process.stdin.fileno()
+        try:
+            while (item := child.outbox.get()) is not None:
+                job_id, (samples, events, agent) = item
+                body = self._encode([job_id, samples, events, agent])
+                _write_all(fd, _HEADER.pack(len(body)) + body)
+        except OSError:
+            pass  # the child is gone: the receiver fails what is in flight
+        finally:
+            process.stdin.close()
+
+    def _receive(self, child: _Child) -> None:
+        process = child.process
+        assert process.stdout is not None
+        fd = process.stdout.fileno()
+        buffer = bytearray()
+        while chunk := os.read(fd, 1 << 16):
+            buffer += chunk
+            for frame in _read_frames(buffer):
+                job_id, stored, stored_events, error = self._decode(frame)
+                with self._mutex:
+                    future = child.pending.pop(job_id, None)
+                if future is None:
+                    continue
+                if error is None:
+                    future.set_result((stored, stored_events))
+                elif error[0] == "unavailable":
+                    future.set_exception(WriterUnavailable(f"database write failed: {error[1]}"))
+                else:
+                    future.set_exception(RuntimeError(f"database write failed: {error[1]}"))
+        process.stdout.close()
+        process.wait()
+        with self._mutex:
+            if self._child is child:
+                self._child = None
+            lost = dict(child.pending)
+            child.pending.clear()
+        for future in lost.values():
+            future.set_exception(WriterUnavailable("the writer process exited"))
+
+
+def _child_main(argv: list[str]) -> None:
+    url, lock_path, max_rows = argv
+    fd_in, fd_out = os.dup(0), os.dup(1)
+    os.dup2(2, 1)  # nothing printed by a library may corrupt the reply stream
+    serve_writes(url, lock_path or None, int(max_rows), fd_in, fd_out)

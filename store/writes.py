@@ -3,9 +3,11 @@
 Every write is idempotent: rows already stored (same node, GPU and timestamp; for events the
 same node, GPU, timestamp, kind and Xid) are skipped, not errors, and the functions return how
 many rows were new. SQLite takes one ``executemany`` of ``INSERT OR IGNORE`` through the raw
-driver cursor (the SQLAlchemy layer costs more than the insert itself at 50k rows/s);
-PostgreSQL takes ``COPY`` into a per-connection staging table, then one
-``INSERT ... SELECT ... ON CONFLICT DO NOTHING``.
+driver cursor (the SQLAlchemy layer costs more than the insert itself at 50k rows/s).
+PostgreSQL takes a binary ``COPY`` with typed columns straight into ``samples`` (read from the
+catalogue, so it also fits a partitioned ``samples``) inside a savepoint; only when that meets
+a row already stored does it go the slower way: ``COPY`` into a per-connection staging table,
+then one ``INSERT ... SELECT ... ON CONFLICT DO NOTHING``.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ __all__ = [
     "delete_before",
     "event_row",
     "insert_events",
+    "insert_sample_groups",
     "insert_samples",
     "sample_row",
     "upsert_agent",
@@ -86,27 +89,84 @@ def insert_samples(connection: Connection, rows: Sequence[SampleRow]) -> int:
 
     Also moves each GPU's ``last_seen_ms`` forward in the ``gpus`` registry.
     """
-    if not rows:
-        return 0
+    return insert_sample_groups(connection, [rows])[0]
+
+
+def insert_sample_groups(
+    connection: Connection, groups: Sequence[Sequence[SampleRow]]
+) -> list[int]:
+    """Store several callers' rows in the caller's transaction; how many of each were new.
+
+    One ``COPY`` (PostgreSQL) or one prepared statement (SQLite) serves every group, and the
+    ``gpus`` registry is updated once for all of them.
+    """
+    if not any(groups):
+        return [0] * len(groups)
     dialect = connection.dialect.name
-    cursor = connection.connection.driver_connection.cursor()  # type: ignore[union-attr]
+    driver = connection.connection.driver_connection
+    cursor = driver.cursor()  # type: ignore[union-attr]
     try:
         if dialect == "sqlite":
-            cursor.executemany(_SQLITE_INSERT, rows)
-            stored = cursor.rowcount
+            stored = []
+            for rows in groups:
+                if rows:
+                    cursor.executemany(_SQLITE_INSERT, rows)
+                    stored.append(int(cursor.rowcount))
+                else:
+                    stored.append(0)
         elif dialect == "postgresql":
-            cursor.execute(_PG_STAGE)
-            with cursor.copy(f"COPY samples_stage ({_COLS}) FROM STDIN") as copy:
-                for row in rows:
-                    copy.write_row(row)
-            cursor.execute(_PG_MERGE)
-            stored = cursor.rowcount
+            stored = _pg_copy(driver, cursor, groups)
         else:  # pragma: no cover - guarded by make_engine
             raise ValueError(f"unsupported database: {dialect}")
-        cursor.executemany(_GPU_UPSERT[dialect], _gpu_spans(rows))
+        cursor.executemany(_GPU_UPSERT[dialect], _gpu_spans([r for g in groups for r in g]))
     finally:
         cursor.close()
-    return int(stored)
+    return stored
+
+
+def _pg_types(cursor: Any) -> list[str]:
+    """The PostgreSQL type of every column of ``samples``, in insert order (for binary COPY)."""
+    cursor.execute(
+        "SELECT a.attname, t.typname FROM pg_attribute a JOIN pg_type t ON t.oid = a.atttypid "
+        "WHERE a.attrelid = 'samples'::regclass AND a.attnum > 0 AND NOT a.attisdropped"
+    )
+    types = dict(cursor.fetchall())
+    return [types[c] for c in SAMPLE_COLUMNS]
+
+
+def _pg_copy(driver: Any, cursor: Any, groups: Sequence[Sequence[SampleRow]]) -> list[int]:
+    types = _pg_types(cursor)  # also opens the transaction, so the block below is a savepoint
+    try:
+        with driver.transaction():  # a row already stored undoes only this attempt
+            _copy_rows(cursor, "samples", types, (r for g in groups for r in g))
+        return [len(g) for g in groups]
+    except _unique_violation():
+        pass
+    cursor.execute(_PG_STAGE)
+    stored = []
+    for rows in groups:
+        if not rows:
+            stored.append(0)
+            continue
+        _copy_rows(cursor, "samples_stage", types, rows)
+        cursor.execute(_PG_MERGE)
+        stored.append(int(cursor.rowcount))
+        cursor.execute("DELETE FROM samples_stage")
+    return stored
+
+
+def _copy_rows(cursor: Any, table: str, types: list[str], rows: Any) -> None:
+    with cursor.copy(f"COPY {table} ({_COLS}) FROM STDIN (FORMAT BINARY)") as copy:
+        copy.set_types(types)
+        write = copy.write_row
+        for row in rows:
+            write(row)
+
+
+def _unique_violation() -> type[Exception]:
+    from psycopg.errors import UniqueViolation
+
+    return UniqueViolation
 
 
 def insert_events(connection: Connection, rows: Sequence[EventRow]) -> int:

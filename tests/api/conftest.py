@@ -14,6 +14,7 @@ READ = {"Authorization": "Bearer read-token-0123456789"}
 
 
 def make_settings(database_url: str, tmp_path: Path, **overrides) -> Settings:  # type: ignore[no-untyped-def]
+    overrides.setdefault("writer_process", False)  # a child per test is slow; live tests use it
     return Settings(
         database_url=database_url,
         data_dir=tmp_path,
