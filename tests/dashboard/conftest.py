@@ -142,17 +142,18 @@ def browser(chromium_path: str) -> Iterator[Any]:
         b.close()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveService]:
+    """One service for every dashboard test (it starts in 10-30 s on a busy machine)."""
     tmp = tmp_path_factory.mktemp("dashboard")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("FOREWARN_TOKENS", f'{{"{OPERATE_TOKEN}": ["read", "operate"]}}')
-        live = start_service(f"sqlite:///{tmp / 'dash.db'}", tmp / "service.log")
+        live = start_service(f"sqlite:///{tmp / 'dash.db'}", tmp / "service.log", timeout_s=120)
     yield live
     live.stop()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def feed(service: LiveService) -> Iterator[SimFeed]:
     sim = SimFeed(service)
     sim.history()

@@ -41,6 +41,10 @@ export function whenUnauthorized(fn) {
   onUnauthorized = fn;
 }
 
+// Main-thread time spent parsing answers, in total (the benchmark reads it per update).
+let parseMs = 0;
+export const parseTotalMs = () => parseMs;
+
 // Last Date header seen: ages ("stale for 40 s") are measured on the service's clock.
 let skewMs = 0;
 export function serverNow() {
@@ -68,11 +72,13 @@ export async function request(method, path, body) {
   const text = await response.text();
   let data = null;
   if (text) {
+    const t0 = performance.now();
     try {
       data = JSON.parse(text);
     } catch {
       data = null;
     }
+    parseMs += performance.now() - t0;
   }
   if (!response.ok) {
     const err = (data && data.error) || {};

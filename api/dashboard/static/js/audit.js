@@ -1,7 +1,7 @@
 // Audit log: every decision the policy took or declined, with its reason, newest first.
 
 import { get, has, withQuery } from "./api.js";
-import { esc, fmtTime, unavailable } from "./util.js";
+import { esc, fmtTime, gpuHref, unavailable } from "./util.js";
 
 export const section = "audit";
 export const title = () => "Audit";
@@ -21,10 +21,12 @@ export function unmount() {
   root = null;
 }
 
-function summary(entry) {
-  const skip = new Set(["id", "ts", "timestamp", "at", "kind", "type", "message", "reason", "decision"]);
-  const rest = Object.entries(entry).filter(([k, v]) => !skip.has(k) && v !== null && v !== undefined);
-  return rest.map(([k, v]) => `${k}=${typeof v === "object" ? JSON.stringify(v) : v}`).join(" ");
+function subject(e) {
+  const parts = [];
+  if (e.node) parts.push(e.gpu !== null && e.gpu !== undefined ? `<a href="${gpuHref(e.node, e.gpu)}">${esc(e.node)}/${esc(e.gpu)}</a>` : esc(e.node));
+  if (e.job_id) parts.push(`job <a href="#/jobs/${encodeURIComponent(e.job_id)}">${esc(e.job_id)}</a>`);
+  if (e.migration_id) parts.push(`migration <code>${esc(e.migration_id)}</code>`);
+  return parts.join(" · ");
 }
 
 export async function refresh() {
@@ -37,13 +39,14 @@ export async function refresh() {
   if (!root) return;
   let rows = body.data || [];
   if (params.migration) {
-    rows = rows.filter((e) => JSON.stringify(e).includes(params.migration));
+    rows = rows.filter((e) => e.migration_id === params.migration);
   }
   const el = root.querySelector("#audit-list");
   el.innerHTML = rows.length
-    ? `<table class="compact"><thead><tr><th>time</th><th>kind</th><th>decision / message</th><th>details</th></tr></thead><tbody>
-      ${rows.slice(0, 500).map((e) => `<tr><td>${fmtTime(e.ts ?? e.timestamp ?? e.at)}</td><td>${esc(e.kind ?? e.type ?? "")}</td>
-        <td>${esc(e.decision ?? "")} ${esc(e.message ?? e.reason ?? "")}</td><td class="mono small">${esc(summary(e))}</td></tr>`).join("")}
+    ? `<table class="compact"><thead><tr><th>time</th><th>kind</th><th>action</th><th>reason</th><th>about</th><th>data</th></tr></thead><tbody>
+      ${rows.slice(0, 500).map((e) => `<tr data-audit="${esc(e.seq)}"><td>${fmtTime(e.at)}</td><td>${esc(e.kind)}</td>
+        <td><strong>${esc(e.action)}</strong></td><td>${esc(e.reason)}</td><td>${subject(e)}</td>
+        <td class="mono small">${esc(e.data && Object.keys(e.data).length ? JSON.stringify(e.data) : "")}</td></tr>`).join("")}
       </tbody></table>`
     : `<p class="muted">No audit entry in the last 24 hours${params.migration ? " for this migration" : ""}.</p>`;
 }

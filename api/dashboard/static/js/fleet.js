@@ -5,7 +5,8 @@
 // cell by arithmetic on the layout, not by listeners per cell. The text around it (counts,
 // the GPUs most at risk) is one small innerHTML build per update.
 
-import { get, getAll, has, serverNow } from "./api.js";
+import { get, getAll, has, parseTotalMs, serverNow } from "./api.js";
+import { jobIdOf, ranksOf, thresholdOf } from "./shapes.js";
 import {
   RISK_COLORS, ago, esc, fmtPct, gpuHref, natural, nodeHref, parseTs, riskBucket,
 } from "./util.js";
@@ -30,8 +31,6 @@ let focus = -1; // index into layout.order
 let filter = { node: "", job: "", state: "all" };
 let nodeOrder = { key: "", names: [] };
 let resizeObserver = null;
-let jobsFetchedAt = 0;
-let jobsCache = null;
 let firstRender = true;
 
 export async function mount(el, params) {
@@ -49,6 +48,7 @@ export async function mount(el, params) {
         <label>State <select id="f-state">
           <option value="all">all GPUs</option>
           <option value="at-risk">at risk</option>
+          <option value="failed">failed</option>
           <option value="stale">stale</option>
           <option value="drained">drained</option>
           <option value="spare">spares</option>
@@ -113,75 +113,109 @@ async function optional(route, fn) {
   }
 }
 
-async function jobPlacements() {
-  // Placements change only on migrations: read every job's ranks every 10 s, not every tick.
-  if (jobsCache && performance.now() - jobsFetchedAt < 10_000) return jobsCache;
-  const jobs = await getAll("/v1/jobs");
-  const detailed = await Promise.all(
-    jobs.map(async (job) => {
-      const id = job.job_id ?? job.id;
-      if (job.placement || job.ranks || !has("GET /v1/jobs/{id}")) return job;
-      return get(`/v1/jobs/${encodeURIComponent(id)}`).catch(() => job);
-    }),
-  );
-  jobsCache = detailed;
-  jobsFetchedAt = performance.now();
-  return detailed;
+// Slow-changing answers (placements, collectors) are read every SLOW_MS, not every tick.
+const SLOW_MS = 10_000;
+const slow = new Map();
+async function every(key, fn) {
+  const hit = slow.get(key);
+  if (hit && performance.now() - hit.at < SLOW_MS) return hit.value;
+  const value = await fn();
+  slow.set(key, { at: performance.now(), value });
+  return value;
+}
+
+// Every GPU as {node, gpu, risk, alarm, stale, failed, seen (ms), reasons}: from the map's own
+// columnar route when the service has it, else from the newest samples (GET /v1/gpus).
+async function readCells() {
+  if (has("GET /v1/dashboard/cells")) {
+    const c = await get("/v1/dashboard/cells");
+    const items = new Array(c.count);
+    for (let i = 0; i < c.count; i++) {
+      items[i] = {
+        node: c.nodes[c.node[i]], gpu: c.gpu[i], risk: c.risk[i], alarm: c.alarm[i],
+        stale: c.stale[i], failed: c.failed[i], seen: c.last_seen_ms[i], reasons: c.reasons[i] || null,
+      };
+    }
+    return items;
+  }
+  const now = serverNow();
+  return (await getAll("/v1/gpus")).map((g) => {
+    const seen = parseTs(g.ts);
+    return {
+      node: g.node, gpu: g.gpu, risk: g.risk ?? null, alarm: g.alarm ?? false,
+      stale: g.stale ?? now - seen > STALE_AFTER_MS, failed: g.failed ?? false, seen, reasons: g.reasons || null,
+    };
+  });
+}
+
+async function inFlight() {
+  const states = ["requested", "acknowledged", "transferring"];
+  const pages = await Promise.all(states.map((st) => get(`/v1/migrations?state=${st}&limit=10000`)));
+  return pages.reduce((n, p) => n + (p.count ?? (p.data || []).length), 0);
 }
 
 export async function refresh() {
   const t0 = performance.now();
-  const [items, nodes, jobs, policy, migrations] = await Promise.all([
-    getAll("/v1/gpus"),
-    getAll("/v1/nodes"),
-    optional("GET /v1/jobs", jobPlacements),
+  const parsed0 = parseTotalMs();
+  const [items, nodes, drains, jobs, policy, migrations] = await Promise.all([
+    readCells(),
+    every("nodes", () => getAll("/v1/nodes")),
+    optional("GET /v1/drains", () => getAll("/v1/drains")),
+    optional("GET /v1/jobs", () => every("jobs", () => getAll("/v1/jobs"))),
     optional("GET /v1/policy", () => get("/v1/policy")),
-    optional("GET /v1/migrations", () => getAll("/v1/migrations")),
+    optional("GET /v1/migrations", inFlight),
   ]);
   const t1 = performance.now();
   if (!root) return;
-  data = derive(items, nodes, jobs, policy, migrations);
+  data = derive(items, nodes, drains, jobs, policy, migrations);
   draw();
   const t2 = performance.now();
   const stats = window.__forewarn.stats;
-  stats.fleet = { cells: items.length, fetchMs: t1 - t0, renderMs: t2 - t1, updates: (stats.fleet?.updates || 0) + 1 };
+  stats.fleet = {
+    cells: items.length,
+    fetchMs: t1 - t0, // network, server and parsing
+    parseMs: parseTotalMs() - parsed0, // main thread: JSON.parse of this update's answers
+    renderMs: t2 - t1, // main thread: derive states, lay out, draw, text
+    updates: (stats.fleet?.updates || 0) + 1,
+  };
   if (firstRender) {
     firstRender = false;
     performance.mark("fleet-first-render");
   }
 }
 
-function derive(items, nodes, jobs, policy, migrations) {
+function derive(items, nodes, drains, jobs, policy, migrations) {
   const nodeInfo = new Map(nodes.map((n) => [n.node ?? n.name, n]));
+  const drained = new Set();
+  if (Array.isArray(drains)) for (const d of drains) if (d.drained !== false) drained.add(d.node);
   const placement = new Map(); // "node/gpu" -> {job, rank, role}
   const jobIds = [];
   if (Array.isArray(jobs)) {
     for (const job of jobs) {
-      const id = job.job_id ?? job.id;
+      const id = jobIdOf(job);
       jobIds.push(id);
-      for (const p of job.placement || job.ranks || []) {
-        if (p.gpu === null || p.gpu === undefined) continue;
+      for (const p of ranksOf(job)) {
+        if (p.gpu === null || p.gpu === undefined || p.role === "retired") continue;
         placement.set(`${p.node}/${p.gpu}`, { job: id, rank: p.rank, role: p.role || "active" });
       }
     }
   }
-  const threshold = policy && !policy.error ? policy.threshold ?? null : null;
-  const now = serverNow();
   const n = items.length;
-  const state = new Uint8Array(n); // bit 1 at risk, 2 stale, 4 drained, 8 spare
+  const state = new Uint8Array(n); // bit 1 at risk, 2 stale, 4 drained, 8 spare, 16 failed
   for (let i = 0; i < n; i++) {
     const it = items[i];
-    const info = nodeInfo.get(it.node);
     let s = 0;
-    if (it.alarm === true || (it.alarm === undefined && threshold !== null && it.risk >= threshold)) s |= 1;
-    const stale = it.stale ?? now - parseTs(it.ts) > STALE_AFTER_MS;
-    if (stale) s |= 2;
-    if (info && (info.drained === true || info.state === "drained")) s |= 4;
-    const p = placement.get(`${it.node}/${it.gpu}`);
-    if (p && p.role === "spare") s |= 8;
+    if (it.alarm || it.failed) s |= 1;
+    if (it.stale) s |= 2;
+    if (drained.has(it.node)) s |= 4;
+    if (it.failed) s |= 16;
+    if (placement.size) {
+      const p = placement.get(`${it.node}/${it.gpu}`);
+      if (p && p.role === "spare") s |= 8;
+    }
     state[i] = s;
   }
-  return { items, state, nodeInfo, placement, jobIds, jobs, policy, migrations, threshold };
+  return { items, state, nodeInfo, drained, placement, jobIds, jobs, policy, migrations, threshold: thresholdOf(policy) };
 }
 
 function matches(i) {
@@ -194,6 +228,7 @@ function matches(i) {
   }
   switch (filter.state) {
     case "at-risk": return (s & 1) !== 0;
+    case "failed": return (s & 16) !== 0;
     case "stale": return (s & 2) !== 0;
     case "drained": return (s & 4) !== 0;
     case "spare": return (s & 8) !== 0;
@@ -271,6 +306,7 @@ function geometry(s, cols, rows, nBlocks, width) {
 
 function colorOf(i) {
   const s = data.state[i];
+  if (s & 16) return RISK_COLORS[RISK_COLORS.length - 1];
   if (s & 4) return COLOR_DRAINED;
   if (s & 2) return COLOR_STALE;
   const b = riskBucket(data.items[i].risk);
@@ -366,36 +402,33 @@ function renderText() {
     if (state[i] & 1) atRisk++;
     if (state[i] & 2) stale++;
   }
-  let drainedNodes = 0;
+  const drainedNodes = data.drained.size;
   let staleAgents = 0;
   const now = serverNow();
   for (const n of nodeInfo.values()) {
-    if (n.drained === true || n.state === "drained") drainedNodes++;
     for (const a of n.agents || []) {
       const limit = Math.max(STALE_AFTER_MS, 3000 * (a.interval_s || 1));
       if (a.stale ?? now - parseTs(a.last_seen) > limit) staleAgents++;
     }
   }
-  let inFlight = null;
-  if (Array.isArray(migrations)) {
-    inFlight = migrations.filter((m) => ["requested", "acknowledged", "transferring"].includes(m.state)).length;
-  } else if (migrations) inFlight = migrations;
+  const inFlight = migrations;
   let policyHtml = `<span class="muted" title="not available on this service">policy –</span>`;
   if (policy && !policy.error) {
-    const dry = policy.dry_run ? `<span class="badge warn">dry-run</span>` : `<span class="badge ok">acting</span>`;
-    const tripped = policy.breaker_tripped ?? policy.breaker?.tripped ?? (policy.breaker?.state === "open");
+    const p = policy.policy || policy;
+    const dry = p.dry_run ? `<span class="badge warn">dry-run</span>` : `<span class="badge ok">acting</span>`;
+    const tripped = !!policy.breaker_tripped_at;
     const breaker = tripped ? `<span class="badge bad">breaker tripped</span>` : `<span class="badge ok">breaker closed</span>`;
-    const thr = policy.threshold !== undefined ? ` threshold ${fmtPct(policy.threshold)}` : "";
+    const thr = data.threshold !== null ? ` threshold ${fmtPct(data.threshold)}` : "";
     policyHtml = `${dry} ${breaker}<span class="muted">${esc(thr)}</span>`;
   }
-  root.querySelector("#fleet-summary").innerHTML = `
+  setHtml("#fleet-summary", `
     <span class="stat">GPUs <strong>${items.length.toLocaleString("en")}</strong></span>
     <span class="stat" data-stat="at-risk">at risk <strong>${atRisk}</strong></span>
     <span class="stat" data-stat="stale-gpus">stale GPUs <strong>${stale}</strong></span>
     <span class="stat" data-stat="in-flight">migrations in flight ${countText(inFlight)}</span>
-    <span class="stat" data-stat="drained">drained nodes <strong>${drainedNodes}</strong></span>
+    <span class="stat" data-stat="drained">drained nodes ${has("GET /v1/drains") ? `<strong>${drainedNodes}</strong>` : countText(null)}</span>
     <span class="stat" data-stat="stale-collectors">stale collectors <strong>${staleAgents}</strong></span>
-    <span class="stat policy">${policyHtml}</span>`;
+    <span class="stat policy">${policyHtml}</span>`);
   const jobSelect = root.querySelector("#f-job");
   const have = [...jobSelect.options].slice(1).map((o) => o.value).join("\u0000");
   if (have !== jobIds.join("\u0000")) {
@@ -405,23 +438,43 @@ function renderText() {
   }
   root.querySelector("#f-count").textContent =
     layout.order.length === items.length ? "" : `${layout.order.length.toLocaleString("en")} shown`;
-  root.querySelector("#fleet-top").innerHTML = topHtml();
+  setHtml("#fleet-top", topHtml());
+}
+
+// Replace a part's markup only when it changed (no style and layout work for nothing).
+function setHtml(selector, html) {
+  const el = root.querySelector(selector);
+  if (el.__html !== html) {
+    el.innerHTML = html;
+    el.__html = html;
+  }
 }
 
 function topHtml() {
   const { items, state } = data;
-  const scored = [];
-  for (let i = 0; i < items.length; i++) if (typeof items[i].risk === "number") scored.push(i);
-  if (!scored.length) {
+  // One pass keeping the best TOP_AT_RISK (alarms first, then risk): no sort of the fleet.
+  const key = (i) => (state[i] & 1 ? 2 : 0) + (items[i].risk ?? -1);
+  const top = [];
+  for (let i = 0; i < items.length; i++) {
+    if (items[i].risk === null && !(state[i] & 1)) continue;
+    const k = key(i);
+    if (top.length === TOP_AT_RISK && k <= key(top[top.length - 1])) continue;
+    let j = top.length < TOP_AT_RISK ? top.length : TOP_AT_RISK - 1;
+    while (j > 0 && key(top[j - 1]) < k) {
+      if (j < TOP_AT_RISK) top[j] = top[j - 1];
+      j--;
+    }
+    top[j] = i;
+  }
+  if (!top.length) {
     return `<p class="muted">No risk scores yet${has("GET /v1/gpus/{node}/{gpu}/risk") ? "" : " (this service does not score GPUs)"}.</p>`;
   }
-  scored.sort((a, b) => (state[b] & 1) - (state[a] & 1) || items[b].risk - items[a].risk);
-  const rows = scored.slice(0, TOP_AT_RISK).map((i) => {
+  const rows = top.map((i) => {
     const it = items[i];
-    const reason = (it.reasons || [])[0] || "";
+    const reason = (it.reasons || [])[0] || (state[i] & 16 ? "failed" : "");
     return `<tr class="${state[i] & 1 ? "alarm" : ""}">
       <td><a href="${gpuHref(it.node, it.gpu)}">${esc(it.node)}/${it.gpu}</a></td>
-      <td class="num">${fmtPct(it.risk)}</td>
+      <td class="num">${it.risk === null ? "–" : fmtPct(it.risk)}</td>
       <td class="reason">${esc(reason)}</td></tr>`;
   });
   return `<table class="compact"><thead><tr><th>GPU</th><th>risk</th><th>why</th></tr></thead>
@@ -466,7 +519,8 @@ function describe(k) {
   const parts = [`${it.node} GPU ${it.gpu}`];
   parts.push(typeof it.risk === "number" ? `risk ${fmtPct(it.risk)}` : "not scored");
   if (s & 1) parts.push("ALARM");
-  if (s & 2) parts.push(`stale (last sample ${ago(it.ts)})`);
+  if (s & 16) parts.push("FAILED");
+  if (s & 2) parts.push(`stale (last sample ${ago(it.seen)})`);
   if (s & 4) parts.push("node drained");
   if (p) parts.push(`${p.role === "spare" ? "spare of" : "rank " + p.rank + " of"} ${p.job}`);
   if (it.reasons && it.reasons.length) parts.push(it.reasons[0]);

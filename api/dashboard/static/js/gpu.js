@@ -10,7 +10,7 @@ import { get, getAll, has, withQuery } from "./api.js";
 import {
   ago, esc, fmtNum, fmtPct, fmtTime, nodeHref, parseTs, riskClass, unavailable,
 } from "./util.js";
-import { migrationGpu, migrationState } from "./shapes.js";
+import { migrationGpu, migrationState, requestedAt, thresholdOf } from "./shapes.js";
 
 export const section = "fleet";
 export const title = (p) => `${p.node} GPU ${p.gpu}`;
@@ -124,13 +124,12 @@ export async function refresh() {
     get(withQuery(`${base}/samples`, { since: iso(from), fields: FIELDS.join(","), limit: ROW_LIMIT })),
     get(withQuery("/v1/events", { node: p.node, gpu: p.gpu, since: iso(since), limit: 500 })),
     has("GET /v1/gpus/{node}/{gpu}/risk") ? get(withQuery(`${base}/risk`, { since: iso(riskFrom) })).catch(() => null) : null,
-    has("GET /v1/migrations") ? getAll("/v1/migrations").catch(() => null) : null,
+    has("GET /v1/migrations") ? get("/v1/migrations?limit=500").then((b) => b.data).catch(() => null) : null,
     threshold === null && has("GET /v1/policy") ? get("/v1/policy").catch(() => null) : null,
   ]);
   if (!root || p !== params) return;
-  if (policy && typeof policy.threshold === "number") threshold = policy.threshold;
+  if (policy) threshold = thresholdOf(policy);
   const item = items.find((it) => it.gpu === p.gpu) || null;
-  if (item && typeof item.threshold === "number") threshold = item.threshold;
   appendSamples(rows.data || [], since);
   appendRisk(riskRows, since);
   const mine = Array.isArray(migrations)
@@ -146,7 +145,7 @@ export async function refresh() {
       label: e.kind === "xid" ? `Xid ${e.xid}` : e.kind,
     })),
     ...(mine || []).map((m) => ({
-      t: parseTs(m.requested_at ?? m.created_at) / 1000,
+      t: parseTs(requestedAt(m)) / 1000,
       color: C.blue,
       label: `migration ${migrationState(m)}`,
       dash: [4, 3],
@@ -352,6 +351,6 @@ function renderMigrations(list) {
     return;
   }
   el.innerHTML = `<table class="compact"><thead><tr><th>requested</th><th>job/rank</th><th>trigger</th><th>state</th></tr></thead><tbody>
-    ${list.slice(0, 20).map((m) => `<tr><td>${fmtTime(m.requested_at ?? m.created_at)}</td><td>${esc(m.job_id)}/${esc(m.rank)}</td><td>${esc(m.trigger ?? m.reason ?? "")}</td><td>${esc(migrationState(m))}</td></tr>`).join("")}
+    ${list.slice(0, 20).map((m) => `<tr><td>${fmtTime(requestedAt(m))}</td><td><a href="#/jobs/${encodeURIComponent(m.job_id)}">${esc(m.job_id)}</a>/${esc(m.rank)}</td><td>${esc(m.trigger ?? "")}</td><td><a href="#/audit?migration=${encodeURIComponent(m.id)}">${esc(migrationState(m))}</a></td></tr>`).join("")}
     </tbody></table>`;
 }

@@ -50,7 +50,7 @@ export async function refresh() {
         <td class="num">${ranks.length ? active : esc(j.world_size ?? "–")}</td>
         <td class="num">${ranks.length ? spares : esc(j.spares ?? "–")}</td>
         <td class="num">${esc(j.generation ?? "–")}</td><td class="num">${esc(j.step ?? "–")}</td>
-        <td>${ago(j.last_heartbeat ?? j.heartbeat_at ?? j.updated_at)}</td></tr>`;
+        <td>${ago(j.heartbeat_at)}</td></tr>`;
     }).join("")}</tbody></table>`;
 }
 
@@ -68,7 +68,8 @@ async function refreshJob(p) {
     <dt>spares</dt><dd>${esc(job.spares ?? ranks.filter((r) => r.role === "spare").length)}</dd>
     <dt>generation</dt><dd>${esc(job.generation ?? "–")}</dd>
     <dt>step</dt><dd>${esc(job.step ?? "–")}</dd>
-    <dt>heartbeat</dt><dd>${ago(job.last_heartbeat ?? job.heartbeat_at ?? job.updated_at)}</dd></dl>`;
+    ${job.message ? `<dt>message</dt><dd>${esc(job.message)}</dd>` : ""}
+    <dt>heartbeat</dt><dd>${ago(job.heartbeat_at)}</dd></dl>`;
   const canMigrate = has("POST /v1/migrations");
   const el = root.querySelector("#job-ranks");
   el.innerHTML = `<table><thead><tr><th>rank</th><th>role</th><th>GPU</th><th>risk</th><th>generation</th><th>step</th><th></th></tr></thead><tbody>
@@ -96,7 +97,7 @@ async function migrate(job, rank) {
   if (!ok || !root) return;
   const out = root.querySelector("#job-action-result");
   try {
-    const m = await post("/v1/migrations", { job_id: job, rank, trigger: "manual" });
+    const m = await post("/v1/migrations", { job_id: job, rank, detail: "requested from the dashboard" });
     const id = m && (m.migration_id ?? m.id);
     out.innerHTML = `<p class="note ok" data-result="migration">Migration ${esc(id ?? "")} requested: <a href="#/migrations">follow it on the timeline</a>.</p>`;
   } catch (err) {

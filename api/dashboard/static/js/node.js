@@ -18,6 +18,7 @@ export async function mount(el, p) {
     <section class="node">
       <div class="page-head"><h1>node ${esc(p.node)}</h1><a href="#/?node=${encodeURIComponent(p.node)}">← fleet (this node)</a></div>
       <div class="toolbar" id="node-actions"></div>
+      <p class="muted" id="node-drain-reason"></p>
       <div id="node-action-result" role="status" aria-live="polite"></div>
       <div class="two">
         <section><h2>GPUs</h2><div id="node-gpus"></div></section>
@@ -31,17 +32,17 @@ export function unmount() {
   root = null;
 }
 
-function drainedOf(info) {
-  return !!info && (info.drained === true || info.state === "drained");
+function drainedOf(drain) {
+  return !!drain && drain.drained !== false;
 }
 
-function renderActions(info) {
+function renderActions(drain) {
   const el = root.querySelector("#node-actions");
   if (!has("POST /v1/nodes/{node}/drain")) {
     el.innerHTML = unavailable("Drain", "POST /v1/nodes/{node}/drain");
     return;
   }
-  const drained = drainedOf(info);
+  const drained = drainedOf(drain);
   const wanted = `${drained}`;
   if (el.dataset.drained === wanted) return;
   el.dataset.drained = wanted;
@@ -66,9 +67,9 @@ async function act(action) {
   if (!ok || !root) return;
   const result = root.querySelector("#node-action-result");
   try {
-    const body = await post(`/v1/nodes/${encodeURIComponent(node)}/${action}`);
-    const n = body && (body.migrations?.length ?? body.migrations_requested ?? null);
-    actionNote = `<p class="note ok" data-result="${action}">${action === "drain" ? "Drained" : "Undrained"} ${esc(node)}${n !== null && n !== undefined ? ` · ${esc(n)} migration(s) requested` : ""}.</p>`;
+    const body = await post(`/v1/nodes/${encodeURIComponent(node)}/${action}`, action === "drain" ? { reason: "drained from the dashboard" } : undefined);
+    const n = body ? body.ranks_to_move : null;
+    actionNote = `<p class="note ok" data-result="${action}">${action === "drain" ? "Drained" : "Undrained"} ${esc(node)}${action === "drain" && n !== null && n !== undefined ? ` · ${esc(n)} rank(s) to move off it` : ""}.</p>`;
   } catch (err) {
     if (err.status === 401) return;
     actionNote = errorNote(err).replace("<p ", `<p data-result="refused" `);
@@ -79,10 +80,16 @@ async function act(action) {
 
 export async function refresh() {
   const p = params;
-  const [nodes, gpus] = await Promise.all([getAll("/v1/nodes"), getAll(withQuery("/v1/gpus", { node: p.node }))]);
+  const [nodes, gpus, drains] = await Promise.all([
+    getAll("/v1/nodes"),
+    getAll(withQuery("/v1/gpus", { node: p.node })),
+    has("GET /v1/drains") ? getAll("/v1/drains") : [],
+  ]);
   if (!root || p !== params) return;
   const info = nodes.find((n) => (n.node ?? n.name) === p.node) || null;
-  renderActions(info);
+  const drain = drains.find((d) => d.node === p.node) || null;
+  renderActions(drain);
+  root.querySelector("#node-drain-reason").textContent = drain && drain.reason ? `drained ${drain.changed_at ? ago(drain.changed_at) : ""}: ${drain.reason}` : "";
   root.querySelector("#node-gpus").innerHTML = gpus.length
     ? `<table class="compact"><thead><tr><th>GPU</th><th>risk</th><th>temp</th><th>power</th><th>last sample</th></tr></thead><tbody>
       ${gpus.sort((a, b) => a.gpu - b.gpu).map((g) => `<tr class="${riskClass(g)}"><td><a href="${gpuHref(g.node, g.gpu)}">GPU ${g.gpu}</a></td>

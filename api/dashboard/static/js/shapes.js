@@ -41,3 +41,10 @@ export function requestedAt(m) {
 export function finishedAt(m) {
   return m.completed_at ?? m.finished_at ?? m.failed_at ?? m.cancelled_at ?? m.ended_at ?? null;
 }
+
+// Policy threshold: the operator's, else the model card's.
+export function thresholdOf(policy) {
+  if (!policy || policy.error) return null;
+  const p = policy.policy || policy;
+  return p.threshold ?? policy.model_threshold ?? null;
+}

@@ -47,9 +47,9 @@ export async function refresh() {
   if (!selected || !subs.some((s) => s.id === selected)) selected = subs[0].id;
   list.innerHTML = `<table class="compact"><thead><tr><th>subscription</th><th>URL</th><th>events</th><th>filter</th><th>enabled</th><th>description</th></tr></thead><tbody>
     ${subs.map((s) => `<tr class="${s.id === selected ? "selected" : ""}"><td><button type="button" class="link" data-sub="${esc(s.id)}" aria-pressed="${s.id === selected}">${esc(s.id)}</button></td>
-      <td class="mono small">${esc(s.url)}</td><td>${esc((s.event_types ?? s.events ?? []).join(", "))}</td>
-      <td>${esc([s.job_id ?? s.job, s.node].filter(Boolean).join(" "))}</td>
-      <td>${s.enabled === false ? `<span class="badge warn">disabled</span>` : `<span class="badge ok">enabled</span>`}</td>
+      <td class="mono small">${esc(s.url)}</td><td>${esc((s.event_types ?? []).join(", "))}</td>
+      <td>${esc([s.job_id && `job ${s.job_id}`, s.node && `node ${s.node}`].filter(Boolean).join(" "))}</td>
+      <td>${s.enabled === false ? `<span class="badge warn" title="${esc(s.disabled_reason ?? "")}">disabled</span>` : `<span class="badge ok">enabled</span>`}${s.consecutive_failures ? ` <span class="muted">${esc(s.consecutive_failures)} failures in a row</span>` : ""}</td>
       <td>${esc(s.description ?? "")}</td></tr>`).join("")}</tbody></table>`;
   for (const b of list.querySelectorAll("[data-sub]")) {
     b.addEventListener("click", () => {
@@ -71,14 +71,16 @@ async function deliveries(id) {
   root.querySelector("#wh-del-title").textContent = `Recent deliveries of ${id}`;
   const rows = body.data || [];
   el.innerHTML = rows.length
-    ? `<table class="compact"><thead><tr><th>time</th><th>event</th><th>type</th><th>attempt</th><th>status</th><th>latency</th><th>next retry</th></tr></thead><tbody>
+    ? `<table class="compact"><thead><tr><th>created</th><th>event</th><th>type</th><th>status</th><th>attempts</th>
+        <th>last answer</th><th>latency</th><th>next retry</th></tr></thead><tbody>
       ${rows.slice(0, 100).map((d) => {
-        const ok = d.status_code >= 200 && d.status_code < 300;
-        return `<tr><td>${fmtTime(d.attempted_at ?? d.created_at ?? d.ts)}</td><td class="mono small">${esc(d.event_id ?? d.message_id ?? "")}</td>
-        <td>${esc(d.event_type ?? d.type ?? "")}</td><td class="num">${esc(d.attempt ?? d.attempts ?? "")}</td>
-        <td><span class="badge ${ok ? "ok" : "bad"}">${esc(d.status_code ?? d.status ?? d.error ?? "–")}</span> ${esc(d.state ?? "")}</td>
-        <td class="num">${d.latency_ms != null ? `${esc(Math.round(d.latency_ms))} ms` : "–"}</td>
-        <td>${fmtTime(d.next_attempt_at ?? d.next_retry_at)}</td></tr>`;
+        const cls = d.status === "succeeded" ? "ok" : d.status === "failed" ? "bad" : "warn";
+        const answer = d.last_status_code ?? d.last_error ?? "–";
+        return `<tr data-delivery="${esc(d.id)}"><td>${fmtTime(d.created_at)}</td><td class="mono small">${esc(d.event_id)}</td>
+        <td>${esc(d.event_type)}</td><td><span class="badge ${cls}">${esc(d.status)}</span></td>
+        <td class="num">${esc(d.attempts)}</td><td>${esc(answer)}</td>
+        <td class="num">${d.last_latency_ms != null ? `${esc(d.last_latency_ms)} ms` : "–"}</td>
+        <td>${d.next_attempt_at ? fmtTime(d.next_attempt_at) : "–"}</td></tr>`;
       }).join("")}</tbody></table>`
     : `<p class="muted">No delivery yet.</p>`;
 }
