@@ -82,6 +82,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="bearer token for --service, with the 'operate' scope (default: $FOREWARN_TOKEN)",
     )
     parser.add_argument(
+        "--webhook-listen",
+        metavar="HOST:PORT",
+        help="also receive migration commands as signed webhooks here (needs --service and "
+        "an admin token to subscribe; the long-poll stays the fallback)",
+    )
+    parser.add_argument(
         "--placement",
         metavar="NODE:GPU,...",
         help="the fleet GPU each slot stands for, ranks first then spares (simulated fleets)",
@@ -173,6 +179,16 @@ def run(args: argparse.Namespace) -> int:
         except ForewarnError as exc:
             print(f"forewarn launch: {exc.message}", file=sys.stderr)
             return 2
+        if args.webhook_listen:
+            from migrator.webhook_listener import attach_listener
+
+            attach_listener(
+                link,
+                args.webhook_listen,
+                service_url=args.service,
+                token=args.token,
+                job_id=args.job_id,
+            )
     agent = Agent(cfg, link=link)
     original = agent._register
 
