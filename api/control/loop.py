@@ -133,7 +133,7 @@ class ControlLoop:
         self.samples = ArrivalCursor()
         self.events = ArrivalCursor()
         self.gpus: dict[tuple[str, int], GpuState] = {}
-        self._audited: dict[tuple[str, Any], str] = {}
+        self._audited: dict[tuple[Any, ...], str] = {}
         self._crossings: deque[int] = deque()
         self.ticks = 0
         self.last_tick_s = 0.0
@@ -265,6 +265,8 @@ class ControlLoop:
             if threshold is None:
                 threshold = float(self.model.threshold) if self.model is not None else 1.0
             self._apply_scores(c, scores, events, policy, threshold, now_ms)
+            if self.scorer is not None:  # reasons for GPUs above half the threshold in force
+                self.scorer.reason_floor = threshold / 2
             self._decide(c, policy, now_ms)
             for m in orchestrator.reconcile(
                 c,
@@ -293,13 +295,14 @@ class ControlLoop:
         if len(events):
             from predictor.catalog import FATAL_XIDS
 
-            for ev in events.itertuples(index=False):
-                if pd.isna(ev.gpu):
+            for ev in events.to_dict("records"):
+                if ev["gpu"] is pd.NA or ev["gpu"] is None:
                     continue
-                xid = None if pd.isna(ev.xid) else int(ev.xid)
-                if ev.kind in FATAL_EVENT_KINDS or (ev.kind == "xid" and xid in FATAL_XIDS):
-                    what = f"Xid {xid}" if ev.kind == "xid" else str(ev.kind).replace("_", " ")
-                    failed_now[(str(ev.node), int(ev.gpu))] = what
+                xid = None if ev["xid"] is pd.NA or ev["xid"] is None else int(ev["xid"])
+                kind = str(ev["kind"])
+                if kind in FATAL_EVENT_KINDS or (kind == "xid" and xid in FATAL_XIDS):
+                    what = f"Xid {xid}" if kind == "xid" else kind.replace("_", " ")
+                    failed_now[(str(ev["node"]), int(ev["gpu"]))] = what
         rows: list[dict[str, Any]] = []
         history: list[dict[str, Any]] = []
         stale_ms = policy.stale_after_s * 1000
@@ -413,7 +416,7 @@ class ControlLoop:
         ):
             tripped = True
             db.set_state(c, "breaker_tripped_ms", str(now_ms))
-            data = {
+            tripped_data = {
                 "crossings": len(self._crossings),
                 "fleet": fleet,
                 "window_s": policy.breaker_window_s,
@@ -426,9 +429,9 @@ class ControlLoop:
                 action="breaker_tripped",
                 reason=f"{len(self._crossings)} of {fleet} GPUs crossed within "
                 f"{policy.breaker_window_s:g} s; automatic action stopped",
-                data=data,
+                data=tripped_data,
             )
-            emit_event(c, "policy.breaker_tripped", data)
+            emit_event(c, "policy.breaker_tripped", tripped_data)
         ranks = db.placements(c)
         active = [r for r in ranks if r["role"] == "active"]
         spares: dict[str, list[dict[str, Any]]] = {}
@@ -485,7 +488,7 @@ class ControlLoop:
             if decision.action != "request" and self._audited.get(episode) == outcome:
                 continue
             self._audited[episode] = outcome
-            data = {
+            data: dict[str, Any] = {
                 "job_id": r["job_id"],
                 "rank": r["rank"],
                 "trigger": trigger,

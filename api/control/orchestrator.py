@@ -88,8 +88,9 @@ def request(
     why: str,
 ) -> dict[str, Any]:
     """Record a new ``requested`` migration, its audit entry and its event; returns the row."""
-    row = {
-        "id": new_migration_id(),
+    migration_id = new_migration_id()
+    row: dict[str, Any] = {
+        "id": migration_id,
         "job_id": job_id,
         "rank": rank,
         "trigger": trigger,
@@ -105,7 +106,7 @@ def request(
         "detail": detail,
     }
     db.insert_migration(connection, row)
-    m = db.get_migration(connection, row["id"])
+    m = db.get_migration(connection, migration_id)
     assert m is not None
     _record(connection, m, now_ms, action="requested", reason=why)
     return m
@@ -179,9 +180,11 @@ def apply_report(connection: Connection, report: MigrationReport, *, now_ms: int
                 "detail": "recovered by the job agent",
             },
         )
-        m = db.get_migration(connection, report.migration_id)
-        assert m is not None
-        _record(connection, m, now_ms, action="requested", reason="the job agent lost a rank")
+        recovered = db.get_migration(connection, report.migration_id)
+        assert recovered is not None
+        _record(
+            connection, recovered, now_ms, action="requested", reason="the job agent lost a rank"
+        )
     m = advance(connection, report.migration_id, report.outcome, now_ms=now_ms, **fields)
     if report.outcome == "completed":
         _move_placement(connection, report)

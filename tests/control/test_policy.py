@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from api.control.loop import ArrivalCursor
 from api.control.policy import Policy, Situation, breaker_should_trip, decide
 
@@ -9,7 +11,7 @@ SPARE = {"job_id": "j", "slot": 2, "rank": 2, "node": "n1", "gpu": 0, "role": "s
 
 
 def situation(**overrides) -> Situation:  # type: ignore[no-untyped-def]
-    base = {
+    base: dict[str, Any] = {
         "now_ms": 1_000_000,
         "breaker_tripped": False,
         "inflight_by_job": {},
