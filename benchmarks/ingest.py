@@ -3,14 +3,17 @@
 For a 16,384-GPU fleet (2,048 nodes x 8 GPUs) whose collectors batch ``--ticks`` seconds of
 1 Hz samples per request, in one run and on each backend:
 
-(a) raw: ``Store.write`` of already-validated rows, one transaction per node batch — the
-    ceiling set by the database;
-(b) end to end: gzip'd JSON batches POSTed to a real ``forewarn serve`` (uvicorn) over
-    loopback by ``--concurrency`` concurrent clients, each response waited for.
+(a) raw: ``Store.write`` of already-validated rows, one transaction per node batch, in this
+    process (no HTTP, no validation) — the ceiling set by the database;
+(b) end to end: gzip'd batches POSTed to a real ``forewarn serve`` (uvicorn, writer process)
+    over loopback by ``--concurrency`` concurrent clients, each response waited for; the
+    batches as ``sample_columns`` (what ``IngestClient(columns=True)`` sends) and as rows.
 
-Prints samples/s for both and the ratio b/a (goal: b/a >= 0.6, b >= 50,000/s on SQLite).
+Prints samples/s for each, and b/a (goal: b/a >= 0.6 and b >= 50,000/s on SQLite; PostgreSQL
+raw >= 50,000/s). ``--repeat`` runs everything again so the spread shows: the machine is
+shared, and a figure alone says little.
 
-    .venv/bin/python benchmarks/ingest.py [--backend sqlite|postgres|both] [--rounds 2]
+    .venv/bin/python benchmarks/ingest.py [--backend sqlite|postgres|both] [--repeat 3]
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from pathlib import Path
 import orjson
 from _common import Service, post_raw, postgres_url, ratio, reset_postgres
 
-from forewarn.wire import GpuSample
+from forewarn.wire import GpuSample, sample_columns
 from store import Store
 from store.writes import sample_row
 
@@ -102,9 +105,22 @@ def _post_all(url: str, token: str, bodies: list[bytes], concurrency: int) -> in
     return sum(orjson.loads(r)["stored_samples"] for r in responses)
 
 
-def end_to_end_rate(url: str, work: Path, batches: list[list[dict]], concurrency: int) -> float:
-    bodies = [gzip.compress(orjson.dumps({"node": b[0]["node"], "samples": b}), 1) for b in batches]
-    expected = sum(map(len, batches))
+def bodies_of(batches: list[list[dict]], shape: str) -> list[bytes]:
+    """gzip'd request bodies, as rows or as ``sample_columns``."""
+    out = []
+    for rows in batches:
+        node = rows[0]["node"]
+        if shape == "columns":
+            body = {"node": node, "sample_columns": sample_columns(rows, node)}
+        else:
+            body = {"node": node, "samples": rows}
+        out.append(gzip.compress(orjson.dumps(body), 1))
+    return out
+
+
+def end_to_end_rate(
+    url: str, work: Path, bodies: list[bytes], expected: int, concurrency: int
+) -> float:
     service = Service(url, work / "service.log")
     try:
         start = time.perf_counter()
@@ -117,6 +133,15 @@ def end_to_end_rate(url: str, work: Path, batches: list[list[dict]], concurrency
     return expected / elapsed
 
 
+def _fresh(backend: str, work: Path, name: str) -> str | None:
+    if backend == "sqlite":
+        return f"sqlite:///{work / name}.db"
+    url = postgres_url()
+    if url is not None:
+        reset_postgres(url)
+    return url
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", choices=["sqlite", "postgres", "both"], default="both")
@@ -125,6 +150,7 @@ def main() -> None:
     parser.add_argument("--ticks", type=int, default=10, help="seconds of samples per batch")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--repeat", type=int, default=1, help="run everything this many times")
     args = parser.parse_args()
 
     now = datetime.now(UTC).replace(microsecond=0)
@@ -141,25 +167,42 @@ def main() -> None:
         f"{len(batches)} batches, {total} samples"
     )
     backends = ["sqlite", "postgres"] if args.backend == "both" else [args.backend]
-    print(f"{'backend':<10} {'raw (a) /s':>12} {'e2e (b) /s':>12} {'b/a':>6}")
-    for backend in backends:
-        with tempfile.TemporaryDirectory() as tmp:
-            work = Path(tmp)
-            if backend == "sqlite":
-                raw_url = f"sqlite:///{work / 'raw.db'}"
-                e2e_url = f"sqlite:///{work / 'e2e.db'}"
-            else:
-                pg = postgres_url()
-                if pg is None:
+    shapes = {s: bodies_of(batches, s) for s in ("columns", "rows")}
+    header = f"{'backend':<10} {'raw (a) /s':>12} {'columns (b) /s':>15} {'b/a':>6} {'rows /s':>10}"
+    print(header)
+    figures: dict[str, list[tuple[float, float, float]]] = {b: [] for b in backends}
+    for _ in range(args.repeat):
+        for backend in backends:
+            with tempfile.TemporaryDirectory() as tmp:
+                work = Path(tmp)
+                url = _fresh(backend, work, "raw")
+                if url is None:
                     print(f"{backend:<10} skipped: PostgreSQL not reachable")
                     continue
-                raw_url = e2e_url = pg
-                reset_postgres(pg)
-            a = raw_rate(raw_url, batches)
-            if backend == "postgres":
-                reset_postgres(e2e_url)
-            b = end_to_end_rate(e2e_url, work, batches, args.concurrency)
-            print(f"{backend:<10} {a:>12,.0f} {b:>12,.0f} {ratio(b, a):>6}")
+                a = raw_rate(url, batches)
+                rates = []
+                for shape in ("columns", "rows"):
+                    url = _fresh(backend, work, shape)
+                    assert url is not None
+                    rates.append(end_to_end_rate(url, work, shapes[shape], total, args.concurrency))
+                figures[backend].append((a, rates[0], rates[1]))
+                print(
+                    f"{backend:<10} {a:>12,.0f} {rates[0]:>15,.0f} {ratio(rates[0], a):>6} "
+                    f"{rates[1]:>10,.0f}",
+                    flush=True,
+                )
+    if args.repeat > 1:
+        print("spread (min-max):")
+        for backend, runs in figures.items():
+            if runs:
+                cols = list(zip(*runs, strict=True))
+                ratios = [b / a for a, b, _ in runs]
+                print(
+                    f"{backend:<10} raw {min(cols[0]):,.0f}-{max(cols[0]):,.0f}  "
+                    f"columns {min(cols[1]):,.0f}-{max(cols[1]):,.0f}  "
+                    f"b/a {min(ratios):.2f}-{max(ratios):.2f}  "
+                    f"rows {min(cols[2]):,.0f}-{max(cols[2]):,.0f}"
+                )
 
 
 if __name__ == "__main__":
