@@ -11,6 +11,7 @@ day, share of failures handled with nothing lost) and the 64xH200 sanity check; 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 from dataclasses import asdict, fields, replace
@@ -184,7 +185,13 @@ def run(args: argparse.Namespace) -> int:
     scenario = Scenario(tuple(args.gpus), tuple(args.source), args.days, args.seed, args.runs)
     rows = compare(scenario, assumptions, profile, faults)
     sanity = run_sanity_check(args.sanity_seeds, args.seed) if args.sanity_seeds > 0 else None
-    png = None if args.no_png else write_png(rows, args.png)
+    png, png_note = None, ""
+    if args.no_png:
+        pass
+    elif importlib.util.find_spec("matplotlib") is None:
+        png_note = "PNG skipped: matplotlib is not installed (pip install 'forewarn[server]')"
+    else:
+        png = write_png(rows, args.png)
 
     if args.json:
         doc = {
@@ -208,6 +215,7 @@ def run(args: argparse.Namespace) -> int:
                 "assumptions": asdict(sanity.assumptions),
             },
             "png": None if png is None else str(png),
+            "png_note": png_note or None,
         }
         json.dump(doc, sys.stdout, indent=2, default=str)
         sys.stdout.write("\n")
@@ -271,4 +279,6 @@ def run(args: argparse.Namespace) -> int:
         )
     if png is not None:
         out(f"\nPNG: {png}")
+    elif png_note:
+        out(f"\n{png_note}")
     return 0

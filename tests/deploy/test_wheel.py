@@ -190,13 +190,13 @@ def test_node_install_then_server(wheel: Path, venv: Venv) -> None:
         "30",
         "--source",
         "trace",
-        "--no-png",
         "--sanity-seeds",
         "1",
         "--json",
     )
     assert result.returncode == 0, result.stderr
     doc = json.loads(result.stdout)
+    assert doc["png"] is None and "matplotlib" in doc["png_note"]
     assert "shipped copy" in doc["trace"] and len(doc["rows"]) == 3
 
     venv.install(f"{wheel}[server]")
