@@ -36,7 +36,7 @@ COMMANDS: dict[str, Command] = {
     "evaluate": Command("predictor.evaluate_cli", "evaluate a model against the rule baseline"),
     "launch": Command("migrator.launch_cli", "start a migratable training job with spares"),
     "migrate": Command("migrator.migrate_cli", "ask a running job to move a rank to a spare"),
-    "demo": Command("api.demo_cli", "service, simulated fleet and a job that survives failures"),
+    "demo": Command("demo.cli", "service, simulated fleet and a job that survives failures"),
     "goodput": Command("goodput.cli", "training time kept through failures, three ways"),
 }
 
