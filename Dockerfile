@@ -15,15 +15,9 @@ ARG PYTHON_VERSION=3.11
 
 FROM python:${PYTHON_VERSION}-slim AS wheel
 WORKDIR /src
-COPY pyproject.toml README.md ./
-COPY forewarn/ forewarn/
-COPY collector/ collector/
-COPY sim/ sim/
-COPY store/ store/
-COPY predictor/ predictor/
-COPY migrator/ migrator/
-COPY api/ api/
-COPY goodput/ goodput/
+# The whole tree: .dockerignore leaves out what the wheel is not built from, so a new
+# package is picked up by pyproject.toml alone.
+COPY . .
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
 FROM python:${PYTHON_VERSION}-slim
