@@ -106,8 +106,9 @@ class Settings(BaseSettings):
     policy: Policy = Field(default_factory=Policy)
     """Default policy as JSON (``FOREWARN_POLICY='{"hysteresis": 3}'``); PUT /v1/policy wins."""
 
-    warm_window_s: float = Field(default=3600.0, gt=0)
-    """How much stored history warms the scorer when a replica takes over the loop."""
+    warm_window_s: float = Field(default=900.0, gt=0)
+    """How much stored history warms the scorer when a replica takes over the loop (its cost
+    grows with the rows read: GPUs x seconds / sampling interval)."""
 
     risk_history_interval_s: float = Field(default=60.0, gt=0)
     """One stored risk point per GPU per interval (and on every alarm change)."""

@@ -113,7 +113,7 @@ class ControlLoop:
         defaults: Policy,
         tick_s: float,
         registry: Any = None,
-        warm_window_s: float = 3600.0,
+        warm_window_s: float = 900.0,
         history_interval_s: float = 60.0,
         history_days: float = 7.0,
         ack_timeout_s: float = 120.0,

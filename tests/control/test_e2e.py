@@ -93,7 +93,7 @@ def scene(
     monkeypatch.setenv("FOREWARN_CONTROL_TICK_S", "0.5")
     monkeypatch.setenv("FOREWARN_POLICY", policy)
     monkeypatch.setenv("FOREWARN_RISK_HISTORY_INTERVAL_S", "1")
-    service = start_service(database_url, tmp_path / "service.log")
+    service = start_service(database_url, tmp_path / "service.log", timeout_s=120)
     s = Scene(service, tmp_path)
     s.spawn(
         [
@@ -216,9 +216,18 @@ def test_dry_run_records_one_decision_and_moves_nothing(scene: Scene, tmp_path: 
     assert scene.get("/v1/migrations")["count"] == 0
 
 
+@pytest.fixture
+def quiet_service(tmp_path: Path) -> Iterator[LiveService]:
+    """A service with no fleet (the default start timeout is short for a loaded machine)."""
+    service = start_service(f"sqlite:///{tmp_path / 'q.db'}", tmp_path / "q.log", timeout_s=120)
+    yield service
+    service.stop()
+
+
 def test_the_launcher_refuses_a_bad_token_at_start(
-    live_service: LiveService, tmp_path: Path
+    quiet_service: LiveService, tmp_path: Path
 ) -> None:
+    live_service = quiet_service
     result = subprocess.run(
         [
             sys.executable, "-m", "forewarn", "launch", "--nproc", "1", "--spares", "0",

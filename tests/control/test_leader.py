@@ -48,8 +48,8 @@ def test_one_leader_one_migration_and_a_handover(
     reset_postgres(postgres_url)
     monkeypatch.setenv("FOREWARN_CONTROL_TICK_S", "0.5")
     monkeypatch.setenv("FOREWARN_POLICY", POLICY)
-    a = start_service(postgres_url, tmp_path / "a.log", timeout_s=60)
-    b = start_service(postgres_url, tmp_path / "b.log", timeout_s=60)
+    a = start_service(postgres_url, tmp_path / "a.log", timeout_s=120)
+    b = start_service(postgres_url, tmp_path / "b.log", timeout_s=120)
     try:
         admin = {"Authorization": f"Bearer {a.admin_token}"}
         leader = wait_for("a leader", lambda: [s for s in (a, b) if leads(s)], 60)
