@@ -148,6 +148,7 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveService]:
     tmp = tmp_path_factory.mktemp("dashboard")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("FOREWARN_TOKENS", f'{{"{OPERATE_TOKEN}": ["read", "operate"]}}')
+        mp.setenv("FOREWARN_WEBHOOK_ALLOW", "127.0.0.1")  # the tests' receiver
         live = start_service(f"sqlite:///{tmp / 'dash.db'}", tmp / "service.log", timeout_s=120)
     yield live
     live.stop()

@@ -7,7 +7,9 @@ it reaches the operator's timeline within seconds, and that actions need the ``o
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import httpx
@@ -132,3 +134,51 @@ def test_manual_migration_from_the_job_page(
     p.page.locator(".lane", has_text="job-ui/0").wait_for(timeout=6_000)
     p.shot("jobs")
     assert p.errors == []
+
+
+class _Accept(BaseHTTPRequestHandler):
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self.send_response(204)
+        self.end_headers()
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def receiver() -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Accept)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/hook"
+    server.shutdown()
+    server.server_close()
+    thread.join(timeout=5)
+
+
+def test_webhooks_show_subscriptions_and_deliveries(
+    make_page: Any, service: LiveService, feed: SimFeed, receiver: str
+) -> None:
+    admin = auth(service.admin_token)
+    body = {"url": receiver, "event_types": ["*"], "description": "pager"}
+    created = httpx.post(f"{service.url}/v1/webhooks", json=body, headers=admin)
+    assert created.status_code in (200, 201), created.text
+    hook = created.json()["id"]
+    queued = httpx.post(f"{service.url}/v1/webhooks/{hook}/test", headers=admin)
+    assert queued.status_code in (200, 201, 202), queued.text
+
+    p = make_page(service.admin_token)
+    p.go("/webhooks")
+    p.page.locator(f"[data-sub='{hook}']").wait_for()
+    assert receiver in p.page.inner_text("#wh-list")
+    delivered = p.page.locator("[data-delivery]", has_text="succeeded")
+    delivered.first.wait_for(timeout=20_000)
+    assert "204" in delivered.first.inner_text()
+    p.shot("webhooks")
+    assert p.errors == []
+
+    refused = make_page(service.read_token)
+    refused.go("/webhooks")
+    refused.page.locator(".note.refused").wait_for()
+    assert "admin" in refused.page.inner_text(".note.refused")

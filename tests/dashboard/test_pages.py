@@ -129,6 +129,8 @@ def test_clicking_a_gpu_opens_its_page_with_charts(
     p.page.wait_for_url(f"**/#/gpu/{WORN[0]}/{WORN[1]}")
     for chart in ("temps", "power", "clocks", "ecc", "remap", "nvlink", "pcie"):
         wait_js(p.page, f"Number(document.querySelector('#chart-{chart}').dataset.points) > 0")
+    # the control loop scores every few seconds: the risk chart fills from the history
+    wait_js(p.page, "Number(document.querySelector('#chart-risk').dataset.points) > 0", 30_000)
     assert "63" in p.page.inner_text("#gpu-events")  # the Xid, also marked on the time axis
     ecc_points = int(p.page.get_attribute("#chart-ecc", "data-points") or 0)
     p.page.click("[data-window='900']")  # a shorter window re-reads fewer samples

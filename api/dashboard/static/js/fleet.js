@@ -32,6 +32,7 @@ let filter = { node: "", job: "", state: "all" };
 let nodeOrder = { key: "", names: [] };
 let resizeObserver = null;
 let firstRender = true;
+let nodesKey = ""; // which GPUs the last answer held (the layout is kept while it is the same)
 
 export async function mount(el, params) {
   root = el;
@@ -129,6 +130,7 @@ async function every(key, fn) {
 async function readCells() {
   if (has("GET /v1/dashboard/cells")) {
     const c = await get("/v1/dashboard/cells");
+    nodesKey = `${c.count}|${c.nodes.join("\n")}`;
     const items = new Array(c.count);
     for (let i = 0; i < c.count; i++) {
       items[i] = {
@@ -139,7 +141,9 @@ async function readCells() {
     return items;
   }
   const now = serverNow();
-  return (await getAll("/v1/gpus")).map((g) => {
+  const gpus = await getAll("/v1/gpus");
+  nodesKey = `${gpus.length}|${[...new Set(gpus.map((g) => g.node))].join("\n")}`;
+  return gpus.map((g) => {
     const seen = parseTs(g.ts);
     return {
       node: g.node, gpu: g.gpu, risk: g.risk ?? null, alarm: g.alarm ?? false,
@@ -215,7 +219,10 @@ function derive(items, nodes, drains, jobs, policy, migrations) {
     }
     state[i] = s;
   }
-  return { items, state, nodeInfo, drained, placement, jobIds, jobs, policy, migrations, threshold: thresholdOf(policy) };
+  return {
+    items, state, nodeInfo, drained, placement, jobIds, jobs, policy, migrations,
+    threshold: thresholdOf(policy), nodesKey,
+  };
 }
 
 function matches(i) {
@@ -304,68 +311,71 @@ function geometry(s, cols, rows, nBlocks, width) {
   return { gap, pitch, labelH, blockW, blockH, perRow, height: Math.max(height, 40) };
 }
 
-function colorOf(i) {
+// Colours as 32-bit RGBA words (little-endian byte order: 0xAABBGGRR) for the pixel buffer.
+function word(hex) {
+  const v = parseInt(hex.slice(1), 16);
+  return (0xff << 24) | ((v & 0xff) << 16) | (v & 0xff00) | ((v >> 16) & 0xff);
+}
+const BG = "#12161c";
+const WORD_BG = word(BG);
+const WORD_RISK = RISK_COLORS.map(word);
+const WORD_NONE = word(COLOR_NONE);
+const WORD_STALE = word(COLOR_STALE);
+const WORD_DRAINED = word(COLOR_DRAINED);
+
+let pixels = null; // reused between updates: {image, words, w, h}
+
+function cellWord(i) {
   const s = data.state[i];
-  if (s & 16) return RISK_COLORS[RISK_COLORS.length - 1];
-  if (s & 4) return COLOR_DRAINED;
-  if (s & 2) return COLOR_STALE;
+  if (s & 16) return WORD_RISK[WORD_RISK.length - 1];
+  if (s & 4) return WORD_DRAINED;
+  if (s & 2) return WORD_STALE;
   const b = riskBucket(data.items[i].risk);
-  if (b < 0) return COLOR_NONE;
-  return RISK_COLORS[b];
+  return b < 0 ? WORD_NONE : WORD_RISK[b];
 }
 
+// Every cell is written straight into one pixel buffer and put on the canvas at once; the few
+// marked cells (alarm, stale, drained, spare, focus) are then stroked on top.
 function draw() {
   if (!root) return;
-  layout = computeLayout();
-  const dpr = window.devicePixelRatio || 1;
-  const w = layout.width;
-  const h = layout.height;
-  if (canvas.width !== Math.round(w * dpr) || canvas.height !== Math.round(h * dpr)) {
-    canvas.width = Math.round(w * dpr);
-    canvas.height = Math.round(h * dpr);
-    canvas.style.width = `${w}px`;
-    canvas.style.height = `${h}px`;
+  const key = layoutKey();
+  if (!layout || key === null || key !== layout.key) {
+    layout = computeLayout();
+    layout.key = key;
   }
-  ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
-  ctx.fillStyle = "#12161c";
-  ctx.fillRect(0, 0, w, h);
+  const dpr = window.devicePixelRatio || 1;
+  const W = Math.round(layout.width * dpr);
+  const H = Math.round(layout.height * dpr);
+  if (canvas.width !== W || canvas.height !== H) {
+    canvas.width = W;
+    canvas.height = H;
+    canvas.style.width = `${layout.width}px`;
+    canvas.style.height = `${layout.height}px`;
+  }
+  if (!pixels || pixels.w !== W || pixels.h !== H) {
+    const image = ctx.createImageData(W, H);
+    pixels = { image, words: new Uint32Array(image.data.buffer), w: W, h: H };
+  }
+  const words = pixels.words;
+  words.fill(WORD_BG);
   const { order, x, y, size } = layout;
-  const paths = new Map();
-  const drained = new Path2D();
-  const stale = new Path2D();
-  const alarm = new Path2D();
-  const spare = new Path2D();
+  const side = Math.max(1, Math.round(size * dpr));
+  const marked = [];
   for (let k = 0; k < order.length; k++) {
     const i = order[k];
-    const color = colorOf(i);
-    let p = paths.get(color);
-    if (!p) paths.set(color, (p = new Path2D()));
-    p.rect(x[k], y[k], size, size);
-    const s = data.state[i];
-    if (s & 4) drained.rect(x[k] + 0.5, y[k] + 0.5, size - 1, size - 1);
-    else if (s & 2) {
-      stale.moveTo(x[k], y[k] + size);
-      stale.lineTo(x[k] + size, y[k]);
-    } else if (s & 1 && size >= 7) alarm.rect(x[k] + 1.5, y[k] + 1.5, size - 3, size - 3);
-    if (s & 8) {
-      const c = size / 2;
-      spare.moveTo(x[k] + c + size / 6, y[k] + c);
-      spare.arc(x[k] + c, y[k] + c, Math.max(1, size / 6), 0, 2 * Math.PI);
+    const c = cellWord(i);
+    const x0 = Math.round(x[k] * dpr);
+    const y0 = Math.round(y[k] * dpr);
+    for (let r = 0; r < side; r++) {
+      const at = (y0 + r) * W + x0;
+      words.fill(c, at, at + side);
     }
+    if (data.state[i] & 15) marked.push(k);
   }
-  for (const [color, p] of paths) {
-    ctx.fillStyle = color;
-    ctx.fill(p);
-  }
-  ctx.lineWidth = 1;
-  ctx.strokeStyle = "#6ea8fe";
-  ctx.stroke(drained);
-  ctx.strokeStyle = "#3b4452";
-  ctx.stroke(stale);
-  ctx.strokeStyle = "#ffffff";
-  ctx.stroke(alarm);
-  ctx.fillStyle = "#e8ecf1";
-  ctx.fill(spare);
+  ctx.setTransform(1, 0, 0, 1, 0, 0);
+  ctx.putImageData(pixels.image, 0, 0);
+  ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
+  if (marked.length) strokeMarks(marked);
   if (layout.labelH) {
     ctx.fillStyle = "#aab4c0";
     ctx.font = "11px system-ui, sans-serif";
@@ -384,6 +394,44 @@ function draw() {
   canvas.dataset.cells = String(order.length);
   canvas.dataset.gpus = String(data.items.length);
   renderText();
+}
+
+function strokeMarks(marked) {
+  const { order, x, y, size } = layout;
+  const drained = new Path2D();
+  const stale = new Path2D();
+  const alarm = new Path2D();
+  const spare = new Path2D();
+  for (const k of marked) {
+    const s = data.state[order[k]];
+    if (s & 4) drained.rect(x[k] + 0.5, y[k] + 0.5, size - 1, size - 1);
+    else if (s & 2) {
+      stale.moveTo(x[k], y[k] + size);
+      stale.lineTo(x[k] + size, y[k]);
+    } else if (s & 1 && size >= 7) alarm.rect(x[k] + 1.5, y[k] + 1.5, size - 3, size - 3);
+    if (s & 8) {
+      const c = size / 2;
+      spare.moveTo(x[k] + c + size / 6, y[k] + c);
+      spare.arc(x[k] + c, y[k] + c, Math.max(1, size / 6), 0, 2 * Math.PI);
+    }
+  }
+  ctx.lineWidth = 1;
+  ctx.strokeStyle = "#6ea8fe";
+  ctx.stroke(drained);
+  ctx.strokeStyle = "#3b4452";
+  ctx.stroke(stale);
+  ctx.strokeStyle = "#ffffff";
+  ctx.stroke(alarm);
+  ctx.fillStyle = "#e8ecf1";
+  ctx.fill(spare);
+}
+
+// The layout depends on the window, the filter and which GPUs there are, not on their risk:
+// it is kept across updates while those stay the same (null: always recompute).
+function layoutKey() {
+  if (filter.state !== "all" || filter.job) return null;
+  const wrap = root.querySelector("#map-wrap");
+  return `${wrap.clientWidth}|${window.innerHeight}|${filter.node}|${data.items.length}|${data.nodesKey}`;
 }
 
 // ---- text around the map ------------------------------------------------------------------

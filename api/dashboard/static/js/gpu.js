@@ -50,6 +50,7 @@ let params = null;
 let windowS = 3600;
 let cols = null; // column arrays of the samples in the window
 let risk = { t: [], v: [] };
+let riskLatest = null; // [t seconds, risk] of the newest score, drawn after the history
 let marks = [];
 let charts = new Map();
 let resize = null;
@@ -62,6 +63,7 @@ export async function mount(el, p) {
   windowS = (WINDOWS.find(([k]) => k === p.window) || WINDOWS[1])[1];
   cols = null;
   risk = { t: [], v: [] };
+  riskLatest = null;
   marks = [];
   charts = new Map();
   threshold = null;
@@ -94,6 +96,7 @@ export async function mount(el, p) {
       for (const o of el.querySelectorAll("[data-window]")) o.setAttribute("aria-pressed", String(o === b));
       cols = null;
       risk = { t: [], v: [] };
+      riskLatest = null;
       refresh().catch(() => {});
     });
   }
@@ -178,6 +181,9 @@ function appendSamples(rows, since) {
 
 function appendRisk(body, since) {
   if (!body) return;
+  const latest = body.latest;
+  riskLatest = latest && typeof latest.risk === "number" && latest.scored_at
+    ? [parseTs(latest.scored_at) / 1000, latest.risk] : null;
   const rows = body.data || [];
   for (const r of rows) {
     const t = parseTs(r.ts ?? r.scored_at ?? r.t);
@@ -256,7 +262,40 @@ function markersPlugin() {
 
 const axis = { stroke: "#c9d1d9", grid: { stroke: "#2a313b", width: 1 }, ticks: { stroke: "#2a313b" } };
 
-function makeChart(id, labels, minMax) {
+// 0 to a little above the larger of the threshold and the highest risk: low risks stay visible.
+const riskRange = (u, min, max) => [0, Math.min(1, Math.max((max || 0) * 1.15, (threshold ?? 0) * 1.5, 0.02))];
+
+// The policy threshold as a dashed line across the risk chart.
+function thresholdPlugin() {
+  return {
+    hooks: {
+      draw: [
+        (u) => {
+          if (threshold === null) return;
+          const { ctx } = u;
+          const { left, width } = u.bbox;
+          const dpr = devicePixelRatio || 1;
+          const y = Math.round(u.valToPos(threshold, "y", true));
+          ctx.save();
+          ctx.strokeStyle = C.grey;
+          ctx.lineWidth = dpr;
+          ctx.setLineDash([6 * dpr, 4 * dpr]);
+          ctx.beginPath();
+          ctx.moveTo(left, y);
+          ctx.lineTo(left + width, y);
+          ctx.stroke();
+          ctx.fillStyle = C.grey;
+          ctx.font = `${11 * dpr}px system-ui, sans-serif`;
+          ctx.textAlign = "right";
+          ctx.fillText(`threshold ${(100 * threshold).toFixed(1)} %`, left + width - 4 * dpr, y - 4 * dpr);
+          ctx.restore();
+        },
+      ],
+    },
+  };
+}
+
+function makeChart(id, labels, minMax, withThreshold = false) {
   const fig = document.getElementById(id);
   const opts = {
     ...sizeOf(fig),
@@ -264,8 +303,12 @@ function makeChart(id, labels, minMax) {
     scales: { x: { time: true, range: () => xRange }, ...(minMax ? { y: { range: minMax } } : {}) },
     axes: [{ ...axis }, { ...axis, size: 56 }],
     legend: { live: true },
-    series: [{}, ...labels.map(([label, color, dash]) => ({ label, stroke: color, width: 1.5, dash, spanGaps: false, points: { show: false } }))],
-    plugins: [markersPlugin()],
+    series: [{}, ...labels.map(([label, color]) => ({
+      label, stroke: color, width: 1.5, spanGaps: withThreshold,
+      // few points (a sparse risk history): show them, a lone point has no line
+      points: withThreshold ? { show: (u) => u.data[0].length < 120, size: 5 } : { show: false },
+    }))],
+    plugins: withThreshold ? [markersPlugin(), thresholdPlugin()] : [markersPlugin()],
   };
   const u = new uPlot(opts, [[], ...labels.map(() => [])], fig.querySelector(".plot"));
   charts.set(id, u);
@@ -294,10 +337,14 @@ function drawCharts(since) {
     }
     return;
   }
-  const labels = [["risk", C.red], ["threshold", C.grey, [6, 4]]];
-  const u = charts.get("chart-risk") || makeChart("chart-risk", labels, () => [0, 1]);
-  const thr = risk.t.map(() => threshold);
-  setData("chart-risk", u, [risk.t, risk.v, thr]);
+  const u = charts.get("chart-risk") || makeChart("chart-risk", [["risk", C.red]], riskRange, true);
+  const t = [...risk.t];
+  const v = [...risk.v];
+  if (riskLatest && (!t.length || riskLatest[0] > t[t.length - 1])) {
+    t.push(riskLatest[0]);
+    v.push(riskLatest[1]);
+  }
+  setData("chart-risk", u, [t, v]);
 }
 
 function renderNow(item) {
