@@ -94,6 +94,7 @@ def part_a(gpus: int, seconds: float, tick_s: float) -> dict[str, Any]:
                 stop.wait(max(0.0, next_at - time.time()))
 
         ticks: list[tuple[float, int, float]] = []
+        phases: list[dict[str, float]] = []
         thread = threading.Thread(target=writer, daemon=True)
         thread.start()
         deadline = time.time() + seconds
@@ -101,6 +102,7 @@ def part_a(gpus: int, seconds: float, tick_s: float) -> dict[str, Any]:
             started = time.time()
             loop.step()
             ticks.append((time.time(), loop.samples.position, loop.last_tick_s))
+            phases.append(dict(loop.last_phases))
             time.sleep(max(0.0, tick_s - (time.time() - started)))
         stop.set()
         thread.join(timeout=30)
@@ -129,6 +131,10 @@ def part_a(gpus: int, seconds: float, tick_s: float) -> dict[str, Any]:
         "tick_s": tick_s,
         "ticks": len(costs),
         "tick_cost_s": {"p50": pct(costs, 50), "p99": pct(costs, 99), "max": max(costs)},
+        "tick_phases_s_p50": {
+            k: pct([p[k] for p in phases[1:] if k in p], 50)
+            for k in ("read_s", "score_s", "write_decide_s")
+        },
         "tick_share_of_5s": pct(costs, 50) / 5.0,
         "tick_share_of_tick": pct(costs, 50) / tick_s,
         "scorer_alone_s_p50": pct(bare, 50),

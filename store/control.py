@@ -224,13 +224,21 @@ def samples_after(
         (frame in :data:`store.reads.FRAME_COLUMNS`, sorted by ts_ms; the rows' arrival seqs).
     """
     seq = arrival_column(connection)
+    mark = "?" if connection.dialect.name == "sqlite" else "%s"
     sql = (
-        f"SELECT {seq} AS seq, {', '.join(FRAME_COLUMNS)} FROM samples "
-        f"WHERE {seq} > :c ORDER BY {seq} LIMIT :n"
+        f"SELECT {seq}, {', '.join(FRAME_COLUMNS)} FROM samples "
+        f"WHERE {seq} > {mark} ORDER BY {seq} LIMIT {mark}"
     )
-    rows = connection.execute(text(sql), {"c": cursor, "n": limit}).all()
+    # The driver's own cursor: at 16,384 rows a tick the SQLAlchemy row layer costs more than
+    # the query.
+    cursor_ = connection.connection.driver_connection.cursor()  # type: ignore[union-attr]
+    try:
+        cursor_.execute(sql, (cursor, limit))
+        rows = cursor_.fetchall()
+    finally:
+        cursor_.close()
     seqs = [int(r[0]) for r in rows]
-    frame = _frame([tuple(r[1:]) for r in rows], list(FRAME_COLUMNS))
+    frame = _frame([r[1:] for r in rows], list(FRAME_COLUMNS))
     # Sorted by time; the index keeps each row's position in arrival order (``seqs``).
     return frame.sort_values(["ts_ms", "node", "gpu"], kind="stable"), seqs
 
@@ -302,14 +310,18 @@ def upsert_risk(connection: Connection, rows: Sequence[dict[str, Any]]) -> None:
     """Replace the latest score of each GPU in ``rows`` (keys: the columns of risk_latest)."""
     if not rows:
         return
-    statement = _upsert(connection)(risk_latest)
-    keep = {
-        c.name: statement.excluded[c.name] for c in risk_latest.c if c.name not in ("node", "gpu")
-    }
-    for chunk in _chunks(list(rows), 2000):
-        connection.execute(
-            statement.on_conflict_do_update(index_elements=["node", "gpu"], set_=keep), chunk
-        )
+    names = [c.name for c in risk_latest.c]
+    mark = "?" if connection.dialect.name == "sqlite" else "%s"
+    sql = (
+        f"INSERT INTO risk_latest ({', '.join(names)}) VALUES ({', '.join([mark] * len(names))}) "
+        "ON CONFLICT (node, gpu) DO UPDATE SET "
+        + ", ".join(f"{n} = excluded.{n}" for n in names if n not in ("node", "gpu"))
+    )
+    cursor = connection.connection.driver_connection.cursor()  # type: ignore[union-attr]
+    try:
+        cursor.executemany(sql, [tuple(r[n] for n in names) for r in rows])
+    finally:
+        cursor.close()
 
 
 def append_history(connection: Connection, rows: Sequence[dict[str, Any]]) -> None:

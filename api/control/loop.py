@@ -137,6 +137,7 @@ class ControlLoop:
         self._crossings: deque[int] = deque()
         self.ticks = 0
         self.last_tick_s = 0.0
+        self.last_phases: dict[str, float] = {}
         self.risk_gauge = self.tick_hist = self.leader_gauge = None
         if registry is not None:
             self.risk_gauge = Gauge(
@@ -247,6 +248,7 @@ class ControlLoop:
         efresh = self.events.fresh(event_seqs)
         if not efresh.all():
             events = events[efresh[events.index.to_numpy()]]
+        read_done = time.perf_counter()
         scores = None
         if self.scorer is not None:
             clock = max(now_ms, self.scorer.state.now_ms or 0)
@@ -259,6 +261,7 @@ class ControlLoop:
                 scores = self.scorer.score()
         self.samples.consume(sample_seqs)
         self.events.consume(event_seqs)
+        score_done = time.perf_counter()
         with self.store.begin() as c:
             policy = self.policy(c)
             threshold = policy.threshold
@@ -278,7 +281,13 @@ class ControlLoop:
             if self.ticks % 100 == 0:
                 db.prune_history(c, before_ms=now_ms - int(self.history_days * 86_400_000))
         self.ticks += 1
-        self.last_tick_s = time.perf_counter() - started
+        end = time.perf_counter()
+        self.last_tick_s = end - started
+        self.last_phases = {
+            "read_s": read_done - started,
+            "score_s": score_done - read_done,
+            "write_decide_s": end - score_done,
+        }
         if self.tick_hist is not None:
             self.tick_hist.observe(self.last_tick_s)
 
