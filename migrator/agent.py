@@ -37,6 +37,7 @@ import torch.distributed as dist
 from forewarn.errors import Conflict, InvalidInput, NoSpareAvailable
 from forewarn.wire import JobRegistration, MigrationReason, MigrationReport, Placement
 from migrator import protocol as P
+from migrator.commands import handover_step
 from migrator.faults import FaultPlan
 from migrator.nodes import (
     NodeMonitor,
@@ -295,7 +296,13 @@ class Agent(Recovery):
             P.put_json(
                 self.store,
                 P.cmd_key(self.gen),
-                {"migration_id": mid, "rank": rank, "replica": replica, "reason": reason},
+                {
+                    "migration_id": mid,
+                    "rank": rank,
+                    "replica": replica,
+                    "reason": reason,
+                    "spare": spare.index,
+                },
             )
             self.inflight = _Migration(
                 mid,
@@ -422,6 +429,11 @@ class Agent(Recovery):
             self._transferring.add(m.migration_id)
             stop = int(self.store.get(P.stop_key(m.gen, m.migration_id)))
             self.link.progress(m.migration_id, "transferring", step=stop)
+        if m.reason is not MigrationReason.UNPLANNED and m.stop is None:
+            # Every rank acknowledged the command: S is after the last boundary any passed.
+            m.stop = handover_step(self.store, m.migration_id, range(self.world_size))
+            if m.stop is not None:
+                self.store.set(P.stop_key(m.gen, m.migration_id), str(m.stop))
         for rank, src in m.sources.items():
             if self.store.check([f"{base}/fallback/{rank}"]) and src is not None:
                 self._kill(self.slots[src])  # the spare gave up on it: it must not come back

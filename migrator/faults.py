@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -99,6 +100,9 @@ class FaultPlan:
         for i, fault in self.due(where, rank, step):
             if store.add(f"fault/{i}", 1) != 1:
                 continue
+            if fault.kind in ("kill", "kill_node"):
+                # When it struck, for benchmarks that time a recovery (kill -> step done).
+                print(json.dumps({"fault": fault.kind, "t": time.time()}), flush=True)
             if fault.kind == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             elif fault.kind == "kill_node":
@@ -109,3 +113,5 @@ class FaultPlan:
                 job.request_migration(
                     fault.rank if fault.target is None else fault.target, fault.reason
                 )
+                # Seen at this very boundary: the move happens at the next one, every run.
+                job.commands.poll()

@@ -100,28 +100,34 @@ class HandoverMixin:
         cmd = self._cmd
         assert cmd is not None and self.rank is not None
         mid, src, replica = cmd["migration_id"], cmd["rank"], cmd["replica"]
-        t0 = time.perf_counter()
+        # The pause as this rank sees it: from reaching boundary S (waiting for S included)
+        # to the new generation joined.
+        t0 = self._boundary_t or time.perf_counter()
         base = f"m/{mid}"
         outcomes = [f"{base}/received/{src}", f"{base}/fallback/{src}", f"{base}/aborted"]
         outcomes.append(f"{base}/failed")
         bound = 4 * self.timeout_s + 30
         if self.rank == src:
             try:
+                if "spare" in cmd:  # a spare still starting (importing torch) is waited for
+                    ready = [f"slot{cmd['spare']}/ready", f"{base}/aborted"]
+                    P.first_present(self.store, ready, timeout_s=self.join_timeout_s, what="spare")
                 self._send(f"x/{mid}/peer", step=step, rank_state=self._snapshot)
             except (RuntimeError, MigrationError) as exc:
                 log.warning("sending rank %d to the spare failed: %s", src, exc)
             got = P.first_present(self.store, outcomes, timeout_s=bound, what="the spare")
             if got.endswith("/aborted"):  # the spare died: this rank trains on
-                self._ended.add(mid)
+                self.commands.abort(mid)
                 self._stop, self._cmd = None, None
                 return
+            self.commands.close()
             self.note("retired", rank=src, step=step, migration=mid)
             self._graveyard.bury(self.group, broken=False)
             self.group = None
             raise SystemExit(0)
         got = P.first_present(self.store, outcomes, timeout_s=bound, what="the spare")
         if got.endswith("/aborted"):
-            self._ended.add(mid)
+            self.commands.abort(mid)
             self._stop, self._cmd = None, None
             return
         if got.endswith("/failed"):

@@ -51,7 +51,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from forewarn.errors import MigrationError
 from migrator import protocol as P
+from migrator.commands import CommandWatcher
 from migrator.ddp import ElasticDDP
 from migrator.faults import FaultPlan
 from migrator.groups import Graveyard, new_group
@@ -191,7 +193,8 @@ class Job(HandoverMixin):
         self._snapshot: bytes | None = None
         self._stepped = False
         self._started = False
-        self._ended: set[str] = set()  # migrations aborted in this generation
+        self._boundary_t = 0.0
+        self.commands = CommandWatcher(store, lambda: (self.gen, self.rank))
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Job:
@@ -340,28 +343,50 @@ class Job(HandoverMixin):
             yield step
             if step.ok:
                 self._next = k + 1
+        self.commands.close()
         self.store.set(f"done/{self.rank}", str(self.slot))
 
     def _boundary(self, k: int) -> None:
         assert self.rank is not None
+        self.commands.passed = k  # before the flag is read (see migrator.commands)
+        self._boundary_t = time.perf_counter()
         self._snapshot = capture_rank_state(k, self.registry.data)
         if self.mirror:
             self.store.set(P.mirror_key(self.rank), self._snapshot)
         self.faults.fire("step_start", self.rank, k, store=self.store, job=self)
-        if self._stop is None and self.store.check([P.cmd_key(self.gen)]):
-            # The first rank to see the command fixes S = its step + 1: every other rank
-            # reads the store again at its next boundary, after this write (each step's
-            # collectives order them), and none can be past S already.
-            cmd = P.get_json(self.store, P.cmd_key(self.gen))
-            if cmd["migration_id"] not in self._ended:  # not an aborted one read late
-                key = P.stop_key(self.gen, cmd["migration_id"])
-                self._cmd = cmd
-                self._stop = int(self.store.compare_set(key, "", str(k + 1)))
+        cmd = self.commands.pending(self.gen) if self._stop is None else None
+        # A command was flagged (a local read: the watcher thread polls the store): wait
+        # here for the step S every rank hands over at (migrator.commands).
+        if cmd is not None and not self._await_stop(cmd, k):
+            return
         if self._stop is not None:
             if k > self._stop:
                 raise RuntimeError(f"rank {self.rank} passed the handover step {self._stop}")
             if k == self._stop:
                 self._handover(k)
+
+    def _await_stop(self, cmd: dict[str, Any], k: int) -> bool:
+        """Learn S for ``cmd`` at boundary ``k``; False: no handover (aborted, or a peer was
+        lost meanwhile and this rank took part in the recovery; step ``k`` runs next)."""
+        mid = cmd["migration_id"]
+        while True:
+            got = self.commands.await_stop(cmd, timeout_s=4 * self.timeout_s + 30)
+            if got.endswith("/aborted"):
+                self.commands.abort(mid)
+                return False
+            if got.endswith("/failed"):
+                info = P.get_json(self.store, got)
+                raise MigrationError(info.get("message", "migration failed"), details=info)
+            if got == P.suspect_key(cmd["gen"]):
+                # Standing at a boundary, this rank is in no collective that could fail:
+                # it reports to the agent like a rank whose collective failed.
+                self._stepped = False
+                lost = RuntimeError("a peer was lost while the ranks waited for the handover")
+                if self._recover(lost, k):
+                    return False
+                continue
+            self._cmd, self._stop = cmd, int(self.store.get(got))
+            return True
 
     def _join(
         self, gen: int, rank: int, layouts: list[Any] | None, *, initial: bool = False
@@ -379,6 +404,8 @@ class Job(HandoverMixin):
             wrapped.rebuild(group, layouts[i] if layouts else None, initial=initial)
         self.group, self.gen, self.rank = group, gen, rank
         self._stop, self._cmd = None, None
+        self.commands.clear()
+        self.commands.start()
 
     def layouts(self) -> list[Any]:
         return [d.layout() for d in self._ddps]

@@ -12,9 +12,9 @@ Key map (``g`` is a process-group generation, ``r`` a rank, ``s`` a process slot
     g{g}/roster              JSON {rank: slot} of generation g (agent)
     g{g}/pg/...              gloo/NCCL rendezvous of generation g (PrefixStore)
     g{g}/cmd                 planned/preventive migration for generation g (agent)
-    g{g}/stop/{id}           the step S all ranks hand over at for migration ``id`` (first
-                             rank to see cmd); per migration, so an aborted one leaves
-                             nothing a later command could trip over
+    g{g}/stop/{id}           the step S all ranks hand over at for migration ``id`` (agent,
+                             once every rank acknowledged the command: m/{id}/ack/{r})
+    g{g}/suspect             the agent suspects a failure in generation g
     g{g}/alive/{r}           a survivor's report after a failed collective (rank)
     g{g}/alive_n             how many survivors reported (counter)
     g{g}/recovery            the agent's decision after a failure
@@ -55,6 +55,7 @@ __all__ = [
     "replica_prefix",
     "roster_key",
     "stop_key",
+    "suspect_key",
     "wait_json",
 ]
 
@@ -78,6 +79,11 @@ def cmd_key(gen: int) -> str:
 
 def stop_key(gen: int, migration_id: str) -> str:
     return f"g{gen}/stop/{migration_id}"
+
+
+def suspect_key(gen: int) -> str:
+    """Set by the agent when it suspects a failure in generation ``gen``."""
+    return f"g{gen}/suspect"
 
 
 def error_key(slot: int) -> str:

@@ -54,6 +54,7 @@ class _Migration:
     gen: int
     started: float
     detail: str | None = None
+    stop: int | None = None  # the handover step S, once the agent fixed it (planned)
 
 
 def _same_error(a: dict[str, Any], b: dict[str, Any]) -> bool:
@@ -115,6 +116,7 @@ class Recovery:
                 "deadline": now + (self.cfg.timeout_s if grace is None else grace),
                 "decided": False,
             }
+            self.store.set(P.suspect_key(g), "1")  # ranks waiting for S join the recovery
             log.warning(
                 "generation %d: failure suspected (%d lost, %d reports)", g, len(lost), reported
             )
@@ -160,6 +162,7 @@ class Recovery:
             self._fail("a rank failed during a planned migration of another rank")
             return
         if not dead:
+            self.store.delete_key(P.suspect_key(g))
             P.put_json(self.store, P.recovery_key(g), {"status": "none"})
             self._recovery = None
             return
@@ -287,9 +290,10 @@ class Recovery:
                 f"every rank exited at once; rank {first['rank']} raised {first['type']} at "
                 f"step {first['step']}: {first['message']}\n{first['traceback']}"
             )
-        codes = {r: self.slots[self.roster[r]].proc for r in dead}
+        slots = {r: self.slots[self.roster[r]] for r in dead}
         said = ", ".join(
-            f"rank {r}: {p.returncode if p is not None else '?'}" for r, p in codes.items()
+            f"rank {r}: " + ("finished" if s.role == "done" else f"exit {s.proc.returncode}")
+            for r, s in slots.items()
         )
         where = f" (their output: {self.cfg.log_dir})" if self.cfg.log_dir else ""
         tail = ""
@@ -298,8 +302,8 @@ class Recovery:
             if path.exists():
                 tail = "\n" + "\n".join(path.read_text(errors="replace").splitlines()[-15:])
         return (
-            f"every rank exited at once ({said}) before any step could be saved by a "
-            f"replica: the script's own error{where}{tail}"
+            f"no rank is left to rebuild from ({said}); the script's own error, or the "
+            f"ranks' exit after their last step{where}{tail}"
         )
 
     def _retry_paused(self, now: float) -> None:

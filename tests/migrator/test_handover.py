@@ -13,7 +13,7 @@ import pytest
 from migrator.faults import FaultPlan
 from tests.migrator.harness import Run, assert_same, launch
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 @pytest.fixture(scope="module")

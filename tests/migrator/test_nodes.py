@@ -26,6 +26,7 @@ def test_layout_numbers_ranks_node_by_node_and_spares_after() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_cross_node_preventive_move_and_spare_killed_mid_receive(tmp_path: Path) -> None:
     """Node 0 runs rank 0, node 1 rank 1 and two spares. Rank 0 is moved to node 1; the
     first spare dies mid-receive (the move is aborted, rank 0 trains on), the second move
@@ -48,6 +49,7 @@ def test_cross_node_preventive_move_and_spare_killed_mid_receive(tmp_path: Path)
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_whole_node_lost_two_ranks_at_once_spares_on_other_nodes(tmp_path: Path) -> None:
     """Three launchers: node 1 runs ranks 1 and 2, nodes 0 and 2 one spare each. Node 1's
     launcher and all its processes are SIGKILLed at once in step 5: both spares, on two
@@ -63,6 +65,7 @@ def test_whole_node_lost_two_ranks_at_once_spares_on_other_nodes(tmp_path: Path)
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_whole_node_lost_without_spares_stops_cleanly(tmp_path: Path) -> None:
     plan = FaultPlan().kill_node_at(1, 4)
     run, errs = launch_nodes(

@@ -65,3 +65,52 @@ def test_cli_and_wire_parts_import_without_torch() -> None:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+class _FakeStore:
+    """The few TCPStore calls the launchers' monitor makes, in memory."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self.data[key] = value.encode() if isinstance(value, str) else value
+
+    def get(self, key: str) -> bytes:
+        return self.data[key]
+
+    def check(self, keys: list[str]) -> bool:
+        return all(k in self.data for k in keys)
+
+    def add(self, key: str, n: int) -> int:
+        value = int(self.data.get(key, b"0")) + n
+        self.data[key] = str(value).encode()
+        return value
+
+
+def test_a_silent_node_is_lost_with_every_process_on_it() -> None:
+    from migrator.nodes import NodeMonitor, RemoteProc
+
+    store, now = _FakeStore(), [0.0]
+    monitor = NodeMonitor(store, node_timeout_s=5.0, clock=lambda: now[0])
+    monitor.watch(1)
+    done, alive = RemoteProc(monitor, 1, 3), RemoteProc(monitor, 1, 4)
+    store.set("node/1/exits", '{"3": 0}')
+    store.add("node/1/beat", 1)
+    now[0] = 1.0
+    assert done.poll() == 0 and alive.poll() is None
+    now[0] = 4.0  # silent for 3 s: still there
+    monitor.refresh(force=True)
+    assert alive.poll() is None
+    now[0] = 7.0  # silent for 6 s: lost
+    assert alive.poll() == -9 and done.poll() == 0
+
+
+def test_handover_step_is_after_the_last_boundary_any_rank_passed() -> None:
+    from migrator.commands import ack_key, handover_step
+
+    store = _FakeStore()
+    store.set(ack_key("m1", 0), "7")
+    assert handover_step(store, "m1", range(2)) is None  # rank 1 has not acknowledged
+    store.set(ack_key("m1", 1), "8")
+    assert handover_step(store, "m1", range(2)) == 9

@@ -28,6 +28,7 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=32)
     ap.add_argument("--unique", action="store_true", help="declare rank-unique state")
     ap.add_argument("--raise-at", metavar="RANK:STEP", help="RuntimeError there, every time")
+    ap.add_argument("--cuda", action="store_true", help="train on the job's GPU (NCCL)")
     ap.add_argument("--crash-all-at", type=int, help="ValueError on every rank at this step")
     args = ap.parse_args()
     raise_at = tuple(int(v) for v in args.raise_at.split(":")) if args.raise_at else None
@@ -50,6 +51,9 @@ def main() -> None:
             torch.nn.Tanh(),
             torch.nn.Linear(args.width, 4),
         )
+    device = job.device if args.cuda and job.device is not None else torch.device("cpu")
+    model.to(device)
+    x_all, y_all = x_all.to(device), y_all.to(device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.7)
     batches = ShardedIndices(512, 8, rank=rank, world_size=job.world_size, seed=5)
@@ -62,6 +66,7 @@ def main() -> None:
         with step:
             idx = batches.next()
             noise = torch.from_numpy(np.random.normal(0, 0.01, size=(len(idx), 8))).float()
+            noise = noise.to(device)
             x = x_all[idx] * (1 + 0.01 * random.random()) + noise
             loss = torch.nn.functional.mse_loss(net(x), y_all[idx])
             if raise_at == (job.rank, step.index):

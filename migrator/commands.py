@@ -1,0 +1,143 @@
+"""How a rank learns of a planned or preventive migration without a store round trip per step.
+
+A :class:`CommandWatcher` thread in each rank polls the agent's store for the current
+generation's command (``g{g}/cmd``) and, when one appears, raises a local flag and
+acknowledges it with the last step boundary its rank passed (``m/{id}/ack/{rank}``). At
+each step boundary the training loop reads only the flag: one attribute read on the common
+path.
+
+Why the handover step S is still the same on every rank: the watcher raises the flag
+*before* it reads the boundary counter, and the loop bumps the counter *before* it reads the
+flag. So once a rank's acknowledgement says "boundary b", its loop cannot pass another
+boundary without seeing the flag. The agent waits for every rank's acknowledgement and sets
+S = max(b) + 1 (``g{g}/stop/{id}``): no rank has passed S, and every rank that sees the flag
+stops at its next boundary until S is known (:meth:`CommandWatcher.await_stop`). Ranks
+stopped there are outside any collective, so they watch for the agent's suspicion of a
+failure (``g{g}/suspect``) as well, and join the recovery from the boundary.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from migrator import protocol as P
+
+__all__ = ["CommandWatcher", "ack_key", "handover_step"]
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.01
+"""How often the watcher looks for a command (seconds): a command waits at most this long,
+plus one step, before the ranks agree on S."""
+
+
+class CommandWatcher:
+    """Watches the store for this rank's migration commands; see the module docstring.
+
+    Args:
+        store: a client of the agent's store (TCPStore operations are thread-safe).
+        where: returns (generation, rank) of the process now; rank None: a spare.
+        poll_s: seconds between two looks at the store.
+    """
+
+    def __init__(
+        self,
+        store: Any,
+        where: Callable[[], tuple[int, int | None]],
+        *,
+        poll_s: float = POLL_S,
+    ) -> None:
+        self.store = store
+        self.where = where
+        self.poll_s = poll_s
+        self.flag: dict[str, Any] | None = None
+        self.passed = -1  # the last step boundary the training loop passed (or stands at)
+        self.ended: set[str] = set()  # migrations that were aborted
+        self._thread: threading.Thread | None = None
+        self._closed = threading.Event()
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._run, name="forewarn-commands", daemon=True
+            )
+            self._thread.start()
+            atexit.register(self.close)
+
+    def close(self) -> None:
+        """Stop the thread and wait for it: a thread killed inside a store call at
+        interpreter exit aborts the process (C++ ``terminate``)."""
+        self._closed.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self._closed.wait(self.poll_s):
+            self.poll()
+
+    def poll(self) -> None:
+        """Look for a command once (the thread does it every ``poll_s``; a caller that just
+        posted one may do it at once)."""
+        gen, rank = self.where()
+        if rank is None or self.flag is not None:
+            return
+        try:
+            if not self.store.check([P.cmd_key(gen)]):
+                return
+            cmd = P.get_json(self.store, P.cmd_key(gen))
+        except (RuntimeError, ValueError, OSError):  # deleted meanwhile, or the store is gone
+            return
+        mid = cmd["migration_id"]
+        if mid not in self.ended:
+            cmd["gen"] = gen
+            self.flag = cmd  # first the flag ...
+            passed = self.passed  # ... then the boundary counter (see the module docstring)
+            try:
+                self.store.set(ack_key(mid, rank), str(passed))
+            except (RuntimeError, OSError) as exc:
+                log.warning("could not acknowledge migration %s: %s", mid, exc)
+
+    def pending(self, gen: int) -> dict[str, Any] | None:
+        """The command flagged for generation ``gen``, if any (a local read)."""
+        flag = self.flag
+        if flag is None:
+            return None
+        if flag["gen"] != gen:  # read just before this rank changed generation
+            self.flag = None
+            return None
+        return flag
+
+    def clear(self) -> None:
+        self.flag = None
+
+    def abort(self, migration_id: str) -> None:
+        self.ended.add(migration_id)
+        self.flag = None
+
+    def await_stop(self, cmd: dict[str, Any], *, timeout_s: float) -> str:
+        """Wait for the agent's S (or an abort, a failure, a suspected lost peer).
+
+        Returns the key that appeared: :func:`protocol.stop_key`, ``m/{id}/aborted``,
+        ``m/{id}/failed`` or :func:`protocol.suspect_key`.
+        """
+        gen, mid = cmd["gen"], cmd["migration_id"]
+        keys = [P.stop_key(gen, mid), f"m/{mid}/aborted", f"m/{mid}/failed"]
+        keys.append(P.suspect_key(gen))
+        return P.first_present(self.store, keys, timeout_s=timeout_s, what="the handover step")
+
+
+def ack_key(migration_id: str, rank: int) -> str:
+    return f"m/{migration_id}/ack/{rank}"
+
+
+def handover_step(store: Any, migration_id: str, ranks: range) -> int | None:
+    """The agent's side: S = max(acknowledged boundary) + 1 once every rank acknowledged."""
+    keys = [ack_key(migration_id, r) for r in ranks]
+    if not all(store.check([k]) for k in keys):
+        return None
+    return max(int(store.get(k)) for k in keys) + 1
