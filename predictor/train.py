@@ -106,7 +106,8 @@ SPLIT_TRIES = 64
 
 
 def _node_in_val(nodes: Sequence[str], frac: float, seed: int) -> np.ndarray:
-    return np.array([zlib.crc32(f"{seed}:{n}".encode()) % 10_000 < frac * 10_000 for n in nodes])
+    in_val = [zlib.crc32(f"{seed}:{n}".encode()) % 10_000 < frac * 10_000 for n in nodes]
+    return np.array(in_val, dtype=bool)  # an empty list too: bool, so ``~`` applies
 
 
 def split_masks(
