@@ -1,22 +1,24 @@
 """Storage tiers: raw samples for a short window, per-minute rollups beyond it, events whole.
 
 The tiering task (:func:`maintain`, run by the service every few minutes) walks time an hour
-at a time. Once an hour has left the raw window (default 24 h) it
+at a time, behind two marks:
 
-1. rolls the hour's raw samples up per GPU and minute (:mod:`store.rollups`) and stores one
-   packed chunk per GPU in ``sample_rollups``,
-2. writes the hour to the Parquet history (:mod:`store.history`), when one is configured,
-3. moves the mark ``rolled_until_ms`` (in the same transaction as the chunks),
+- ``rolled_until_ms``: once an hour has closed (and ``rollup_lag_s`` more passed, for
+  stragglers) its raw samples are rolled up per GPU and minute (:mod:`store.rollups`) into one
+  packed chunk per GPU in ``sample_rollups``. Minute-resolution reads use the chunks at once.
+- ``archived_until_ms``, the start of the raw tier: once an hour has left the raw window
+  (default 24 h) it is read once more, written to the Parquet history (:mod:`store.history`)
+  when one is configured, and rolled up again with whatever arrived late (a collector's spool
+  replayed after an outage), replacing its chunks; then the raw partitions behind the mark
+  are dropped (one hour stays: its last samples are the counters' predecessors).
 
-and then drops the raw partitions behind the mark (keeping one hour, whose last samples are
-the counters' predecessors for the next roll-up), rollups older than the rollup window
-(default 90 days, a whole daily partition at a time) and events as old. Each step is
-idempotent: a task killed half-way redoes its hour.
+Rollups older than the rollup window (default 90 days; a whole daily partition at a time on
+PostgreSQL) and events as old go too. Each step is idempotent: a killed task redoes its hour.
 
-Reads choose the tier by the window asked (:func:`gpu_series`): a window that starts at or
-after the mark is served raw; one reaching further back is served per minute — the stored
-chunks before the mark and the raw rows after it, rolled up on the fly by the same code, so
-the same window reads the same before and after its hours move tiers.
+Reads choose the tier by the window asked (:func:`gpu_series`): a window that starts inside
+the raw tier is served raw; one reaching further back is served per minute — the stored chunks
+and, after ``rolled_until_ms``, the raw rows rolled up on the fly by the same code, so the
+same window reads the same before and after its hours move tiers.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from sqlalchemy import (
 
 from store import partitions, reads
 from store.history import History
+from store.rawread import fetch_samples, samples_between
 from store.rollups import MINUTE_MS, STAT_COLUMNS, pack, representative, rollup, unpack
 from store.schema import metadata
 
@@ -54,6 +57,7 @@ __all__ = [
     "TierReport",
     "gpu_series",
     "maintain",
+    "raw_since",
     "rolled_until",
     "sample_rollups",
     "tier_marks",
@@ -65,7 +69,6 @@ log = logging.getLogger("forewarn.store.tiers")
 Resolution = Literal["raw", "1m"]
 
 SPAN_MS = partitions.LAYOUT["samples"][1]
-_MARK = "rolled_until_ms"
 
 sample_rollups = Table(
     "sample_rollups",
@@ -99,6 +102,8 @@ class TierPolicy:
         rollup_window_s: per-minute rollups and events are kept this long.
         history_url: where closed raw hours are written as Parquet; None: nowhere.
         history_window_s: Parquet parts are kept this long; None: forever.
+        rollup_lag_s: an hour is rolled up this long after it closed (late rows after that
+            still reach the rollups when the hour is archived).
         ahead_s: partitions are created this far ahead of now.
         max_hours_per_run: an idle store catching up rolls at most this many hours per run.
         slice_rows: a roll-up reads at most about this many rows at once.
@@ -108,6 +113,7 @@ class TierPolicy:
     rollup_window_s: float = 90 * 86400.0
     history_url: str | None = None
     history_window_s: float | None = 30 * 86400.0
+    rollup_lag_s: float = 600.0
     ahead_s: float = 6 * 3600.0
     max_hours_per_run: int = 24
     slice_rows: int = 1_000_000
@@ -118,6 +124,7 @@ class TierReport:
     """What one :func:`maintain` run did."""
 
     hours_rolled: int = 0
+    hours_archived: int = 0
     samples_rolled: int = 0
     chunks_written: int = 0
     history_rows: int = 0
@@ -129,6 +136,7 @@ class TierReport:
     def __bool__(self) -> bool:
         return bool(
             self.hours_rolled
+            or self.hours_archived
             or self.raw_dropped
             or self.rollups_dropped
             or self.events_deleted
@@ -139,22 +147,35 @@ class TierReport:
 # Marks -------------------------------------------------------------------------------------
 
 
-def rolled_until(connection: Connection) -> int | None:
-    """Everything before this time is in the rollup tier; None: nothing rolled yet."""
+_ROLLED = "rolled_until_ms"
+_ARCHIVED = "archived_until_ms"
+
+
+def _mark(connection: Connection, name: str) -> int | None:
     row = connection.execute(
-        text("SELECT value_ms FROM tier_marks WHERE name = :n"), {"n": _MARK}
+        text("SELECT value_ms FROM tier_marks WHERE name = :n"), {"n": name}
     ).first()
     return None if row is None else int(row[0])
 
 
-def _set_mark(connection: Connection, value_ms: int) -> None:
+def rolled_until(connection: Connection) -> int | None:
+    """Every closed hour before this is in the rollup tier; None: nothing rolled yet."""
+    return _mark(connection, _ROLLED)
+
+
+def raw_since(connection: Connection) -> int | None:
+    """The raw tier starts here (what is older was archived); None: nothing archived yet."""
+    return _mark(connection, _ARCHIVED)
+
+
+def _set_mark(connection: Connection, name: str, value_ms: int) -> None:
     updated = connection.execute(
-        text("UPDATE tier_marks SET value_ms = :v WHERE name = :n"), {"v": value_ms, "n": _MARK}
+        text("UPDATE tier_marks SET value_ms = :v WHERE name = :n"), {"v": value_ms, "n": name}
     )
     if not updated.rowcount:
         connection.execute(
             text("INSERT INTO tier_marks (name, value_ms) VALUES (:n, :v)"),
-            {"v": value_ms, "n": _MARK},
+            {"v": value_ms, "n": name},
         )
 
 
@@ -207,10 +228,8 @@ def maintain(engine: Engine, policy: TierPolicy, *, now_ms: int) -> TierReport:
     report = TierReport()
     prepare_sqlite(engine)
     raw_cutoff = now_ms - int(policy.raw_window_s * 1000)
+    roll_cutoff = now_ms - int(policy.rollup_lag_s * 1000)
     with engine.begin() as c:
-        mark = rolled_until(c)
-        if mark is None:
-            mark = _oldest_hour(c)
         # Partitions around now and ahead; an older hour gets its partitions when it is
         # rolled (rows of a store that was down wait in the default partition till then).
         report.partitions_created += partitions.ensure(
@@ -222,36 +241,47 @@ def maintain(engine: Engine, policy: TierPolicy, *, now_ms: int) -> TierReport:
             start_ms=now_ms - partitions.DAY_MS,
             end_ms=now_ms + 2 * partitions.DAY_MS,
         )
+        rolled, archived = rolled_until(c), raw_since(c)
+        if rolled is None or archived is None:
+            oldest = _oldest_hour(c)
+            rolled = oldest if rolled is None else rolled
+            archived = oldest if archived is None else archived
     history = History(policy.history_url) if policy.history_url else None
-    wrote_history = False
-    while (
-        mark is not None
-        and mark + SPAN_MS <= raw_cutoff
-        and report.hours_rolled < policy.max_hours_per_run
-    ):
-        with engine.begin() as c:
-            # Hours with no sample are skipped, not rolled one by one.
-            found = _oldest_hour(c, after_ms=mark)
-            ready = partitions.floor(raw_cutoff, SPAN_MS)
-            nearest = ready if found is None else min(found, ready)
-            if nearest > mark:
-                mark = nearest
-                _set_mark(c, mark)
-                continue
-            hour = {"start_ms": mark, "end_ms": mark + SPAN_MS}
-            report.partitions_created += partitions.ensure(c, "samples", **hour)
-            report.partitions_created += partitions.ensure(c, "sample_rollups", **hour)
-        rows, chunks, archived = _roll_hour(engine, mark, policy, history)
+
+    # Closed hours: rolled up at once (provisional until archived).
+    while rolled is not None and rolled + SPAN_MS <= roll_cutoff:
+        if report.hours_rolled >= policy.max_hours_per_run:
+            break
+        skipped = _skip_empty(engine, _ROLLED, rolled, roll_cutoff)
+        if skipped != rolled:
+            rolled = skipped
+            continue
+        rows, chunks, _ = _roll_hour(engine, rolled, policy, None, mark=_ROLLED)
         report.hours_rolled += 1
-        report.samples_rolled += rows
         report.chunks_written += chunks
-        report.history_rows += archived
-        wrote_history = wrote_history or archived > 0
-        mark += SPAN_MS
+        rolled += SPAN_MS
+
+    # Hours that left the raw window: archived, rolled up again with late rows, then dropped.
+    wrote_history = False
+    limit = raw_cutoff if rolled is None else min(raw_cutoff, rolled)
+    while archived is not None and archived + SPAN_MS <= limit:
+        if report.hours_archived >= policy.max_hours_per_run:
+            break
+        skipped = _skip_empty(engine, _ARCHIVED, archived, limit)
+        if skipped != archived:
+            archived = skipped
+            continue
+        rows, chunks, written = _roll_hour(engine, archived, policy, history, mark=_ARCHIVED)
+        report.hours_archived += 1
+        report.samples_rolled += rows
+        report.history_rows += written
+        wrote_history = wrote_history or written > 0
+        archived += SPAN_MS
+
     with engine.begin() as c:
-        if mark is not None:
-            # One rolled hour stays raw: its last samples are the next hour's predecessors.
-            report.raw_dropped = partitions.drop_before(c, "samples", mark - SPAN_MS)
+        if archived is not None:
+            # One archived hour stays raw: its last samples are the next hour's predecessors.
+            report.raw_dropped = partitions.drop_before(c, "samples", archived - SPAN_MS)
         rollup_cutoff = now_ms - int(policy.rollup_window_s * 1000)
         report.rollups_dropped = partitions.drop_before(c, "sample_rollups", rollup_cutoff)
         report.events_deleted = int(
@@ -268,6 +298,21 @@ def maintain(engine: Engine, policy: TierPolicy, *, now_ms: int) -> TierReport:
     return report
 
 
+def _skip_empty(engine: Engine, name: str, mark: int, limit: int) -> int:
+    """Move mark ``name`` past hours with no sample (up to ``limit``); returns where it is."""
+    with engine.begin() as c:
+        found = _oldest_hour(c, after_ms=mark)
+        ready = partitions.floor(limit, SPAN_MS)
+        nearest = ready if found is None else min(found, ready)
+        if nearest > mark:
+            _set_mark(c, name, nearest)
+            return nearest
+        hour = {"start_ms": mark, "end_ms": mark + SPAN_MS}
+        partitions.ensure(c, "samples", **hour)
+        partitions.ensure(c, "sample_rollups", **hour)
+    return mark
+
+
 def _slices(engine: Engine, start: int, end: int, slice_rows: int) -> Iterator[pd.DataFrame]:
     """The raw rows of ``[start, end)`` in time order, a few minutes at a time."""
     with engine.connect() as c:
@@ -277,21 +322,30 @@ def _slices(engine: Engine, start: int, end: int, slice_rows: int) -> Iterator[p
     while at < end:
         upper = min(at + step, end)
         with engine.connect() as c:
-            yield reads.fleet_window(c, since_ms=at, until_ms=upper)
+            yield samples_between(c, since_ms=at, until_ms=upper)
         at = upper
 
 
-def _predecessors(connection: Connection, start_ms: int) -> pd.DataFrame:
+def _predecessors(
+    connection: Connection, start_ms: int, *, node: str | None = None, gpu: int | None = None
+) -> pd.DataFrame:
     """Each GPU's last raw sample in the hour before ``start_ms`` (counters only matter)."""
-    lookback = {"a": start_ms - SPAN_MS, "b": start_ms}
-    cols = ", ".join(f"s.{c}" for c in reads.FRAME_COLUMNS)
+    params: dict[str, Any] = {"a": start_ms - SPAN_MS, "b": start_ms}
+    columns = list(reads.FRAME_COLUMNS)
+    if node is not None and gpu is not None:
+        sql = (
+            f"SELECT {', '.join(columns)} FROM samples WHERE node = :node AND gpu = :gpu "
+            "AND ts_ms >= :a AND ts_ms < :b ORDER BY ts_ms DESC LIMIT 1"
+        )
+        return fetch_samples(connection, sql, {**params, "node": node, "gpu": gpu}, columns)
     sql = (
-        f"SELECT {cols} FROM samples s JOIN (SELECT node, gpu, MAX(ts_ms) AS newest "
-        "FROM samples WHERE ts_ms >= :a AND ts_ms < :b GROUP BY node, gpu) last "
+        f"SELECT {', '.join(f's.{c}' for c in columns)} FROM samples s "
+        "JOIN (SELECT node, gpu, MAX(ts_ms) AS newest FROM samples "
+        "WHERE ts_ms >= :a AND ts_ms < :b GROUP BY node, gpu) last "
         "ON s.node = last.node AND s.gpu = last.gpu AND s.ts_ms = last.newest"
     )
-    rows = connection.execute(text(sql), lookback).all()
-    return reads._frame(rows, list(reads.FRAME_COLUMNS))
+    frame = fetch_samples(connection, sql, params, columns)
+    return frame if node is None else frame[frame["node"] == node]
 
 
 def _pack_chunks(rolled: pd.DataFrame, start_ms: int, end_ms: int) -> list[dict[str, Any]]:
@@ -345,30 +399,32 @@ def roll_span(
     return frame.sort_values(["node", "gpu", "ts_ms"], kind="stable", ignore_index=True), raw
 
 
+_UPSERT = (
+    "INSERT INTO sample_rollups (node, gpu, start_ms, end_ms, minutes, data) "
+    "VALUES (:node, :gpu, :start_ms, :end_ms, :minutes, :data) "
+    "ON CONFLICT (node, gpu, start_ms) DO UPDATE SET end_ms = excluded.end_ms, "
+    "minutes = excluded.minutes, data = excluded.data"
+)
+
+
 def _roll_hour(
-    engine: Engine, start_ms: int, policy: TierPolicy, history: History | None
+    engine: Engine, start_ms: int, policy: TierPolicy, history: History | None, *, mark: str
 ) -> tuple[int, int, int]:
+    """Roll one hour up (and archive it when ``history`` is given); move ``mark`` past it.
+
+    Returns:
+        (raw rows read, chunks written, rows written to the history)
+    """
     end_ms = start_ms + SPAN_MS
     rolled, raw = roll_span(engine, start_ms, end_ms, slice_rows=policy.slice_rows)
     rows = sum(len(r) for r in raw)
     archived = history.write_part(start_ms, iter(raw)) if history is not None and rows else 0
     chunks = _pack_chunks(rolled, start_ms, end_ms)
     with engine.begin() as c:
-        if c.dialect.name == "postgresql":
-            statement = (
-                "INSERT INTO sample_rollups (node, gpu, start_ms, end_ms, minutes, data) "
-                "VALUES (:node, :gpu, :start_ms, :end_ms, :minutes, :data) "
-                "ON CONFLICT DO NOTHING"
-            )
-        else:
-            statement = (
-                "INSERT OR IGNORE INTO sample_rollups (node, gpu, start_ms, end_ms, minutes, "
-                "data) VALUES (:node, :gpu, :start_ms, :end_ms, :minutes, :data)"
-            )
         if chunks:
-            c.execute(text(statement), chunks)
-        _set_mark(c, end_ms)
-    log.info("rolled %d samples of %d GPUs up from %d", rows, len(chunks), start_ms)
+            c.execute(text(_UPSERT), chunks)
+        _set_mark(c, mark, end_ms)
+    log.debug("%s: %d samples of %d GPUs from %d", mark, rows, len(chunks), start_ms)
     return rows, len(chunks), archived
 
 
@@ -404,34 +460,42 @@ def _chunks(
         sql += " AND gpu = :gpu"
         params["gpu"] = gpu
     sql += " ORDER BY node, gpu, start_ms"
-    parts = []
-    for n, g, start, blob in connection.execute(text(sql), params):
+    result = connection.execute(text(sql), params)
+    found = result.cursor.fetchall() if result.cursor is not None else []
+    result.close()
+    ts_parts, value_parts, nodes, gpus = [], [], [], []
+    for n, g, start, blob in found:
         minutes, values = unpack(bytes(blob))
         ts = start + minutes * MINUTE_MS
         keep = (ts >= since_ms) & (ts < until_ms)
-        if not keep.any():
+        if not keep.all():
+            ts, values = ts[keep], values[keep]
+        if not len(ts):
             continue
-        part = pd.DataFrame(values[keep], columns=list(STAT_COLUMNS))
-        part.insert(0, "gpu", int(g))
-        part.insert(0, "node", n)
-        part.insert(0, "ts_ms", ts[keep])
-        parts.append(part)
-    if not parts:
+        ts_parts.append(ts)
+        value_parts.append(values)
+        nodes.append(np.full(len(ts), n, dtype=object))
+        gpus.append(np.full(len(ts), int(g), dtype=np.int64))
+    if not ts_parts:
         return pd.DataFrame(columns=["ts_ms", "node", "gpu", *STAT_COLUMNS])
-    return pd.concat(parts, ignore_index=True)
+    frame = pd.DataFrame(np.concatenate(value_parts), columns=list(STAT_COLUMNS))
+    frame.insert(0, "gpu", np.concatenate(gpus))
+    frame.insert(0, "node", np.concatenate(nodes))
+    frame.insert(0, "ts_ms", np.concatenate(ts_parts))
+    return frame
 
 
 def _minutes(
-    engine_or_connection: Connection,
+    connection: Connection,
     *,
     since_ms: int,
     until_ms: int,
     node: str | None = None,
     gpu: int | None = None,
 ) -> pd.DataFrame:
-    """Per-minute rows of ``[since_ms, until_ms)``: stored chunks before the mark, raw rows
-    rolled up on the fly after it."""
-    c = engine_or_connection
+    """Per-minute rows of ``[since_ms, until_ms)``: stored chunks before the rolled mark, raw
+    rows rolled up on the fly after it."""
+    c = connection
     since_ms = partitions.floor(since_ms, MINUTE_MS)
     mark = rolled_until(c)
     boundary = since_ms if mark is None else min(max(mark, since_ms), until_ms)
@@ -439,21 +503,13 @@ def _minutes(
     if boundary > since_ms:
         parts.append(_chunks(c, since_ms=since_ms, until_ms=boundary, node=node, gpu=gpu))
     if boundary < until_ms:
-        if node is not None and gpu is not None:
-            raw = reads.gpu_window(c, node=node, gpu=gpu, since_ms=boundary, until_ms=until_ms)
-            before = reads.gpu_window(
-                c, node=node, gpu=gpu, since_ms=boundary - SPAN_MS, until_ms=boundary
-            ).tail(1)
-        else:
-            raw = reads.fleet_window(c, since_ms=boundary, until_ms=until_ms)
-            before = _predecessors(c, boundary)
-            if node is not None:
-                raw, before = raw[raw["node"] == node], before[before["node"] == node]
+        raw = samples_between(c, since_ms=boundary, until_ms=until_ms, node=node, gpu=gpu)
+        before = _predecessors(c, boundary, node=node, gpu=gpu)
         parts.append(rollup(raw, before=before))
     parts = [p for p in parts if len(p)]
     if not parts:
         return pd.DataFrame(columns=["ts_ms", "node", "gpu", *STAT_COLUMNS])
-    frame = pd.concat(parts, ignore_index=True)
+    frame = pd.concat(parts, ignore_index=True) if len(parts) > 1 else parts[0]
     return frame.sort_values(["ts_ms", "node", "gpu"], kind="stable", ignore_index=True)
 
 
@@ -472,7 +528,7 @@ def gpu_series(
 
     Args:
         resolution: ``raw`` or ``1m``; None chooses: raw when the window starts at or after
-            the raw tier's start (:func:`rolled_until`), per minute otherwise.
+            the raw tier's start (:func:`raw_since`), per minute otherwise.
 
     Returns:
         The frame and its resolution. Raw: :func:`store.reads.gpu_window`'s frame. Per
@@ -482,8 +538,8 @@ def gpu_series(
         ``<field>_delta``, ``_last``) and ``n``, the samples the minute held.
     """
     if resolution is None:
-        mark = rolled_until(connection)
-        resolution = "raw" if mark is None or since_ms >= mark else "1m"
+        start = raw_since(connection)
+        resolution = "raw" if start is None or since_ms >= start else "1m"
     if resolution == "raw":
         frame = reads.gpu_window(
             connection,
@@ -519,7 +575,7 @@ def tiered_window(
 
     What a scorer warming its windows after a restart reads.
     """
-    mark = rolled_until(connection)
+    mark = raw_since(connection)
     boundary = since_ms if mark is None else min(max(mark, since_ms), until_ms)
     frames = []
     if boundary > since_ms:
@@ -535,10 +591,7 @@ def tiered_window(
         columns = list(reads.FRAME_COLUMNS)
         frames.append(reads._frame(list(shaped[columns].itertuples(index=False)), columns))
     if boundary < until_ms:
-        raw = reads.fleet_window(connection, since_ms=boundary, until_ms=until_ms)
-        if node is not None:
-            raw = raw[raw["node"] == node]
-        frames.append(raw)
+        frames.append(samples_between(connection, since_ms=boundary, until_ms=until_ms, node=node))
     frames = [f for f in frames if len(f)]
     if not frames:
         return reads._frame([], list(reads.FRAME_COLUMNS))

@@ -127,7 +127,7 @@ def test_rollups_equal_a_pandas_resample_across_a_counter_reset(store: Store) ->
     raw = raw_frame()
     store.write(samples=rows_of(raw))
     report = store.maintain_tiers(POLICY, now_ms=START + 4 * HOUR)
-    assert report.hours_rolled == 3 and report.samples_rolled == len(raw)
+    assert report.hours_archived == 3 and report.samples_rolled == len(raw)
     want = expected_rollup(raw)
     # The resets happened (the test exercises them) and the deltas never went negative.
     assert (raw.groupby("gpu")["ecc_sbe_volatile"].diff() < 0).any()
@@ -170,7 +170,7 @@ def test_a_restarted_service_serves_the_same_window_across_a_tier_boundary(
         after, resolution = second.gpu_series(**window)
         fleet_after = second.tiered_window(since_ms=START + 2 * HOUR, until_ms=START + 3 * HOUR)
         with second.begin() as c:
-            assert tiers.rolled_until(c) == START + 3 * HOUR
+            assert tiers.raw_since(c) == START + 3 * HOUR
             raw_left = c.execute(text("SELECT COUNT(*) FROM samples")).scalar_one()
     finally:
         second.close()
@@ -205,7 +205,7 @@ def test_retention_drops_whole_partitions_and_keeps_everything_younger(store: St
     policy = tiers.TierPolicy(raw_window_s=2 * 3600.0, rollup_window_s=3 * 3600.0)
     now = START + 6 * HOUR
     report = store.maintain_tiers(policy, now_ms=now)
-    assert report.hours_rolled == 4  # hours 0-3 left the 2 h raw window
+    assert report.hours_archived == 4  # hours 0-3 left the 2 h raw window
     with store.begin() as c:
         left = pd.read_sql(text("SELECT ts_ms FROM samples ORDER BY ts_ms"), c)["ts_ms"]
         after = {p.table for p in partitions.existing(c, "samples")}
@@ -335,3 +335,21 @@ def test_the_samples_route_says_which_resolution_it_served(store: Store, tmp_pat
             url, params={**window, "resolution": "raw", "limit": 50}, headers=headers
         ).json()
         assert raw_body["resolution"] == "raw" and raw_body["count"] == 50
+
+
+def test_rows_a_spool_replays_after_the_roll_up_reach_the_rollups_when_archived(
+    store: Store,
+) -> None:
+    raw = raw_frame(gpus=2, hours=2, step_s=10)
+    late = (raw["gpu"] == 0) & (raw["ts_ms"] >= START + 20 * MINUTE_MS)
+    late &= raw["ts_ms"] < START + 40 * MINUTE_MS
+    store.write(samples=rows_of(raw[~late]))
+    store.maintain_tiers(POLICY, now_ms=START + HOUR + 15 * MINUTE_MS)  # hour 0 rolled
+    with store.begin() as c:
+        assert tiers.rolled_until(c) == START + HOUR and tiers.raw_since(c) is None
+    store.write(samples=rows_of(raw[late]))  # the collector's spool, replayed
+    early = stored_minutes(store, START, START + HOUR)
+    assert len(early) == 120 - 20  # the stored chunk lacks GPU 0's twenty late minutes
+    store.maintain_tiers(POLICY, now_ms=START + 2 * HOUR + 15 * MINUTE_MS)  # hour 0 archived
+    want = expected_rollup(raw[raw["ts_ms"] < START + HOUR])
+    assert_same_rollups(stored_minutes(store, START, START + HOUR), want)
