@@ -25,7 +25,7 @@ import pytest
 from tests.conftest import LiveService, free_port, start_service
 from tests.migrator.harness import ROOT, Run, assert_same, launch
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 PACED = Path(__file__).with_name("train_paced.py")
 STEPS = 1500
@@ -137,10 +137,10 @@ def run_job(scene: Scene, out: Path) -> subprocess.Popen[bytes]:
 
 
 def start_and_inject(scene: Scene, out: Path) -> subprocess.Popen[bytes]:
-    wait_for("the fleet", lambda: scene.get("/v1/risk")["count"] >= 16, 60)
+    wait_for("the fleet", lambda: scene.get("/v1/risk")["count"] >= 16, 180)
     job = run_job(scene, out)
-    wait_for("the job", lambda: _job_running(scene), 60)
-    wait_for("training", lambda: any(out.glob("log.slot*.jsonl")), 60)
+    wait_for("the job", lambda: _job_running(scene), 180)
+    wait_for("training", lambda: any(out.glob("log.slot*.jsonl")), 180)
     subprocess.run(
         [
             sys.executable, "-m", "forewarn", "simulate", "inject",
