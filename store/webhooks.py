@@ -37,6 +37,7 @@ from sqlalchemy import (
     Text,
     UniqueConstraint,
     and_,
+    bindparam,
     delete,
     func,
     insert,
@@ -62,6 +63,7 @@ __all__ = [
     "outbox_seqs_after",
     "queue_deliveries",
     "record_attempt",
+    "record_successes",
     "release_webhooks",
     "rotate_secret",
     "update_webhook",
@@ -478,6 +480,63 @@ def record_attempt(
         )
         disabled = True
     return {"held": True, "disabled": disabled, "failures": failures}
+
+
+def record_successes(
+    connection: Connection, deliveries: list[dict[str, Any]], *, owner: str
+) -> bool:
+    """Mark several accepted deliveries ``succeeded`` in one transaction.
+
+    Each dict carries the delivery's ``id``, ``attempt_log``, and this attempt's
+    ``attempt_ms``, ``latency_ms`` and ``status_code``. Returns False (nothing written) when
+    the lease moved to another replica meanwhile.
+    """
+    if not deliveries:
+        return True
+    webhook_id = deliveries[0]["webhook_id"]
+    held = connection.execute(
+        update(webhooks).where(_held(webhook_id, owner)).values(consecutive_failures=0)
+    )
+    if not held.rowcount:
+        return False
+    rows = []
+    for d in deliveries:
+        log = orjson.loads(d["attempt_log"])
+        log.append(
+            {
+                "at_ms": d["attempt_ms"],
+                "status_code": d["status_code"],
+                "error": None,
+                "latency_ms": d["latency_ms"],
+            }
+        )
+        rows.append(
+            {
+                "b_id": d["id"],
+                "b_attempts": d["attempts"] + 1,
+                "b_at": d["attempt_ms"],
+                "b_code": d["status_code"],
+                "b_latency": d["latency_ms"],
+                "b_done": d["attempt_ms"] + d["latency_ms"],
+                "b_log": orjson.dumps(log[-ATTEMPT_LOG_SIZE:]).decode(),
+            }
+        )
+    connection.execute(
+        update(webhook_deliveries)
+        .where(webhook_deliveries.c.id == bindparam("b_id"))
+        .values(
+            status="succeeded",
+            attempts=bindparam("b_attempts"),
+            last_attempt_ms=bindparam("b_at"),
+            last_status_code=bindparam("b_code"),
+            last_error=None,
+            last_latency_ms=bindparam("b_latency"),
+            delivered_ms=bindparam("b_done"),
+            attempt_log=bindparam("b_log"),
+        ),
+        rows,
+    )
+    return True
 
 
 def list_deliveries(

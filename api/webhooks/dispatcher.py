@@ -58,6 +58,7 @@ class DispatchConfig:
     lease_s: float = 30.0
     gap_grace_s: float = 10.0
     batch: int = 100
+    record_batch: int = 50
 
     @classmethod
     def from_settings(cls, settings: Any) -> DispatchConfig:
@@ -223,25 +224,56 @@ class Dispatcher:
             await asyncio.to_thread(self._fan_out, webhook, self.safe_seq)
         due = await asyncio.to_thread(self._due, webhook_id)
         idle_s = max(self.config.lease_s / 3, self.config.poll_interval_s)
-        for delivery in due:
-            now_ms = int(time.time() * 1000)
-            if delivery["next_attempt_ms"] > now_ms:
-                return min((delivery["next_attempt_ms"] - now_ms) / 1000, idle_s)
-            current = self._held.get(webhook_id)
-            if current is None:
-                return None
-            result = await self._attempt(current, delivery)
-            outcome = await asyncio.to_thread(self._record, current, delivery, result)
-            if not outcome["held"] or outcome["disabled"]:
-                if outcome["disabled"]:
-                    log.warning(
-                        "webhook %s disabled after %d failures", webhook_id, outcome["failures"]
+        accepted: list[dict[str, Any]] = []  # recorded in batches: one commit, not one each
+        try:
+            for delivery in due:
+                now_ms = int(time.time() * 1000)
+                if delivery["next_attempt_ms"] > now_ms:
+                    return min((delivery["next_attempt_ms"] - now_ms) / 1000, idle_s)
+                current = self._held.get(webhook_id)
+                if current is None:
+                    return None
+                result = await self._attempt(current, delivery)
+                if result.ok:
+                    accepted.append(
+                        {
+                            **delivery,
+                            "attempt_ms": int(time.time() * 1000) - result.latency_ms,
+                            "latency_ms": result.latency_ms,
+                            "status_code": result.status_code,
+                        }
                     )
-                    self._held.pop(webhook_id, None)
-                return None
-            if not result.ok:
+                    full = len(accepted) >= self.config.record_batch
+                    if full and not await self._flush(accepted):
+                        return None
+                    continue
+                if not await self._flush(accepted):
+                    return None
+                outcome = await asyncio.to_thread(self._record, current, delivery, result)
+                if not outcome["held"] or outcome["disabled"]:
+                    if outcome["disabled"]:
+                        log.warning(
+                            "webhook %s disabled after %d failures", webhook_id, outcome["failures"]
+                        )
+                        self._held.pop(webhook_id, None)
+                    return None
                 return 0.0  # the next round waits for this delivery's retry time
+        finally:
+            # also when cancelled: what was accepted is recorded (else it is sent again)
+            await asyncio.shield(self._flush(accepted))
         return idle_s if len(due) < self.config.batch else 0.0
+
+    async def _flush(self, accepted: list[dict[str, Any]]) -> bool:
+        if not accepted:
+            return True
+        batch = list(accepted)
+        accepted.clear()
+
+        def write() -> bool:
+            with self.engine.begin() as connection:
+                return wstore.record_successes(connection, batch, owner=self.owner)
+
+        return await asyncio.to_thread(write)
 
     def _fan_out(self, webhook: dict[str, Any], up_to_seq: int) -> None:
         with self.engine.connect() as connection:
