@@ -8,7 +8,7 @@ keeps the threshold that the budget allows on *this* fleet:
 
 1. time is cut into blocks (``block_s``, 1 h); per GPU and block it keeps the highest score,
    so a GPU-block above the threshold is (at most) one alarm, whatever the alarm's length;
-2. a block becomes *healthy* time ``confirm_s`` (6 h) after it ends, unless its GPU failed
+2. a block becomes *healthy* time ``confirm_s`` (12 h) after it ends, unless its GPU failed
    meanwhile (:meth:`AlarmBudget.discard`): the hours before a failure are not what the
    budget is about, and a fleet with many failures must not raise its own threshold;
 3. the threshold is the score a healthy GPU-block exceeds with probability
@@ -18,8 +18,9 @@ keeps the threshold that the budget allows on *this* fleet:
    ln(share above u / wanted share)`` (peaks over threshold). Blocks are weighted down with a
    half-life (``half_life_days``), so the threshold follows a fleet that changes.
 
-Until ``min_blocks`` healthy GPU-blocks are seen (about 3,000 GPU-hours) the threshold is
-``fallback`` (e.g. the model card's).
+Until ``min_blocks`` healthy GPU-blocks are confirmed (500 GPU-hours) the threshold is
+provisional: the same fit over confirmed and not yet confirmed blocks (a failure discards its
+GPU's blocks from both), or ``fallback`` (e.g. the model card's) while even those are fewer.
 
 Example::
 
@@ -47,6 +48,15 @@ _CENTRES = (_EDGES[:-1] + _EDGES[1:]) / 2
 _EPS = 1e-12
 
 
+def _histogram(v: np.ndarray) -> np.ndarray:
+    bins = np.clip(np.searchsorted(_EDGES, v, side="right") - 1, 0, len(_CENTRES) - 1)
+    return np.bincount(bins, minlength=len(_CENTRES)).astype(np.float64)
+
+
+def _sigmoid(v: float) -> float:
+    return float(1.0 / (1.0 + math.exp(-v)))
+
+
 def logit(p: np.ndarray) -> np.ndarray:
     """log(p / (1 - p)) of scores in [0, 1] (clipped away from 0 and 1)."""
     q = np.clip(np.asarray(p, dtype=np.float64), _EPS, 1 - _EPS)
@@ -72,10 +82,10 @@ class AlarmBudget:
         *,
         fallback: float = 0.5,
         block_s: float = 3600.0,
-        confirm_s: float = 6 * 3600.0,
+        confirm_s: float = 12 * 3600.0,
         half_life_days: float = 14.0,
         tail_blocks: float = 30.0,
-        min_blocks: float = 3000.0,
+        min_blocks: float = 500.0,
     ) -> None:
         if false_alarms_per_1000_gpu_days <= 0:
             raise ValueError("the budget must be positive")
@@ -138,11 +148,7 @@ class AlarmBudget:
         while self._pending and self._pending[0][0] + self.confirm_ms <= now_ms:
             end_ms, values = self._pending.popleft()
             self._decay_to(end_ms)
-            v = values[np.isfinite(values)]
-            self._hist += np.bincount(
-                np.clip(np.searchsorted(_EDGES, v, side="right") - 1, 0, len(_CENTRES) - 1),
-                minlength=len(_CENTRES),
-            )
+            self._hist += _histogram(values[np.isfinite(values)])
             changed = True
         if changed:
             self._threshold = None
@@ -161,20 +167,28 @@ class AlarmBudget:
 
     @property
     def warm(self) -> bool:
-        """Whether the threshold is the fleet's own (else the fallback)."""
+        """Whether the threshold stands on confirmed healthy time only."""
         return self.healthy_blocks >= self.min_blocks
 
     @property
     def threshold(self) -> float:
         """The alarm threshold on the score scale (alarm: score >= threshold)."""
-        if not self.warm:
+        if self.warm:
+            if self._threshold is None:
+                self._threshold = _sigmoid(self._tail_level(self._hist))
+            return self._threshold
+        provisional = self._hist + self._pending_hist()
+        if provisional.sum() < self.min_blocks:
             return self.fallback
-        if self._threshold is None:
-            self._threshold = float(1.0 / (1.0 + math.exp(-self._tail_level())))
-        return self._threshold
+        return _sigmoid(self._tail_level(provisional))
 
-    def _tail_level(self) -> float:
-        h = self._hist
+    def _pending_hist(self) -> np.ndarray:
+        if not self._pending:
+            return np.zeros(len(_CENTRES))
+        v = np.concatenate([values[np.isfinite(values)] for _, values in self._pending])
+        return _histogram(v)
+
+    def _tail_level(self, h: np.ndarray) -> float:
         n = h.sum()
         above = np.cumsum(h[::-1])[::-1]  # weight at or above each bin
         k = max(self.tail_blocks, 20.0 * self.share * n)

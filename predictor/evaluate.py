@@ -15,6 +15,7 @@ per row:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,8 +114,30 @@ class ScoreTable:
         return onset, episode, ~true
 
 
-def metrics(table: ScoreTable, column: str, threshold: float) -> dict[str, Any]:
-    """Every figure of one scorer at one threshold (see the module docstring)."""
+LEAD_BUCKETS_S: tuple[tuple[str, float, float], ...] = (
+    ("< 10 min", 0.0, 600.0),
+    ("10-30 min", 600.0, 1800.0),
+    ("30 min-2 h", 1800.0, 7200.0),
+    ("2-8 h", 7200.0, 28800.0),
+    ("> 8 h", 28800.0, np.inf),
+)
+"""Buckets of a failure's precursor lead (onset of its precursors to the failure)."""
+AHEAD_S: tuple[tuple[str, float], ...] = (("2 min", 120), ("10 min", 600), ("30 min", 1800))
+"""Marks for "caught at least this far ahead" (share of failures with precursors)."""
+
+
+def metrics(
+    table: ScoreTable,
+    column: str,
+    threshold: float,
+    *,
+    cause: str | None = None,
+    causes: Sequence[str] = (),
+) -> dict[str, Any]:
+    """Every figure of one scorer at one threshold (see the module docstring).
+
+    ``cause``: a row column holding, per row, an index into ``causes`` (what made the score,
+    NaN when unknown); false alarms are then counted by the cause at their onset."""
     p = table.params
     onset, episode, false = table.alarms(column, threshold)
     f = table.failures
@@ -135,6 +158,28 @@ def metrics(table: ScoreTable, column: str, threshold: float) -> dict[str, Any]:
     def recall(mask: np.ndarray) -> float | None:
         return float(caught[mask].mean()) if mask.any() else None
 
+    plead = (
+        f["precursor_lead_s"].to_numpy(np.float64)
+        if "precursor_lead_s" in f
+        else np.full(len(f), np.nan)
+    )
+    by_lead: dict[str, Any] = {}
+    for name, lo, hi in LEAD_BUCKETS_S:
+        m = prec & (plead >= lo) & (plead < hi)
+        by_lead[name] = {"failures": int(m.sum()), "caught": int((caught & m).sum())}
+        by_lead[name]["recall"] = recall(m)
+    ahead = {
+        name: (float((caught & prec & (lead_of >= s)).sum() / prec.sum()) if prec.any() else None)
+        for name, s in AHEAD_S
+    }
+    false_by_cause: dict[str, int] = {}
+    if cause is not None and len(onset):
+        codes = table.rows[cause].to_numpy(np.float64)[onset[false]]
+        for c in codes:
+            key = (
+                causes[int(c)] if np.isfinite(c) and 0 <= int(c) < len(causes) else "not attributed"
+            )
+            false_by_cause[key] = false_by_cause.get(key, 0) + 1
     by_kind: dict[str, Any] = {}
     for kind in sorted(set(f["kind"])):
         m = (f["kind"] == kind).to_numpy()
@@ -167,6 +212,9 @@ def metrics(table: ScoreTable, column: str, threshold: float) -> dict[str, Any]:
         "lead_min_s": p.lead_min_s,
         "horizon_s": p.horizon_s,
         "by_kind": by_kind,
+        "recall_by_precursor_lead": by_lead,
+        "caught_at_least_ahead": ahead,
+        "false_alarms_by_cause": dict(sorted(false_by_cause.items(), key=lambda kv: -kv[1])),
     }
 
 

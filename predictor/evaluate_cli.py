@@ -34,6 +34,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--threshold", type=float, default=None, help="override the card's")
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=2.0,
+        help="false alarms per 1,000 GPU-days met live on the fleet's own scores "
+        "(predictor.budget; 0: skip; default %(default)s)",
+    )
     parser.add_argument("--step-s", type=float, default=None, help="replay step (card's)")
     parser.add_argument("--horizon-s", type=float, default=1800.0, help="H, seconds")
     parser.add_argument("--lead-min-s", type=float, default=120.0, help="L, seconds")
@@ -71,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
                 ds,
                 model,
                 threshold=args.threshold,
+                budget=args.budget or None,
                 step_s=step_s,
                 params=params,
                 progress=lambda n: _tick(bar),

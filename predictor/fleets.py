@@ -4,6 +4,11 @@
 :data:`EVALUATION` under ``OUT_DIR`` (each one a dataset directory, ``docs/datasets.md``),
 skipping those already there. The same seeds give the same bytes.
 
+Mechanism-randomised fleets (``setting="mechanism"``) draw, besides every ``[ranges]`` number,
+the *shape* of each failure physics and a random set of benign look-alikes
+(:mod:`sim.shapes`), never one of ``exclude`` (leave-one-family-out, :mod:`predictor.lofo`);
+``setting="families"`` makes a fleet with the default numbers and exactly ``families``.
+
 Training fleets only: the failure rate is raised tenfold (``hazard.fleet_mttf_h`` 7.9 h ->
 0.79 h at 1,024 GPUs) so that a fleet-week holds a few hundred failures instead of ~20; the
 physics of each failure and of the benign noise is unchanged. Randomised fleets draw every
@@ -20,8 +25,11 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from sim import generate_dataset, load_params, randomised
 from sim.config import Params
+from sim.shapes import draw, with_families
 
 __all__ = ["EVALUATION", "TRAINING", "Fleet", "make"]
 
@@ -31,7 +39,9 @@ MIN_RANDOMISED_INTERVAL_S = 30.0
 
 @dataclass(frozen=True)
 class Fleet:
-    """One simulated fleet: ``setting`` "default" or "randomised" (drawn from ``seed``)."""
+    """One simulated fleet: ``setting`` "default", "randomised" (numbers drawn from
+    ``seed``), "mechanism" (numbers and shapes drawn, never ``exclude``) or "families"
+    (default numbers, exactly ``families``)."""
 
     name: str
     setting: str
@@ -39,23 +49,35 @@ class Fleet:
     gpus: int = 1024
     days: float = 7.0
     mttf_h: float | None = None  # None: the calibrated rate
+    families: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+    interval_s: float | None = None  # None: the setting's own
 
     def params(self) -> tuple[Params, float]:
         """Simulator parameters and sampling period."""
-        if self.setting == "default":
+        if self.setting in ("default", "families"):
             over = {} if self.mttf_h is None else {"hazard.fleet_mttf_h": self.mttf_h}
-            return load_params(overrides=over), 60.0
+            p = with_families(load_params(overrides=over), self.families)
+            return p, self.interval_s or 60.0
         p = randomised(self.seed)
+        if self.setting == "mechanism":
+            rng = np.random.default_rng([self.seed, 0xFA])
+            p = with_families(p, self.families or draw(rng, exclude=self.exclude))
         if self.mttf_h is not None:
             p["hazard"]["fleet_mttf_h"] = self.mttf_h
-        return p, max(float(p["sampling"]["interval_s"]), MIN_RANDOMISED_INTERVAL_S)
+        interval = max(float(p["sampling"]["interval_s"]), MIN_RANDOMISED_INTERVAL_S)
+        return p, self.interval_s or interval
 
 
 TRAINING: tuple[Fleet, ...] = (
-    Fleet("tr-default-s1001", "default", 1001, mttf_h=TRAINING_MTTF_H),
-    Fleet("tr-default-s1002", "default", 1002, mttf_h=TRAINING_MTTF_H),
-    *(Fleet(f"tr-rand-s{s}", "randomised", s, mttf_h=TRAINING_MTTF_H) for s in range(2001, 2005)),
+    Fleet("tr-default-s1001", "default", 1001, days=2.0, mttf_h=TRAINING_MTTF_H),
+    *(
+        Fleet(f"tr-mech-s{s}", "mechanism", s, days=2.0, mttf_h=TRAINING_MTTF_H, interval_s=60.0)
+        for s in range(3001, 3005)
+    ),
 )
+"""The default model's fleets: one at the default shapes, four mechanism-randomised (every
+family of :mod:`sim.shapes` can be drawn), 1,024 GPUs for 2 days each."""
 EVALUATION: tuple[Fleet, ...] = (
     Fleet("eval-default-s4242", "default", 4242, gpus=2048),
     Fleet("eval-rand-s777", "randomised", 777),

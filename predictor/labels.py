@@ -26,8 +26,18 @@ def failure_table(failures: pd.DataFrame, gpus_per_node: int = 8) -> pd.DataFram
     """Failures with one row per GPU: ``ts_ms``, ``node``, ``gpu``, ``kind``,
     ``has_precursors``, ``recovered_ts_ms`` (float ms, NaN = never), ``in_window`` (False for
     failures the simulator drew just outside the data: they still label the rows before them
-    but are not counted by the evaluation), sorted by time."""
-    cols = ["ts_ms", "node", "gpu", "kind", "has_precursors", "recovered_ts_ms", "in_window"]
+    but are not counted by the evaluation), ``precursor_lead_s`` (from the onset of its
+    precursors to the failure; NaN when unknown), sorted by time."""
+    cols = [
+        "ts_ms",
+        "node",
+        "gpu",
+        "kind",
+        "has_precursors",
+        "recovered_ts_ms",
+        "in_window",
+        "precursor_lead_s",
+    ]
     if failures is None or not len(failures):
         return pd.DataFrame({c: pd.Series(dtype=object) for c in cols})
     f = failures.copy()
@@ -37,6 +47,8 @@ def failure_table(failures: pd.DataFrame, gpus_per_node: int = 8) -> pd.DataFram
         f["in_window"] = True
     if "recovered_ts_ms" not in f:
         f["recovered_ts_ms"] = np.nan
+    if "precursor_onset_ts_ms" not in f:
+        f["precursor_onset_ts_ms"] = np.nan
     gpu = pd.to_numeric(f["gpu"], errors="coerce")
     whole = f[gpu.isna()]
     f = f[gpu.notna()].assign(gpu=gpu[gpu.notna()].astype(np.int64))
@@ -55,6 +67,11 @@ def failure_table(failures: pd.DataFrame, gpus_per_node: int = 8) -> pd.DataFram
             .astype(np.float64)
             .to_numpy(),
             "in_window": f["in_window"].astype(bool).to_numpy(),
+            "precursor_lead_s": (
+                f["ts_ms"].astype(np.float64)
+                - pd.to_numeric(f["precursor_onset_ts_ms"], errors="coerce").astype(np.float64)
+            ).to_numpy()
+            / 1000.0,
         }
     )
     return out.sort_values("ts_ms", kind="stable").reset_index(drop=True)

@@ -18,9 +18,15 @@ import numpy as np
 import pandas as pd
 
 from predictor import baseline, evaluate
+from predictor.budget import AlarmBudget, logit, replay
 from predictor.dataset import Dataset
+from predictor.features import FEATURES
 from predictor.model import RiskModel
 from predictor.scored import Scored, score_dataset
+
+CAUSES: tuple[str, ...] = tuple(sorted({f.subject for f in FEATURES}))
+"""What an alarm is blamed on: the subject of the feature that pushed its score up most."""
+_SUBJECT = np.array([CAUSES.index(f.subject) for f in FEATURES])
 
 __all__ = ["Report", "evaluate_dataset", "format_table", "plot_curves"]
 
@@ -46,32 +52,91 @@ def _best_recall_within(points: pd.DataFrame, max_fa: float) -> dict[str, Any]:
     }
 
 
+def raw_threshold(model: RiskModel) -> float:
+    """The card's alarm threshold on the booster's own scale (the budget's fallback)."""
+    raw = model.card.get("raw_threshold")
+    if raw is not None:
+        return float(raw)
+    x, y = model.calibration_x, model.calibration_y
+    if len(x) and y.max() >= model.threshold:
+        return float(x[int(np.argmax(y >= model.threshold))])
+    return float(model.threshold)
+
+
+def _scorers(model: RiskModel, cause_floor: float) -> dict[str, Callable[[np.ndarray], Any]]:
+    """The booster's score, and the cause of every score above ``cause_floor`` (the subject
+    of the feature with the largest attribution), sharing one prediction per batch."""
+    last: dict[str, Any] = {}
+
+    def raw(x: np.ndarray) -> np.ndarray:
+        last["x"], last["raw"] = x, model.raw(x)
+        return np.asarray(last["raw"])
+
+    def cause(x: np.ndarray) -> np.ndarray:
+        r = last["raw"] if last.get("x") is x else model.raw(x)
+        out = np.full(len(x), np.nan)
+        hot = np.flatnonzero(r >= cause_floor)
+        cap = max(len(x) // 50, 1)  # attributions cost: at most the top 2 % of a batch
+        if len(hot) > cap:
+            hot = hot[np.argsort(r[hot])[-cap:]]
+        if len(hot):
+            contrib = model.contributions(x[hot])[:, :-1]
+            out[hot] = _SUBJECT[np.argmax(contrib, axis=1)]
+        return out
+
+    return {"model_raw": raw, "cause": cause}
+
+
+def _at_rate(table: evaluate.ScoreTable, column: str, curve: pd.DataFrame, fa: float) -> Any:
+    """Figures of ``column`` at its best threshold within ``fa`` false alarms (None: none)."""
+    ok = curve[curve["false_alarms_per_1000_gpu_days"] <= fa + 1e-9]
+    if not len(ok):
+        return None
+    thr = evaluate.choose_threshold(ok, fa)
+    return evaluate.metrics(table, column, thr)
+
+
 def evaluate_dataset(
     dataset: Dataset,
     model: RiskModel,
     *,
     threshold: float | None = None,
+    budget: float | None = 2.0,
     step_s: float = 60.0,
     params: evaluate.Params | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> Report:
-    """Model and baseline figures on one dataset (the model at its card's threshold)."""
+    """Model and baseline figures on one dataset: the model at its card's threshold (or
+    ``threshold``), and with ``budget`` false alarms per 1,000 GPU-days met live by an
+    :class:`AlarmBudget` (each step judged by the threshold known before it), beside the
+    same budget in hindsight and the rules at the same false-alarm rate."""
     params = params or evaluate.Params()
     thr = model.threshold if threshold is None else float(threshold)
+    raw_thr = raw_threshold(model)
     scored = score_dataset(
-        dataset, {"model": model.risk}, step_s=step_s, horizon_s=params.horizon_s, progress=progress
+        dataset,
+        _scorers(model, 0.5 * raw_thr),
+        step_s=step_s,
+        horizon_s=params.horizon_s,
+        progress=progress,
     )
+    scored.rows["model"] = model.calibrate(scored.rows["model_raw"].to_numpy())
     table = evaluate.ScoreTable(scored.rows, scored.failures, step_s=step_s, params=params)
-    m = evaluate.metrics(table, "model", thr)
+    m = evaluate.metrics(table, "model", thr, cause="cause", causes=CAUSES)
     b = evaluate.metrics(table, "baseline", baseline.THRESHOLD)
     m_curve = evaluate.curve(table, "model")
+    raw_curve = evaluate.curve(table, "model_raw")
     b_curve = evaluate.curve(table, "baseline", np.array([1.0, 2.0, 3.0, 4.0]))
     fa_base = b["false_alarms_per_1000_gpu_days"] or 0.0
+    at_base = _at_rate(table, "model_raw", raw_curve, fa_base)
     summary = {
         "model": m,
         "baseline": b,
         "threshold": thr,
         "model_at_baseline_false_alarm_rate": _best_recall_within(m_curve, fa_base),
+        "model_at_baseline_false_alarm_rate_by_kind": None
+        if at_base is None
+        else at_base["by_kind"],
         "dataset": {
             "path": str(dataset.path),
             "seed": dataset.manifest.get("seed"),
@@ -82,7 +147,43 @@ def evaluate_dataset(
         "step_s": step_s,
         "model_card": {k: model.card.get(k) for k in ("created_at", "forewarn_version")},
     }
+    if budget is not None:
+        summary.update(_budget_figures(table, scored, raw_curve, b_curve, budget, raw_thr))
     return Report(summary, m_curve, b_curve, scored)
+
+
+def _budget_figures(
+    table: evaluate.ScoreTable,
+    scored: Scored,
+    raw_curve: pd.DataFrame,
+    b_curve: pd.DataFrame,
+    budget: float,
+    fallback: float,
+) -> dict[str, Any]:
+    rows = table.rows
+    f = scored.failures[scored.failures["slot"] >= 0]
+    live = AlarmBudget(budget, fallback=fallback)
+    thr = replay(
+        live,
+        rows["ts_ms"].to_numpy(),
+        rows["slot"].to_numpy(),
+        rows["model_raw"].to_numpy(),
+        failures=(f["ts_ms"].to_numpy(np.int64), f["slot"].to_numpy(np.int64)),
+    )
+    rows["model_budget"] = logit(rows["model_raw"].to_numpy()) - logit(thr)
+    at_budget = evaluate.metrics(table, "model_budget", 0.0, cause="cause", causes=CAUSES)
+    at_budget["threshold_final"] = live.threshold
+    at_budget["budget"] = live.summary()
+    hindsight_thr = evaluate.choose_threshold(raw_curve, budget)
+    hindsight = evaluate.metrics(table, "model_raw", hindsight_thr)
+    realised = at_budget["false_alarms_per_1000_gpu_days"] or 0.0
+    rules = _at_rate(table, "baseline", b_curve, max(realised, budget))
+    return {
+        "budget": budget,
+        "model_at_budget": at_budget,
+        "model_at_budget_hindsight": hindsight,
+        "baseline_at_budget": rules,
+    }
 
 
 def _pct(v: float | None) -> str:
@@ -131,7 +232,43 @@ def format_table(summary: dict[str, Any]) -> str:
             f"{mk.get('caught', 0):4d} {_pct(mk.get('recall')):>8} "
             f"{bk.get('caught', 0):4d} {_pct(bk.get('recall')):>8}"
         )
+    lines += ["", "failures with precursors, by how long their precursors ran (model):"]
+    for name, d in m.get("recall_by_precursor_lead", {}).items():
+        lines.append(f"  {name:12} {d['caught']:4d} / {d['failures']:<4d} {_pct(d['recall'])}")
+    ahead = m.get("caught_at_least_ahead", {})
+    if ahead:
+        lines.append(
+            "caught at least this far ahead: "
+            + ", ".join(f"{k} {_pct(v).strip()}" for k, v in ahead.items())
+        )
+    if "model_at_budget" in summary:
+        lines += ["", *_budget_lines(summary)]
+    causes = (summary.get("model_at_budget") or m).get("false_alarms_by_cause", {})
+    if causes:
+        lines += ["", "false alarms by cause (the signal that pushed the score most):"]
+        lines += [f"  {k:28} {v:5d}" for k, v in causes.items()]
     return "\n".join(lines)
+
+
+def _budget_lines(summary: dict[str, Any]) -> list[str]:
+    live, hind = summary["model_at_budget"], summary["model_at_budget_hindsight"]
+    rules = summary.get("baseline_at_budget")
+    out = [
+        f"alarm budget {summary['budget']:g} false alarms / 1,000 GPU-days, met live on this "
+        f"fleet's own scores (final threshold {live['threshold_final']:.4f}):",
+        f"  live       recall w/ prec {_pct(live['recall_with_precursors'])}, "
+        f"FA/1k GPU-d {_num(live['false_alarms_per_1000_gpu_days'], 6, 2).strip()}",
+        f"  hindsight  recall w/ prec {_pct(hind['recall_with_precursors'])}, "
+        f"FA/1k GPU-d {_num(hind['false_alarms_per_1000_gpu_days'], 6, 2).strip()}",
+    ]
+    if rules is None:
+        out.append("  rules      no rule setting stays within that false-alarm rate")
+    else:
+        out.append(
+            f"  rules      recall w/ prec {_pct(rules['recall_with_precursors'])}, "
+            f"FA/1k GPU-d {_num(rules['false_alarms_per_1000_gpu_days'], 6, 2).strip()}"
+        )
+    return out
 
 
 def plot_curves(report: Report, path: str | Path) -> Path:

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from forewarn.cli import main
 
 
+@pytest.mark.timeout(360)  # trains, then replays the fleet twice: slow on a busy machine
 def test_train_then_evaluate_json_and_png(tiny_dir, tmp_path, capsys) -> None:
     out = tmp_path / "models"
     assert (
@@ -36,6 +39,12 @@ def test_train_then_evaluate_json_and_png(tiny_dir, tmp_path, capsys) -> None:
         ):
             assert key in report[side]
     assert report["model"]["failures"] >= 7
+    assert set(report["model"]["recall_by_precursor_lead"]) >= {"10-30 min", "2-8 h"}
+    assert set(report["model"]["caught_at_least_ahead"]) == {"2 min", "10 min", "30 min"}
+    live = report["model_at_budget"]
+    assert live["budget"]["false_alarms_per_1000_gpu_days"] == 2.0
+    assert isinstance(live["false_alarms_by_cause"], dict)
+    assert "model_at_budget_hindsight" in report
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (
         main(
@@ -47,6 +56,8 @@ def test_train_then_evaluate_json_and_png(tiny_dir, tmp_path, capsys) -> None:
                 str(out),
                 "--plot",
                 "",
+                "--budget",
+                "0",
                 "--no-progress",
             ]
         )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from predictor.fleets import EVALUATION, TRAINING, Fleet, make
 from sim import default_params
+from sim.shapes import families
 
 
 def test_training_fleets_fail_more_and_evaluation_fleets_keep_the_calibrated_rate() -> None:
@@ -17,7 +18,18 @@ def test_training_fleets_fail_more_and_evaluation_fleets_keep_the_calibrated_rat
         assert params["hazard"]["fleet_mttf_h"] == calibrated
     assert {f.seed for f in TRAINING}.isdisjoint({f.seed for f in EVALUATION})
     settings = {f.setting for f in TRAINING}
-    assert settings == {"default", "randomised"}
+    assert settings == {"default", "mechanism"}
+    drawn = {fam for f in TRAINING for fam in families(f.params()[0])}
+    assert {"memory:bursts", "thermal:step"} & drawn and any(d.startswith("benign:") for d in drawn)
+
+
+def test_mechanism_fleets_never_draw_an_excluded_family() -> None:
+    held = ("memory:bursts", "thermal:step", "benign:hot_nodes")
+    for seed in range(20):
+        params, _ = Fleet("x", "mechanism", seed, exclude=held).params()
+        assert not set(held) & set(families(params))
+    params, _ = Fleet("y", "families", 1, families=held).params()
+    assert set(held) <= set(families(params))
 
 
 def test_make_writes_a_dataset_once(tmp_path) -> None:
