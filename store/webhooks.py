@@ -55,6 +55,7 @@ __all__ = [
     "create_webhook",
     "delete_webhook",
     "due_deliveries",
+    "events_by_seq",
     "events_to_fan_out",
     "get_webhook",
     "list_deliveries",
@@ -62,11 +63,13 @@ __all__ = [
     "max_outbox_seq",
     "outbox_seqs_after",
     "queue_deliveries",
+    "queue_late",
     "record_attempt",
     "record_successes",
     "release_webhooks",
     "rotate_secret",
     "update_webhook",
+    "wants",
     "webhook_deliveries",
     "webhooks",
 ]
@@ -323,6 +326,76 @@ def events_to_fan_out(
                 continue
         wanted.append(event)
     return wanted, new_cursor
+
+
+def wants(webhook: dict[str, Any], event: dict[str, Any]) -> bool:
+    """Whether ``webhook``'s filters take ``event`` (the same rule as the fan-out's query)."""
+    if event["type"] in ("webhook.test", "webhook.disabled"):
+        about = orjson.loads(event["data"]).get("webhook_id")
+        if (event["type"] == "webhook.test") != (about == webhook["id"]):
+            return False
+        if event["type"] == "webhook.test":
+            return True
+    types = webhook["event_types"]
+    return (
+        ("*" in types or event["type"] in types)
+        and (webhook["job_id"] is None or event["job_id"] == webhook["job_id"])
+        and (webhook["node"] is None or event["node"] == webhook["node"])
+    )
+
+
+def events_by_seq(connection: Connection, seqs: list[int]) -> list[dict[str, Any]]:
+    """The committed events among ``seqs``, oldest first."""
+    if not seqs:
+        return []
+    rows = connection.execute(select(outbox).where(outbox.c.seq.in_(seqs)).order_by(outbox.c.seq))
+    return [dict(r) for r in rows.mappings()]
+
+
+def queue_late(
+    connection: Connection, webhook: dict[str, Any], events: list[dict[str, Any]], *, owner: str
+) -> int:
+    """Queue events that committed after the cursor had passed their ``seq`` (PostgreSQL
+    assigns ``seq`` before commit, so a slow transaction can land behind the cursor).
+
+    Only events the subscription wants, at or below its cursor, and not already queued.
+    """
+    cursor = int(webhook["cursor_seq"])
+    late = [e for e in events if e["seq"] <= cursor and wants(webhook, e)]
+    held = connection.execute(
+        update(webhooks).where(_held(webhook["id"], owner)).values(updated_ms=webhooks.c.updated_ms)
+    )
+    if not late or not held.rowcount:
+        return 0
+    queued = set(
+        connection.execute(
+            select(webhook_deliveries.c.event_id).where(
+                webhook_deliveries.c.webhook_id == webhook["id"],
+                webhook_deliveries.c.event_id.in_([e["id"] for e in late]),
+            )
+        ).scalars()
+    )
+    fresh = [e for e in late if e["id"] not in queued]
+    now = _now_ms()
+    if fresh:
+        connection.execute(
+            insert(webhook_deliveries),
+            [
+                {
+                    "webhook_id": webhook["id"],
+                    "event_id": e["id"],
+                    "event_seq": e["seq"],
+                    "event_type": e["type"],
+                    "status": "pending",
+                    "attempts": 0,
+                    "created_ms": now,
+                    "next_attempt_ms": now,
+                    "attempt_log": "[]",
+                }
+                for e in fresh
+            ],
+        )
+    return len(fresh)
 
 
 def queue_deliveries(

@@ -4,7 +4,9 @@ Every service replica runs one :class:`Dispatcher` as a background task. Each ti
 
 1. finds how far the outbox is complete (``safe_seq``): on PostgreSQL a transaction may commit
    event 11 before event 10, so a gap in ``seq`` is waited on for ``gap_grace_s`` before it is
-   taken to be a rolled-back transaction and skipped;
+   passed; its ``seq`` values are watched for ``late_window_s`` more, and an event that
+   commits into one after all is still queued (out of order) for the subscriptions that want
+   it;
 2. takes or renews its lease on every enabled subscription no live replica holds
    (:func:`store.webhooks.claim_webhooks`), so a subscription is served by one replica and an
    event is delivered by one of them; a crashed replica's leases expire after ``lease_s``;
@@ -57,6 +59,7 @@ class DispatchConfig:
     poll_interval_s: float = 0.2
     lease_s: float = 30.0
     gap_grace_s: float = 10.0
+    late_window_s: float = 600.0
     batch: int = 100
     record_batch: int = 50
 
@@ -122,6 +125,7 @@ class Dispatcher:
         self.owner = owner or f"dispatch-{secrets.token_hex(6)}"
         self.safe_seq: int | None = None
         self._gaps: dict[int, float] = {}
+        self._late: dict[int, float] = {}  # seqs passed over while uncommitted -> when
         self._held: dict[str, dict[str, Any]] = {}
         self._workers: dict[str, asyncio.Task[None]] = {}
         self._wake: dict[str, asyncio.Event] = {}
@@ -144,6 +148,8 @@ class Dispatcher:
         advanced = await asyncio.to_thread(self._advance_safe_seq)
         held = await asyncio.to_thread(self._claim)
         self._held = {w["id"]: w for w in held}
+        if self._late:
+            await asyncio.to_thread(self._queue_late)
         for webhook_id in list(self._workers):
             if webhook_id not in self._held or self._workers[webhook_id].done():
                 task = self._workers.pop(webhook_id)
@@ -194,10 +200,26 @@ class Dispatcher:
                 first_seen = self._gaps.setdefault(self.safe_seq + 1, now)
                 if now - first_seen < self.config.gap_grace_s:
                     break  # an earlier transaction may still commit into the gap
-                log.info("outbox seq %d..%d never committed; skipped", self.safe_seq + 1, seq - 1)
+                log.info("outbox seq %d..%d not committed; passed", self.safe_seq + 1, seq - 1)
+                if seq - self.safe_seq <= 10_000:
+                    self._late.update(dict.fromkeys(range(self.safe_seq + 1, seq), now))
             self.safe_seq = seq
         self._gaps = {k: v for k, v in self._gaps.items() if k > self.safe_seq}
         return self.safe_seq != before
+
+    def _queue_late(self) -> None:
+        now = time.monotonic()
+        self._late = {s: t for s, t in self._late.items() if now - t < self.config.late_window_s}
+        with self.engine.connect() as connection:
+            events = wstore.events_by_seq(connection, sorted(self._late))
+        if not events:
+            return
+        for webhook in self._held.values():
+            with self.engine.begin() as connection:
+                wstore.queue_late(connection, webhook, events, owner=self.owner)
+        for event in events:
+            self._late.pop(event["seq"], None)
+            log.info("outbox event %s committed late; queued", event["id"])
 
     # A subscription's worker ------------------------------------------------------------
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import orjson
+import pytest
 from standardwebhooks import Webhook
 
 from store import Store
@@ -207,3 +208,35 @@ def test_replicas_deliver_each_event_once(store: Store, receiver: Receiver) -> N
 
 def _url(record) -> str:  # type: ignore[no-untyped-def]
     return f"http://127.0.0.1:{record.headers['host'].split(':')[1]}{record.path}"
+
+
+def test_an_event_committed_behind_the_cursor_is_still_delivered(
+    store: Store, receiver: Receiver
+) -> None:
+    """PostgreSQL numbers an event when it is written, not when it commits: a slow transaction
+    can commit an event below seqs already delivered. It is delivered all the same."""
+    from store.outbox import emit_event
+
+    if store.dialect == "sqlite":
+        pytest.skip("SQLite has one writer: events commit in seq order")
+    receiver.start()
+    subscribe(store, receiver.url)
+    slow = store.engine.connect()
+    slow_tx = slow.begin()
+    late_id = emit_event(slow, "migration.failed", {"n": 0}, job_id="j")
+    early_id = emit(store, "migration.completed", n=1)
+
+    def commit_once_the_later_event_is_through() -> None:
+        if early_id in receiver.ids() and slow_tx.is_active:
+            slow_tx.commit()
+
+    config = dataclasses.replace(FAST, gap_grace_s=0.2)
+    try:
+        run_dispatchers(
+            [make_dispatcher(store, config)],
+            lambda: late_id in receiver.ids(),
+            during=commit_once_the_later_event_is_through,
+        )
+    finally:
+        slow.close()
+    assert receiver.ids() == [early_id, late_id]
