@@ -296,12 +296,17 @@ class ProcessWriter:
     def _start(self) -> _Child:
         args = [self._url, str(self._lock_path or ""), str(self._max_rows)]
         code = "import sys; from store.writer import _child_main; _child_main(sys.argv[1:])"
+        # The child keeps the parent's working directory, so that a relative SQLite URL names
+        # the same file; the package's parent goes on its path, so ``store`` imports from a
+        # source tree too.
+        paths = [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]
+        path = os.pathsep.join(p for p in paths if p)
         process = subprocess.Popen(
             [sys.executable, "-c", code, *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             bufsize=0,
-            cwd=str(Path(__file__).resolve().parents[1]),
+            env={**os.environ, "PYTHONPATH": path},
         )
         self._child = child = _Child(process, queue.SimpleQueue(), {})
         threading.Thread(
