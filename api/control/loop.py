@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 from prometheus_client import Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
 
 from api.control import orchestrator
 from api.control.leader import Leadership
@@ -43,6 +44,9 @@ from store.outbox import emit_event
 __all__ = ["ArrivalCursor", "ControlLoop", "GpuState"]
 
 log = logging.getLogger("forewarn.control")
+
+REFRESH_MS = 30_000
+"""A GPU's stored score is rewritten at least this often even when nothing in it changed."""
 
 FATAL_EVENT_KINDS = frozenset({"gpu_lost", "power_loss", "thermal_shutdown"})
 
@@ -92,6 +96,9 @@ class GpuState:
     failed: bool = False
     history_ms: int = 0
     last_alarm: bool = False
+    crossed_ms: int | None = None
+    written: tuple[Any, ...] = ()
+    written_ms: int = 0
 
 
 class ControlLoop:
@@ -138,14 +145,10 @@ class ControlLoop:
         self.ticks = 0
         self.last_tick_s = 0.0
         self.last_phases: dict[str, float] = {}
-        self.risk_gauge = self.tick_hist = self.leader_gauge = None
+        self.tick_hist = self.leader_gauge = None
+        self._latest: tuple[list[str], list[int], list[float]] = ([], [], [])
         if registry is not None:
-            self.risk_gauge = Gauge(
-                "forewarn_gpu_risk",
-                "Latest risk score per GPU.",
-                ["node", "gpu"],
-                registry=registry,
-            )
+            registry.register(_RiskCollector(self))
             self.tick_hist = Histogram(
                 "forewarn_scorer_tick_seconds",
                 "Duration of one control-loop tick (read, score, decide, write).",
@@ -204,6 +207,7 @@ class ControlLoop:
                     failed=row["failed"],
                     history_ms=row["scored_ms"],
                     last_alarm=row["alarm"],
+                    crossed_ms=row["crossed_ms"],
                 )
         self.samples = ArrivalCursor(sample_top)
         self.events = ArrivalCursor(event_top)
@@ -371,22 +375,31 @@ class ControlLoop:
                         {"node": node, "gpu": int(gpu), "cause": failed_now[key]},
                         node=node,
                     )
-                rows.append(
-                    {
-                        "node": node,
-                        "gpu": int(gpu),
-                        "risk": float(risk),
-                        "alarm": bool(alarm),
-                        "reasons": db.dumps(reasons),
-                        "scored_ms": now_ms,
-                        "last_seen_ms": int(last_ms),
-                        "stale": stale,
-                        "streak": st.streak,
-                        "crossed": st.crossed,
-                        "crossed_ms": now_ms if st.crossed else None,
-                        "failed": st.failed,
-                    }
-                )
+                if st.crossed and st.crossed_ms is None:
+                    st.crossed_ms = now_ms
+                elif not st.crossed:
+                    st.crossed_ms = None
+                # Most scores repeat (the calibration map is a step function): a row is written
+                # when anything in it changed, and at least every REFRESH_MS.
+                shown = (float(risk), bool(alarm), stale, st.streak, st.crossed, st.failed)
+                if shown != st.written or now_ms - st.written_ms >= REFRESH_MS or reasons:
+                    st.written, st.written_ms = shown, now_ms
+                    rows.append(
+                        {
+                            "node": node,
+                            "gpu": int(gpu),
+                            "risk": float(risk),
+                            "alarm": bool(alarm),
+                            "reasons": db.dumps(reasons),
+                            "scored_ms": now_ms,
+                            "last_seen_ms": int(last_ms),
+                            "stale": stale,
+                            "streak": st.streak,
+                            "crossed": st.crossed,
+                            "crossed_ms": st.crossed_ms,
+                            "failed": st.failed,
+                        }
+                    )
                 if (
                     alarm != st.last_alarm
                     or now_ms - st.history_ms >= self.history_interval_s * 1000
@@ -402,8 +415,6 @@ class ControlLoop:
                     )
                     st.history_ms = now_ms
                 st.last_alarm = bool(alarm)
-                if self.risk_gauge is not None:
-                    self.risk_gauge.labels(node, str(gpu)).set(float(risk))
         for key, what in failed_now.items():  # a GPU the scorer has not seen yet
             st = self.gpus.setdefault(key, GpuState())
             if not st.failed:
@@ -411,6 +422,12 @@ class ControlLoop:
                 emit_event(
                     c, "gpu.failed", {"node": key[0], "gpu": key[1], "cause": what}, node=key[0]
                 )
+        if scores is not None:  # exported at scrape time (a gauge child per GPU costs a second)
+            self._latest = (
+                scores["node"].tolist(),
+                scores["gpu"].tolist(),
+                scores["risk"].tolist(),
+            )
         db.upsert_risk(c, rows)
         db.append_history(c, history)
         window_ms = policy.breaker_window_s * 1000
@@ -554,3 +571,21 @@ class ControlLoop:
     def _risk_of(self, c: Any, key: tuple[str, int]) -> dict[str, Any]:
         rows = [r for r in db.risk_rows(c, node=key[0]) if r["gpu"] == key[1]]
         return rows[0] if rows else {}
+
+
+class _RiskCollector:
+    """``forewarn_gpu_risk{node,gpu}`` from the loop's latest scores, built when scraped."""
+
+    def __init__(self, loop: ControlLoop) -> None:
+        self.loop = loop
+
+    def describe(self) -> list[Any]:
+        return [GaugeMetricFamily("forewarn_gpu_risk", "Latest risk score per GPU.")]
+
+    def collect(self) -> Any:
+        family = GaugeMetricFamily(
+            "forewarn_gpu_risk", "Latest risk score per GPU.", labels=["node", "gpu"]
+        )
+        for node, gpu, risk in zip(*self.loop._latest, strict=True):
+            family.add_metric([node, str(gpu)], risk)
+        yield family
