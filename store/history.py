@@ -17,13 +17,14 @@ so ``forewarn train --data HISTORY`` trains on the fleet's own data with no expo
 Failure labels come from the events that end a job: the fatal Xids (48, 63, 64, 74, 79, 94,
 95, 119, 120), ``gpu_lost``, ``thermal_shutdown``, ``link_down`` and ``power_loss`` (a node's
 event labels each of its GPUs). Events of one GPU within ten minutes of a failure belong to it;
-the next ``gpu_recovered`` event marks it back in service.
+the next ``gpu_recovered`` event marks it back in service. Whether the failure had precursors
+is the caller's judgement (the tiering task reads it from the rollups).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -61,6 +62,9 @@ _FATAL_EVENTS = {
     "power_loss": "power_loss",
 }
 _SAME_FAILURE_MS = 10 * 60_000
+
+Precursors = Callable[[str, int, int], bool]
+"""Whether GPU (node, gpu) showed warning signs before a failure at ts_ms."""
 
 
 def _part_name(start_ms: int) -> str:
@@ -149,19 +153,25 @@ class History:
                 removed += 1
         return removed
 
-    def write_labels(self, events: pd.DataFrame, gpus: pd.DataFrame) -> dict[str, Any]:
+    def write_labels(
+        self,
+        events: pd.DataFrame,
+        gpus: pd.DataFrame,
+        precursors: Precursors | None = None,
+    ) -> dict[str, Any]:
         """Refresh ``events.parquet``, ``failures.parquet`` and ``manifest.json``.
 
         Args:
             events: the store's events over the history's span (dataset event columns).
             gpus: the fleet's GPUs (``node``, ``gpu``, ``uuid``).
+            precursors: tells whether a failure's GPU showed warning signs before it.
         """
         parts = self.parts()
         start_ms = parts[0][0] if parts else 0
         end_ms = parts[-1][0] + 3_600_000 if parts else 0
         events = events[(events["ts_ms"] >= start_ms) & (events["ts_ms"] < end_ms)]
         events = events.astype(EVENT_DTYPES)
-        failures = failures_from_events(events, gpus, end_ms=end_ms)
+        failures = failures_from_events(events, gpus, end_ms=end_ms, precursors=precursors)
         with self.fs.open(self._path("events.parquet"), "wb") as f:
             events.to_parquet(f, index=False, compression="zstd")
         with self.fs.open(self._path("failures.parquet"), "wb") as f:
@@ -194,7 +204,11 @@ class History:
 
 
 def failures_from_events(
-    events: pd.DataFrame, gpus: pd.DataFrame, *, end_ms: int | None = None
+    events: pd.DataFrame,
+    gpus: pd.DataFrame,
+    *,
+    end_ms: int | None = None,
+    precursors: Precursors | None = None,
 ) -> pd.DataFrame:
     """Failure labels (``failures.parquet`` columns) from job-ending events.
 
@@ -202,6 +216,8 @@ def failures_from_events(
         events: event rows (``ts_ms``, ``node``, ``gpu``, ``kind``, ``xid``).
         gpus: ``node``, ``gpu``, ``uuid`` of the fleet (expands node-wide events).
         end_ms: the end of the history (recoveries after it are unknown).
+        precursors: ``(node, gpu, ts_ms) -> bool``, whether the GPU's telemetry warned before
+            the failure (``has_precursors``); default: never.
     """
     columns = list(FAILURE_DTYPES)
     records: list[dict[str, Any]] = events.to_dict("records")  # type: ignore[assignment]
@@ -241,7 +257,10 @@ def failures_from_events(
         _next(recovered, n, g, ts, end_ms)
         for n, g, ts in zip(table["node"], table["gpu"], table["ts_ms"], strict=True)
     ]
-    table["has_precursors"] = False
+    table["has_precursors"] = [
+        bool(precursors(n, int(g), int(ts))) if precursors is not None else False
+        for n, g, ts in zip(table["node"], table["gpu"], table["ts_ms"], strict=True)
+    ]
     table["trace_class"] = ""
     table["incident_id"] = table.groupby(["node", "ts_ms"]).ngroup().astype(np.int64)
     table["precursor_onset_ts_ms"] = pd.NA

@@ -438,7 +438,42 @@ def _refresh_labels(engine: Engine, history: History) -> None:
     columns = ["ts_ms", "node", "gpu", "kind", "xid", "message", "source"]
     events = events[columns] if len(events) else pd.DataFrame(columns=columns)
     events = events.sort_values(["ts_ms", "node"], kind="stable", ignore_index=True)
-    history.write_labels(events, gpus)
+
+    def precursors(node: str, gpu: int, ts_ms: int) -> bool:
+        with engine.connect() as c:
+            return had_precursors(c, node=node, gpu=gpu, ts_ms=ts_ms)
+
+    history.write_labels(events, gpus, precursors)
+
+
+_WARNING_COUNTERS = (
+    "ecc_sbe_volatile",
+    "ecc_dbe_volatile",
+    "remap_correctable",
+    "remap_uncorrectable",
+    "nvlink_crc_flit",
+    "nvlink_crc_data",
+    "nvlink_replay",
+    "nvlink_recovery",
+    "pcie_replay",
+)
+PRECURSOR_WINDOW_MS = 2 * SPAN_MS
+"""How far before a failure :func:`had_precursors` looks."""
+
+
+def had_precursors(connection: Connection, *, node: str, gpu: int, ts_ms: int) -> bool:
+    """Whether a GPU warned in the two hours before ``ts_ms``, by its rollups: an error
+    counter grew (ECC, row remaps, NVLink, PCIe replays), a row remap went pending, or its
+    temperature climbed by more than 10 °C."""
+    rolled = _chunks(
+        connection, since_ms=ts_ms - PRECURSOR_WINDOW_MS, until_ms=ts_ms, node=node, gpu=gpu
+    )
+    if not len(rolled):
+        return False
+    grew = rolled[[f"{c}_delta" for c in _WARNING_COUNTERS]].fillna(0).to_numpy().sum() > 0
+    pending = bool((rolled["remap_pending_max"].fillna(0) > 0).any())
+    heat = rolled["temp_gpu_c_max"].max() - rolled["temp_gpu_c_min"].min()
+    return bool(grew or pending or (heat == heat and heat > 10.0))
 
 
 # Reads -------------------------------------------------------------------------------------

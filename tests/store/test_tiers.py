@@ -353,3 +353,56 @@ def test_rows_a_spool_replays_after_the_roll_up_reach_the_rollups_when_archived(
     store.maintain_tiers(POLICY, now_ms=START + 2 * HOUR + 15 * MINUTE_MS)  # hour 0 archived
     want = expected_rollup(raw[raw["ts_ms"] < START + HOUR])
     assert_same_rollups(stored_minutes(store, START, START + HOUR), want)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_forewarn_train_reads_the_history_of_a_simulated_fleet(tmp_path: Path) -> None:
+    # SQLite only: the history written is the same on both backends (the tests above).
+    store = Store.open(f"sqlite:///{tmp_path / 'train.db'}")
+    from forewarn.cli import main
+    from predictor.dataset import load_dataset
+    from sim import generate_dataset
+    from tests.predictor.conftest import INJECTIONS
+
+    source = load_dataset(
+        generate_dataset(
+            tmp_path / "sim", gpus=32, days=0.5, interval_s=60.0, seed=11, injections=INJECTIONS
+        ).path
+    )
+    samples = pd.read_parquet(tmp_path / "sim" / "samples")
+    store.write(samples=rows_of(samples))
+    events = source.events
+    store.write(
+        events=[
+            (
+                e.node,
+                None if pd.isna(e.gpu) else int(e.gpu),
+                int(e.ts_ms),
+                e.kind,
+                None if pd.isna(e.xid) else int(e.xid),
+                e.message,
+                e.source,
+            )
+            for e in events.itertuples(index=False)
+        ]
+    )
+    end = int(samples["ts_ms"].max()) + 1
+    history = tmp_path / "history"
+    policy = tiers.TierPolicy(raw_window_s=60.0, history_url=str(history), max_hours_per_run=100)
+    store.maintain_tiers(policy, now_ms=partitions.floor(end, HOUR) + 2 * HOUR)
+    archived = pd.read_parquet(history / "samples")
+    pd.testing.assert_frame_equal(archived, samples.reset_index(drop=True), check_dtype=True)
+    derived = load_dataset(history).failures
+    truth = source.failures[source.failures["in_window"]]
+    # Every failure the simulator recorded with a job-ending event is labelled at its time.
+    assert set(zip(derived["node"], derived["gpu"], strict=True)) >= {
+        (n, g)
+        for n, g, k in zip(truth["node"], truth["gpu"], truth["kind"], strict=True)
+        if k in ("memory", "nvlink", "pcie", "gpu_lost")
+    }
+    out = tmp_path / "models"
+    args = ["train", "--data", str(history), "--out", str(out), "--rounds", "20", "--no-progress"]
+    store.close()
+    assert main(args) == 0
+    assert list(out.glob("*.lgb.txt"))
