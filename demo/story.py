@@ -234,6 +234,18 @@ class Story:
         data = self.get("/v1/migrations", job=JOB_ID)["data"]
         return [m for m in data if m["trigger"] == trigger]
 
+    def with_report(self, migration: dict[str, Any]) -> dict[str, Any]:
+        """The migration as the service has it, plus what the job agent measured (steps lost,
+        the stall its ranks saw) from the launcher's report file."""
+        path = self.job_dir / "reports.jsonl"
+        lines = path.read_text().splitlines() if path.exists() else []
+        for line in lines:
+            report = json.loads(line)
+            if report.get("migration_id") == migration["id"]:
+                measured = {k: v for k, v in report.items() if k not in migration}
+                return {**migration, **measured, "steps_lost": report.get("steps_lost", 0)}
+        return migration
+
     # -- the scenario ------------------------------------------------------------------------
 
     def start_parts(self) -> None:
@@ -300,7 +312,7 @@ class Story:
                      if m["state"] in ("completed", "failed", "cancelled")],
             c.step_timeout_s,
         )  # fmt: skip
-        m = done[0]
+        m = self.wait("the job's report", lambda: _reported(self.with_report(done[0])), 30)
         if m["state"] != "completed":
             raise StoryFailed(f"the preventive migration ended {m['state']}: {m.get('error')}")
         self.summary.preventive = m
@@ -313,6 +325,12 @@ class Story:
 
     def unplanned(self) -> None:
         """Rank 0's GPU dies without warning: its process dies with it."""
+        moved_at = int(self.summary.preventive.get("step") or 0)
+        self.wait(
+            "training to go on after the move",
+            lambda: max((step for _, step in _losses(self.job_dir)), default=0) >= moved_at + 20,
+            self.config.step_timeout_s,
+        )
         rank0 = self.ranks()[0]
         node, gpu, pid = rank0["node"], int(rank0["gpu"]), rank0.get("pid")
         if not pid:
@@ -328,7 +346,7 @@ class Story:
                      if m["rank"] == 0 and m["state"] in ("completed", "failed")],
             self.config.step_timeout_s,
         )  # fmt: skip
-        m = done[0]
+        m = self.wait("the job's report", lambda: _reported(self.with_report(done[0])), 30)
         if m["state"] != "completed":
             raise StoryFailed(f"the recovery of rank 0 ended {m['state']}: {m.get('error')}")
         finished = _epoch(m.get("finished_at")) or time.time()
@@ -390,6 +408,10 @@ def _final_loss(directory: Path) -> float | None:
     last = max(step for _, step in losses)
     values = [float.fromhex(v) for (_, step), v in losses.items() if step == last]
     return sum(values) / len(values)
+
+
+def _reported(migration: dict[str, Any]) -> dict[str, Any] | None:
+    return migration if "steps_lost" in migration else None
 
 
 def _epoch(iso: str | None) -> float | None:

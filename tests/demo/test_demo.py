@@ -37,6 +37,7 @@ def test_the_demo_tells_the_whole_story(tmp_path: Path) -> None:
     assert result.returncode == 0, f"{result.stdout}\n{result.stderr}\n{logs}"
     assert f"dashboard   http://127.0.0.1:{port}/" in result.stdout
     summary = json.loads(summary_path.read_text())
+    print(result.stdout, json.dumps(summary, indent=1))
     preventive, unplanned = summary["preventive"], summary["unplanned"]
     assert (preventive["trigger"], preventive["state"], preventive["rank"]) == (
         "preventive", "completed", 1,
