@@ -41,7 +41,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--data-dir", type=Path, default=None, help="default: FOREWARN_DATA_DIR or ./var"
     )
-    parser.add_argument("--steps", type=int, default=400, help="training steps of the job")
+    parser.add_argument("--steps", type=int, default=600, help="training steps of the job")
     parser.add_argument(
         "--threshold", type=float, default=None, help="policy risk threshold (default: model's)"
     )

@@ -58,7 +58,7 @@ class Config:
     """The simulator's failure-injection API; 0: any free port."""
     gpus: int = 256
     speed: float = 30.0
-    steps: int = 400
+    steps: int = 600
     pace_s: float = 0.25
     wear_lead_s: float = 90.0
     """Wall seconds from the start of memory wear to the GPU's failure."""

@@ -23,7 +23,7 @@ def test_the_demo_tells_the_whole_story(tmp_path: Path) -> None:
     result = subprocess.run(
         [
             sys.executable, "-m", "forewarn", "demo", "--port", str(port),
-            "--gpus", "64", "--steps", "300", "--data-dir", str(tmp_path / "var"),
+            "--gpus", "64", "--steps", "500", "--data-dir", str(tmp_path / "var"),
             "--duration", "0", "--json", str(summary_path),
         ],
         capture_output=True,
