@@ -3,7 +3,7 @@
 The risk map needs five facts a GPU (node, index, risk, alarm, staleness), 2 s apart, for
 fleets of 16,384 GPUs. ``GET /v1/gpus`` answers with every GPU's whole newest sample (about
 14 MB and several seconds at that size); this route reads the ``gpus`` registry joined to the
-latest scores, and answers in columns (about 50 bytes a GPU), so one update of the map costs
+latest scores, and answers in columns (about 60 bytes a GPU), so one update of the map costs
 a small fraction of its interval on both sides. Reasons come only for the GPUs a person would
 look at first: those in alarm, and the highest risks.
 """

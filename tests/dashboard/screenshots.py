@@ -2,7 +2,7 @@
 
     .venv/bin/python -m tests.dashboard.screenshots docs/img
 
-256 simulated GPUs with 20 minutes of history, three of them failing (memory wear, cooling
+256 simulated GPUs with 20 minutes of history, three of them failing (memory wear, thermal
 loss, NVLink degradation, each a few minutes from failure at the end of the history), a job of
 6 ranks and 2 spares placed on the fleet, one node drained; once the control loop has scored
 the fleet, it saves ``dashboard-fleet.png`` and ``dashboard-gpu.png`` (the GPU most at risk).
@@ -22,7 +22,7 @@ from tests.dashboard.conftest import CHROMIUM, HISTORY_S, SimFeed, open_page
 
 FAILING = [
     ("sim-node-0005", 2, "memory"),
-    ("sim-node-0017", 6, "cooling"),
+    ("sim-node-0017", 6, "thermal"),
     ("sim-node-0026", 1, "nvlink"),
 ]
 
@@ -70,13 +70,16 @@ def main(out: Path) -> None:
                 )
                 page.page.wait_for_timeout(2500)
                 page.page.screenshot(path=str(out / "dashboard-fleet.png"))
-                top = page.page.locator("#fleet-top a").first
-                top.click()
+                # the GPU most at risk that has reasons in words (not one already failed)
+                with_reasons = page.page.locator("#fleet-top tbody tr").filter(
+                    has=page.page.locator("td.reason", has_text=" ")
+                )
+                with_reasons.first.locator("a").click()
                 page.page.wait_for_function(
                     "() => Number(document.querySelector('#chart-risk')?.dataset.points) > 0",
                     timeout=60_000,
                 )
-                page.page.click("[data-window='3600']")
+                page.page.click("[data-window='900']")
                 page.page.wait_for_timeout(3000)
                 page.page.screenshot(path=str(out / "dashboard-gpu.png"))
                 context.close()

@@ -330,7 +330,7 @@ function cellWord(i) {
   if (s & 16) return WORD_RISK[WORD_RISK.length - 1];
   if (s & 4) return WORD_DRAINED;
   if (s & 2) return WORD_STALE;
-  const b = riskBucket(data.items[i].risk);
+  const b = riskBucket(data.items[i].risk, data.threshold);
   return b < 0 ? WORD_NONE : WORD_RISK[b];
 }
 
@@ -533,8 +533,8 @@ function legendHtml() {
   const swatch = (cls, label) => `<li><span class="sw ${cls}"></span>${label}</li>`;
   return [
     swatch("sw-r0", "low risk"),
-    swatch("sw-r5", "rising"),
-    swatch("sw-r9", "high risk"),
+    swatch("sw-r5", "nearing the threshold"),
+    swatch("sw-r9", "over the threshold"),
     swatch("sw-alarm", "alarm (white ring)"),
     swatch("sw-none", "not scored yet"),
     swatch("sw-stale", "stale telemetry"),

@@ -240,6 +240,7 @@ function markersPlugin() {
           ctx.save();
           ctx.font = `${11 * dpr}px system-ui, sans-serif`;
           ctx.lineWidth = dpr;
+          let row = 0;
           for (const m of marks) {
             if (!Number.isFinite(m.t)) continue;
             const x = Math.round(u.valToPos(m.t, "x", true));
@@ -251,7 +252,7 @@ function markersPlugin() {
             ctx.lineTo(x, top + height);
             ctx.stroke();
             ctx.fillStyle = m.color;
-            ctx.fillText(m.label, x + 3 * dpr, top + 12 * dpr);
+            ctx.fillText(m.label, x + 3 * dpr, top + (12 + 13 * (row++ % 3)) * dpr); // labels stack
           }
           ctx.restore();
         },

@@ -97,14 +97,16 @@ export function confirmAction(title, text, okLabel = "Confirm") {
 }
 
 // Risk value -> one of RISK_COLORS (low: dark slate, high: red; luminance rises with risk so
-// the scale also reads without colour vision).
+// the scale also reads without colour vision). With a threshold the scale is relative to it
+// (the top colours start just below it); without one it is the probability itself.
 export const RISK_COLORS = [
   "#1d4e63", "#24627a", "#3f7a78", "#6a9a5b", "#b5b43d",
   "#e0a526", "#ef7d22", "#ea5329", "#d7263d", "#ff3b5c",
 ];
-export function riskBucket(risk) {
+export function riskBucket(risk, threshold = null) {
   if (risk === null || risk === undefined || Number.isNaN(risk)) return -1;
-  return Math.max(0, Math.min(RISK_COLORS.length - 1, Math.floor(risk * RISK_COLORS.length)));
+  const x = threshold ? risk / (threshold * 1.25) : risk;
+  return Math.max(0, Math.min(RISK_COLORS.length - 1, Math.floor(x * RISK_COLORS.length)));
 }
 
 export function riskClass(item) {
