@@ -17,8 +17,9 @@ from fastapi import FastAPI, Request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import JSONResponse, Response
 
-from api import dashboard, fleet, ingest
+from api import dashboard, fleet, ingest, tokens
 from api.control.service import install_control, start_control
+from api.docs import install_docs
 from api.errors import error_body, install_error_handlers
 from api.metrics import Metrics, TimingMiddleware
 from api.settings import DEV_TOKEN, Settings
@@ -86,6 +87,8 @@ def create_app(settings: Settings | None = None, *, store: Store | None = None) 
         version=__version__,
         description="GPU failure prediction and live migration of training ranks.",
         lifespan=lifespan,
+        docs_url=None,  # served from the app's own assets: api.docs
+        redoc_url=None,
     )
     app.state.settings = settings
     app.state.store = store
@@ -95,6 +98,8 @@ def create_app(settings: Settings | None = None, *, store: Store | None = None) 
     app.add_middleware(TimingMiddleware, metrics=metrics)
     app.include_router(ingest.router)
     app.include_router(fleet.router)
+    app.include_router(tokens.router)
+    install_docs(app)
     install_control(app, settings)
     install_webhooks(app, settings)
     app.include_router(dashboard.router)
@@ -111,9 +116,10 @@ def create_app(settings: Settings | None = None, *, store: Store | None = None) 
                 raise RuntimeError("store not open yet")
             await asyncio.to_thread(store.ping)
             current = await asyncio.to_thread(store.schema_is_current)
-        except Exception as exc:
-            body = error_body("not_ready", f"database unavailable: {exc}", retryable=True)
-            return JSONResponse(body, 503)
+        except Exception as exc:  # the details (host, port, driver) go to the log, not out
+            log.warning("not ready: %s: %s", type(exc).__name__, exc)
+            body = error_body("not_ready", "database unavailable", retryable=True)
+            return JSONResponse(body, 503, headers={"Retry-After": "5"})
         if not current:
             return JSONResponse(error_body("not_ready", "schema is not at head"), 503)
         return JSONResponse({"status": "ready", "database": store.dialect})

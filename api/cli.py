@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import os
+import sys
+from typing import Any
 
 __all__ = ["configure", "run"]
 
@@ -26,18 +29,59 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="info")
 
 
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _stored_tokens(settings: Any) -> bool:
+    """Whether the database holds a live token (created with ``forewarn token create``)."""
+    from store import Store
+    from store.tokens import list_tokens
+
+    store = Store.open(settings.resolved_database_url())
+    try:
+        with store.engine.connect() as connection:
+            return bool(list_tokens(connection, include_revoked=False))
+    finally:
+        store.close()
+
+
 def run(args: argparse.Namespace) -> int:
     import uvicorn
+    from pydantic import ValidationError
 
     from api.app import create_app
-    from api.settings import Settings
+    from api.settings import DEV_TOKEN, Settings
     from store import Store
 
     if args.database_url:
         os.environ["FOREWARN_DATABASE_URL"] = args.database_url
     if args.data_dir:
         os.environ["FOREWARN_DATA_DIR"] = args.data_dir
-    settings = Settings()  # refuses unsafe production settings before anything starts
+    try:
+        settings = Settings()  # refuses unsafe production settings before anything starts
+    except ValidationError as exc:
+        print("forewarn serve: invalid settings:", file=sys.stderr)
+        for error in exc.errors(include_url=False):
+            where = ".".join(str(p) for p in error["loc"])
+            field = f"FOREWARN_{where.upper()}: " if where else ""
+            print(f"  {field}{error['msg'].removeprefix('Value error, ')}", file=sys.stderr)
+        return 2
+    public = not _is_loopback(args.host) and DEV_TOKEN in settings.token_scopes()
+    if public and not _stored_tokens(settings):
+        print(
+            f"forewarn serve: refusing to listen on {args.host} with no tokens: the "
+            "development token is public. Configure FOREWARN_TOKENS (or "
+            "FOREWARN_INGEST_TOKEN / _READ_TOKEN / _ADMIN_TOKEN), or create one with "
+            "'forewarn token create', or bind to 127.0.0.1.",
+            file=sys.stderr,
+        )
+        return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("alembic").setLevel(logging.WARNING)
     options = {

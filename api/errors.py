@@ -12,9 +12,9 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse
 
-from forewarn.errors import ForewarnError
+from forewarn.errors import ForewarnError, StoreUnavailable
 
-__all__ = ["error_body", "install_error_handlers"]
+__all__ = ["RETRY_AFTER_S", "error_body", "install_error_handlers", "store_unavailable"]
 
 log = logging.getLogger("forewarn.api")
 
@@ -37,10 +37,52 @@ def error_body(code: str, message: str, *, retryable: bool = False, details=None
     return {"error": body}
 
 
+RETRY_AFTER_S = 5
+"""What a 503 asks a client to wait before trying again (``Retry-After``)."""
+
+
+def store_unavailable(exc: BaseException) -> bool:
+    """Whether ``exc`` is the database refusing, dropping or locking — worth a retry later."""
+    import sqlite3
+
+    from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+
+    if isinstance(exc, OperationalError | InterfaceError | sqlite3.OperationalError):
+        return True
+    if isinstance(exc, DBAPIError) and exc.connection_invalidated:
+        return True
+    try:
+        import psycopg
+    except ImportError:  # pragma: no cover - a server dependency
+        return False
+    return isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError)
+
+
+def _driver_errors() -> tuple[type[Exception], ...]:
+    try:
+        import psycopg
+    except ImportError:  # pragma: no cover - a server dependency
+        return ()
+    return (psycopg.OperationalError, psycopg.InterfaceError)
+
+
+def _unavailable(exc: BaseException) -> JSONResponse:
+    # The driver's message names hosts, ports, files and users: it goes to the log only.
+    log.warning("database unavailable: %s: %s", type(exc).__name__, exc)
+    body = error_body(
+        "store_unavailable", "the database is unavailable; try again later", retryable=True
+    )
+    return JSONResponse(body, 503, headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ForewarnError)
     async def _forewarn(_: Request, exc: ForewarnError) -> JSONResponse:
         headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+        if exc.status == 503:
+            if isinstance(exc, StoreUnavailable):
+                return _unavailable(exc)
+            headers = {"Retry-After": str(RETRY_AFTER_S)}
         return JSONResponse(exc.to_json(), status_code=exc.status, headers=headers)
 
     @app.exception_handler(RequestValidationError)
@@ -55,7 +97,25 @@ def install_error_handlers(app: FastAPI) -> None:
         code = _HTTP_CODES.get(exc.status_code, "http_error")
         return JSONResponse(error_body(code, str(exc.detail)), exc.status_code)
 
+    async def _database(_: Request, exc: Exception) -> JSONResponse:
+        if store_unavailable(exc):
+            return _unavailable(exc)
+        log.exception("unhandled database error", exc_info=exc)
+        return JSONResponse(error_body("internal", "internal error", retryable=True), 500)
+
+    # Database errors are handled by class (not by the catch-all below, which Starlette
+    # re-raises into the server's log after answering): a database that is down is an
+    # expected state with its own answer.
+    import sqlite3
+
+    from sqlalchemy.exc import DBAPIError
+
+    for error_class in (*_driver_errors(), DBAPIError, sqlite3.OperationalError):
+        app.add_exception_handler(error_class, _database)
+
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        if store_unavailable(exc):
+            return _unavailable(exc)
         log.exception("unhandled error", exc_info=exc)
         return JSONResponse(error_body("internal", "internal error", retryable=True), 500)

@@ -6,6 +6,7 @@ Sample rows come back in the wire shape of :class:`forewarn.wire.GpuSample` (``t
 
 from __future__ import annotations
 
+import base64
 from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any, Literal
 
@@ -50,32 +51,93 @@ def json_response(data: Any) -> Response:
     )
 
 
-def _page(items: list[Any]) -> Response:
-    return json_response({"data": items, "count": len(items)})
+def _page(items: list[Any], next_cursor: str | None = None) -> Response:
+    return json_response({"data": items, "count": len(items), "next": next_cursor})
 
 
-@router.get("/v1/nodes", summary="Every node with its GPU count and collectors")
-async def list_nodes(store: StoreDep) -> Response:
-    rows = await to_thread.run_sync(store.nodes)
+def encode_cursor(key: Any) -> str:
+    """An opaque page cursor: where the next page starts (after ``key``)."""
+    return base64.urlsafe_b64encode(orjson.dumps(key)).decode().rstrip("=")
+
+
+def decode_cursor(cursor: str) -> Any:
+    try:
+        return orjson.loads(base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)))
+    except (ValueError, TypeError):
+        raise InvalidInput("cursor: not a cursor this service gave out") from None
+
+
+PAGE_LIMIT = 10_000
+
+
+def _page_params(limit: int | None, cursor: str | None) -> tuple[int, Any]:
+    """The page size and the decoded cursor (plain parameters, checked here)."""
+    if limit is None:
+        limit = DEFAULT_PAGE
+    if not 1 <= limit <= PAGE_LIMIT:
+        raise InvalidInput(f"limit: between 1 and {PAGE_LIMIT}")
+    if cursor is not None and len(cursor) > 1024:
+        raise InvalidInput("cursor: not a cursor this service gave out")
+    return limit, decode_cursor(cursor) if cursor else None
+
+
+DEFAULT_PAGE = 5000
+
+
+@router.get("/v1/nodes", summary="Every node with its GPU count and collectors, a page at a time")
+async def list_nodes(
+    store: StoreDep, limit: int | None = None, cursor: str | None = None
+) -> Response:
+    """``limit`` items a page (default 5000, at most 10,000); ``next`` is the next page's
+    ``cursor``, null on the last page."""
+    limit, after = _page_params(limit, cursor)
+    if after is not None and not isinstance(after, str):
+        raise InvalidInput("cursor: not a cursor this service gave out")
+    every = await to_thread.run_sync(store.nodes)
+    rows = [r for r in every if after is None or r["node"] > after][: limit + 1]
+    next_cursor = encode_cursor(rows[limit - 1]["node"]) if len(rows) > limit else None
+    rows = rows[:limit]
     for row in rows:
         row["first_seen"] = _iso(row.pop("first_seen_ms"))
         row["last_seen"] = _iso(row.pop("last_seen_ms"))
         for agent in row["agents"]:
             agent["last_seen"] = _iso(agent.pop("last_seen_ms"))
             agent["started_at"] = _iso(agent.pop("started_ms"))
-    return _page(rows)
+    return _page(rows, next_cursor)
 
 
-@router.get("/v1/gpus", summary="The latest sample of every GPU, with its risk")
-async def list_gpus(store: StoreDep, node: str | None = None) -> Response:
+@router.get("/v1/gpus", summary="The latest sample of every GPU, with its risk, a page at a time")
+async def list_gpus(
+    store: StoreDep,
+    node: str | None = None,
+    limit: int | None = None,
+    cursor: str | None = None,
+) -> Response:
+    """``limit`` GPUs a page (default 5000, at most 10,000), ordered by (node, gpu); ``next``
+    is the next page's ``cursor``, null on the last page."""
     from api.routes.risk import gpu_risk_fields  # the control loop's risk, merged per GPU
 
-    frame = await to_thread.run_sync(lambda: store.latest_samples(node=node))
+    limit, after = _page_params(limit, cursor)
+    if after is not None and not (
+        isinstance(after, list)
+        and len(after) == 2
+        and isinstance(after[0], str)
+        and type(after[1]) is int
+    ):
+        raise InvalidInput("cursor: not a cursor this service gave out")
+    key = (after[0], after[1]) if after else None
+    frame = await to_thread.run_sync(
+        lambda: store.latest_samples(node=node, after=key, limit=limit + 1)
+    )
     records = frame_records(frame)
+    next_cursor = None
+    if len(records) > limit:
+        records = records[:limit]
+        next_cursor = encode_cursor([records[-1]["node"], int(records[-1]["gpu"])])
     risk = await to_thread.run_sync(lambda: gpu_risk_fields(store, node=node))
     for record in records:
-        record.update(risk.get((record["node"], record["gpu"]), gpu_risk_fields.UNSCORED))
-    return _page(records)
+        record.update(risk.get((record["node"], record["gpu"]), gpu_risk_fields.UNSCORED))  # type: ignore[arg-type, attr-defined]
+    return _page(records, next_cursor)
 
 
 Since = Annotated[datetime | None, Query(description="ISO 8601 or Unix seconds (inclusive).")]
@@ -83,15 +145,22 @@ Until = Annotated[datetime | None, Query(description="ISO 8601 or Unix seconds (
 
 
 def _aware(ts: datetime) -> datetime:
-    return ts.replace(tzinfo=UTC) if ts.tzinfo is None else ts
+    """``ts`` if it says where it is; a naive time is refused, as ingest refuses it."""
+    if ts.tzinfo is None:
+        raise InvalidInput(f"{ts.isoformat()}: a time needs a UTC offset ('Z' or '+00:00')")
+    return ts
 
 
 def _window(since: datetime | None, until: datetime | None) -> tuple[int, int]:
-    end = _aware(until or datetime.now(UTC))
-    start = _aware(since) if since else end - timedelta(hours=1)
+    end = _aware(until) if until else datetime.now(UTC)
+    try:
+        start = _aware(since) if since else end - timedelta(hours=1)
+        window = to_ms(start), to_ms(end)
+    except (OverflowError, ValueError, OSError):
+        raise InvalidInput("since/until: outside the times this service can represent") from None
     if start > end:
         raise InvalidInput("since must not be after until")
-    return to_ms(start), to_ms(end)
+    return window
 
 
 @router.get("/v1/gpus/{node}/{gpu}/samples", summary="One GPU's samples in a time window")
@@ -145,12 +214,16 @@ async def list_events(
     until: Until = None,
     limit: Annotated[int, Query(ge=1, le=MAX_ROWS)] = 1000,
 ) -> Response:
+    since_ms = to_ms(_aware(since)) if since else None
+    until_ms = to_ms(_aware(until)) if until else None
+    if since_ms is not None and until_ms is not None and since_ms > until_ms:
+        raise InvalidInput("since must not be after until")
     params = {
         "node": node,
         "gpu": gpu,
         "kind": kind.value if kind else None,
-        "since_ms": to_ms(_aware(since)) if since else None,
-        "until_ms": to_ms(_aware(until)) if until else None,
+        "since_ms": since_ms,
+        "until_ms": until_ms,
         "limit": limit,
     }
     rows = await to_thread.run_sync(lambda: store.events(**params))

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 import zlib
 from collections.abc import Sequence
@@ -38,6 +39,7 @@ from typing import Any, NamedTuple
 import orjson
 from fastapi import APIRouter, Request
 from pydantic import TypeAdapter, ValidationError
+from sqlalchemy import text
 from starlette.responses import Response
 
 from api.deps import require
@@ -50,10 +52,10 @@ from forewarn.wire import (
     GpuSample,
     IngestBatch,
     IngestResult,
-    Name,
     RowError,
 )
 from store import Store
+from store.tokens import digest
 from store.writes import event_row, sample_row
 
 __all__ = ["Prepared", "prepare_batch", "prepare_body", "process_batch", "router"]
@@ -65,7 +67,6 @@ _INLINE_BODY_BYTES = 256 * 1024
 
 _SAMPLES = TypeAdapter(list[GpuSample])
 _EVENTS = TypeAdapter(list[Event])
-_NODE: TypeAdapter[str] = TypeAdapter(Name)
 
 
 class MalformedJson(InvalidInput):
@@ -250,12 +251,16 @@ def process_batch(
     return prepared.result(*stored)
 
 
+_NODE_SCHEMA = IngestBatch.model_json_schema()["properties"]["node"]
+_NODE_PATTERN = re.compile(_NODE_SCHEMA["pattern"])
+
+
 def _node_valid(node: str) -> bool:
-    try:
-        _NODE.validate_python(node)
-    except ValidationError:
-        return False
-    return True
+    """The envelope's node check of :class:`IngestBatch`, without building a validator per use."""
+    return (
+        _NODE_SCHEMA["minLength"] <= len(node) <= _NODE_SCHEMA["maxLength"]
+        and _NODE_PATTERN.fullmatch(node) is not None
+    )
 
 
 def prepare_body(
@@ -395,10 +400,13 @@ async def ingest(request: Request) -> Response:
             prepared = await asyncio.to_thread(prepare_body, raw, encoding, settings=settings)
         else:
             prepared = prepare_body(raw, encoding, settings=settings)
+        new_gpus = await _admit_new_gpus(request, prepared)
         future = store.submit(
             samples=prepared.samples, events=prepared.events, agent=prepared.agent
         )
         result = prepared.result(*await asyncio.wrap_future(future))
+        if new_gpus:
+            state.known_gpus.update(new_gpus)
     except InvalidInput:
         counters.batches_4xx.inc()
         raise
@@ -424,6 +432,45 @@ async def ingest(request: Request) -> Response:
         )
     counters.batches_2xx.inc()
     return Response(orjson.dumps(body), 200, media_type="application/json")
+
+
+class FleetLimit(InvalidInput):
+    code = "fleet_limit"
+
+
+async def _admit_new_gpus(request: Request, prepared: Prepared) -> set[tuple[str, int]]:
+    """The GPUs this batch adds to the fleet, refused (422) past the fleet's or token's cap."""
+    state = request.app.state
+    known: set[tuple[str, int]] | None = getattr(state, "known_gpus", None)
+    if known is None:
+        store: Store = state.store
+
+        def load() -> set[tuple[str, int]]:
+            with store.engine.connect() as connection:
+                rows = connection.execute(text("SELECT node, gpu FROM gpus"))
+                return {(r[0], r[1]) for r in rows}
+
+        known = state.known_gpus = await asyncio.to_thread(load)
+    new = {(row[0], row[1]) for row in prepared.samples} - known
+    if not new:
+        return new
+    settings: Settings = state.settings
+    if len(known) + len(new) > settings.max_fleet_gpus:
+        raise FleetLimit(
+            f"the fleet holds {len(known)} GPUs and this batch would add {len(new)}: past the "
+            f"limit of {settings.max_fleet_gpus} (FOREWARN_MAX_FLEET_GPUS)"
+        )
+    by_token: dict[str, int] | None = getattr(state, "gpus_by_token", None)
+    if by_token is None:
+        by_token = state.gpus_by_token = {}
+    who = digest(request.headers.get("authorization", ""))
+    if by_token.get(who, 0) + len(new) > settings.max_gpus_per_token:
+        raise FleetLimit(
+            f"this token has added {by_token.get(who, 0)} GPUs: past the limit of "
+            f"{settings.max_gpus_per_token} (FOREWARN_MAX_GPUS_PER_TOKEN)"
+        )
+    by_token[who] = by_token.get(who, 0) + len(new)
+    return new
 
 
 class _Counters(NamedTuple):

@@ -56,6 +56,14 @@ class Settings(BaseSettings):
     max_batch_rows: int = Field(default=100_000, gt=0, le=100_000)
     """Most samples (and, apart, events) in one ingest batch."""
 
+    max_fleet_gpus: int = Field(default=65_536, gt=0)
+    """Most GPUs the fleet may hold: a batch that would add GPUs past it is refused (422
+    ``fleet_limit``), so a stolen ingest token cannot grow the store and the scorer without
+    bound."""
+
+    max_gpus_per_token: int = Field(default=65_536, gt=0)
+    """Most new GPUs one token may add while this process runs (the same guard, per token)."""
+
     writer_process: bool = True
     """Insert through a child process (its own core and GIL) rather than a thread."""
 

@@ -8,6 +8,7 @@ and training datasets through the same columns, so one feature path serves both.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -59,7 +60,33 @@ def _frame(rows: Sequence[Any], columns: list[str]) -> pd.DataFrame:
             dtypes[c] = "boolean"
         elif c in FLOAT_COLUMNS:
             dtypes[c] = "float64"
-    return frame.astype(dtypes)
+    try:
+        with warnings.catch_warnings():  # a lossy cast warns: make it fail instead
+            warnings.simplefilter("error", RuntimeWarning)
+            return frame.astype(dtypes)
+    except (TypeError, ValueError, OverflowError, RuntimeWarning):
+        pass
+    # An integer column with NULLs arrives as float64, and a value near 2**63 (stored before
+    # ingest bounded it) has no exact float: rebuild such columns from the rows themselves.
+    for c, dtype in dtypes.items():
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", RuntimeWarning)
+                frame[c] = frame[c].astype(dtype)  # type: ignore[call-overload]
+        except (TypeError, ValueError, OverflowError, RuntimeWarning):
+            if dtype != "Int64":
+                raise
+            at = columns.index(c)
+            frame[c] = pd.array([_int_or_none(row[at]) for row in rows], dtype="Int64")
+    return frame
+
+
+def _int_or_none(value: Any) -> int | None:
+    """An int64 value, or None for NULL or what no int64 holds."""
+    if value is None:
+        return None
+    number = int(value)
+    return number if -(2**63) <= number < 2**63 else None
 
 
 def gpu_window(
@@ -100,19 +127,36 @@ def fleet_window(
     return _frame(connection.execute(text(sql), params).all(), columns)
 
 
-def latest_samples(connection: Connection, *, node: str | None = None) -> pd.DataFrame:
-    """The newest sample of every GPU (or of one node's GPUs), sorted by (node, gpu)."""
+def latest_samples(
+    connection: Connection,
+    *,
+    node: str | None = None,
+    after: tuple[str, int] | None = None,
+    limit: int | None = None,
+) -> pd.DataFrame:
+    """The newest sample of every GPU (or of one node's GPUs), sorted by (node, gpu).
+
+    Args:
+        after: only GPUs after this (node, gpu) in that order (the page cursor).
+        limit: at most this many GPUs.
+    """
     columns = list(FRAME_COLUMNS)
     select = ", ".join(f"s.{c}" for c in columns)
     sql = (
         f"SELECT {select} FROM gpus g JOIN samples s "
-        "ON s.node = g.node AND s.gpu = g.gpu AND s.ts_ms = g.last_seen_ms"
+        "ON s.node = g.node AND s.gpu = g.gpu AND s.ts_ms = g.last_seen_ms WHERE 1=1"
     )
     params: dict[str, Any] = {}
     if node is not None:
-        sql += " WHERE g.node = :node"
+        sql += " AND g.node = :node"
         params["node"] = node
+    if after is not None:
+        sql += " AND (g.node > :after_node OR (g.node = :after_node AND g.gpu > :after_gpu))"
+        params["after_node"], params["after_gpu"] = after
     sql += " ORDER BY s.node, s.gpu"
+    if limit is not None:
+        sql += " LIMIT :limit"
+        params["limit"] = limit
     return _frame(connection.execute(text(sql), params).all(), columns)
 
 
