@@ -27,7 +27,7 @@ from predictor.fleets import Fleet, make
 from predictor.report import evaluate_dataset
 from predictor.train import TrainConfig, train
 
-__all__ = ["FOLDS", "LofoConfig", "format_table", "run_fold"]
+__all__ = ["FOLDS", "LofoConfig", "card_section", "format_table", "run_fold"]
 
 FOLDS: dict[str, tuple[str, ...]] = {
     "A": ("memory:bursts", "memory_remap:early", "thermal:step", "benign:ecc_bursts",
@@ -141,10 +141,65 @@ def format_table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+_BRIEF = (
+    "failures",
+    "failures_with_precursors",
+    "caught_with_precursors",
+    "recall_with_precursors",
+    "false_alarms_per_1000_gpu_days",
+    "caught_at_least_ahead",
+    "false_alarms_by_cause",
+)
+
+
+def card_section(results: list[dict[str, Any]], cfg: LofoConfig) -> dict[str, Any]:
+    """The leave-one-family-out results as the model card keeps them."""
+
+    def brief(m: dict[str, Any] | None) -> dict[str, Any] | None:
+        if m is None:
+            return None
+        out = {k: m.get(k) for k in _BRIEF}
+        out["by_kind"] = {k: d["caught"] for k, d in m.get("by_kind", {}).items()}
+        return out
+
+    folds = []
+    for r in results:
+        s = r["summary"]
+        folds.append(
+            {
+                "fold": r["fold"],
+                "held_out": r["held_out"],
+                "model_at_budget": brief(s["model_at_budget"]),
+                "model_at_budget_hindsight": brief(s["model_at_budget_hindsight"]),
+                "baseline": brief(s["baseline"]),
+                "baseline_at_budget": brief(s.get("baseline_at_budget")),
+                "model_at_baseline_false_alarm_rate_by_kind": {
+                    k: d["caught"]
+                    for k, d in (s.get("model_at_baseline_false_alarm_rate_by_kind") or {}).items()
+                },
+            }
+        )
+    return {
+        "config": {k: getattr(cfg, k) for k in LofoConfig.__dataclass_fields__},
+        "table_markdown": format_table(results),
+        "folds": json_safe(folds),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m predictor.lofo", description=__doc__)
     parser.add_argument("out", help="working directory (datasets, models, results)")
     parser.add_argument("--folds", default=",".join(FOLDS), help="e.g. A,C")
+    parser.add_argument(
+        "--card", default=None, help="a model card (.json) to write the results into"
+    )
+    parser.add_argument(
+        "--collect",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="only gather fold-*.json results already written under DIR (repeatable)",
+    )
     for field, default in LofoConfig.__dataclass_fields__.items():
         parser.add_argument(
             f"--{field.replace('_', '-')}", type=type(default.default), default=default.default
@@ -154,7 +209,11 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = []
-    for name in args.folds.split(","):
+    if args.collect:
+        for d in args.collect:
+            results += [json.loads(p.read_text()) for p in sorted(Path(d).glob("fold-*.json"))]
+        results.sort(key=lambda r: r["fold"])
+    for name in [] if args.collect else args.folds.split(","):
         res = run_fold(name.strip(), out, cfg)
         results.append(res)
         (out / f"fold-{res['fold']}.json").write_text(json.dumps(json_safe(res), indent=1))
@@ -162,6 +221,11 @@ def main(argv: list[str] | None = None) -> int:
     (out / "lofo.json").write_text(json.dumps(json_safe(results), indent=1))
     (out / "lofo.md").write_text(format_table(results) + "\n")
     print(format_table(results))
+    if args.card:
+        card_path = Path(args.card)
+        card = json.loads(card_path.read_text())
+        card["leave_one_family_out"] = card_section(results, cfg)
+        card_path.write_text(json.dumps(json_safe(card), indent=1, allow_nan=False) + "\n")
     return 0
 
 
