@@ -1,7 +1,7 @@
 """Storage tiers: raw samples for a short window, per-minute rollups beyond it, events whole.
 
-The tiering task (:func:`maintain`, run by the service every few minutes) walks time an hour
-at a time, behind two marks:
+The tiering task (:mod:`store.tiering`, run by the service every few minutes) walks time an
+hour at a time, behind two marks:
 
 - ``rolled_until_ms``: once an hour has closed (and ``rollup_lag_s`` more passed, for
   stragglers) its raw samples are rolled up per GPU and minute (:mod:`store.rollups`) into one
@@ -23,9 +23,7 @@ same window reads the same before and after its hours move tiers.
 
 from __future__ import annotations
 
-import itertools
-import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -46,25 +44,29 @@ from sqlalchemy import (
 )
 
 from store import partitions, reads
-from store.history import History
 from store.rawread import fetch_samples, samples_between
-from store.rollups import MINUTE_MS, STAT_COLUMNS, pack, representative, rollup, unpack
+from store.rollups import MINUTE_MS, STAT_COLUMNS, representative, rollup, unpack
 from store.schema import metadata
 
 __all__ = [
+    "ARCHIVED_MARK",
+    "ROLLED_MARK",
     "Resolution",
     "TierPolicy",
     "TierReport",
     "gpu_series",
+    "had_precursors",
     "maintain",
+    "oldest_hour",
+    "predecessors",
     "raw_since",
     "rolled_until",
     "sample_rollups",
+    "set_mark",
     "tier_marks",
     "tiered_window",
 ]
 
-log = logging.getLogger("forewarn.store.tiers")
 
 Resolution = Literal["raw", "1m"]
 
@@ -147,8 +149,8 @@ class TierReport:
 # Marks -------------------------------------------------------------------------------------
 
 
-_ROLLED = "rolled_until_ms"
-_ARCHIVED = "archived_until_ms"
+ROLLED_MARK = "rolled_until_ms"
+ARCHIVED_MARK = "archived_until_ms"
 
 
 def _mark(connection: Connection, name: str) -> int | None:
@@ -160,15 +162,15 @@ def _mark(connection: Connection, name: str) -> int | None:
 
 def rolled_until(connection: Connection) -> int | None:
     """Every closed hour before this is in the rollup tier; None: nothing rolled yet."""
-    return _mark(connection, _ROLLED)
+    return _mark(connection, ROLLED_MARK)
 
 
 def raw_since(connection: Connection) -> int | None:
     """The raw tier starts here (what is older was archived); None: nothing archived yet."""
-    return _mark(connection, _ARCHIVED)
+    return _mark(connection, ARCHIVED_MARK)
 
 
-def _set_mark(connection: Connection, name: str, value_ms: int) -> None:
+def set_mark(connection: Connection, name: str, value_ms: int) -> None:
     updated = connection.execute(
         text("UPDATE tier_marks SET value_ms = :v WHERE name = :n"), {"v": value_ms, "n": name}
     )
@@ -179,7 +181,7 @@ def _set_mark(connection: Connection, name: str, value_ms: int) -> None:
         )
 
 
-def _oldest_hour(connection: Connection, after_ms: int | None = None) -> int | None:
+def oldest_hour(connection: Connection, after_ms: int | None = None) -> int | None:
     """The first hour (at or after ``after_ms``) that holds a raw sample; None: none does."""
     after = -(2**62) if after_ms is None else after_ms
     if connection.dialect.name == "postgresql":
@@ -201,249 +203,6 @@ def _oldest_hour(connection: Connection, after_ms: int | None = None) -> int | N
         text("SELECT MIN(ts_ms) FROM samples WHERE ts_ms >= :a"), {"a": after}
     ).scalar()
     return None if low is None else partitions.floor(int(low), SPAN_MS)
-
-
-# Maintenance -------------------------------------------------------------------------------
-
-
-def prepare_sqlite(engine: Engine) -> None:
-    """Switch an existing SQLite file to incremental auto-vacuum (one full VACUUM, once)."""
-    if engine.dialect.name != "sqlite":
-        return
-    with engine.connect() as connection:
-        mode = connection.exec_driver_sql("PRAGMA auto_vacuum").scalar()
-        if mode == 2:
-            return
-    raw = engine.raw_connection()
-    try:
-        raw.isolation_level = None  # type: ignore[attr-defined]
-        raw.execute("PRAGMA auto_vacuum = INCREMENTAL")  # type: ignore[attr-defined]
-        raw.execute("VACUUM")  # type: ignore[attr-defined]
-    finally:
-        raw.close()
-
-
-def maintain(engine: Engine, policy: TierPolicy, *, now_ms: int) -> TierReport:
-    """One pass of the tiering task (see the module docstring); safe to repeat."""
-    report = TierReport()
-    prepare_sqlite(engine)
-    raw_cutoff = now_ms - int(policy.raw_window_s * 1000)
-    roll_cutoff = now_ms - int(policy.rollup_lag_s * 1000)
-    with engine.begin() as c:
-        # Partitions around now and ahead; an older hour gets its partitions when it is
-        # rolled (rows of a store that was down wait in the default partition till then).
-        report.partitions_created += partitions.ensure(
-            c, "samples", start_ms=now_ms - 2 * SPAN_MS, end_ms=now_ms + int(policy.ahead_s * 1000)
-        )
-        report.partitions_created += partitions.ensure(
-            c,
-            "sample_rollups",
-            start_ms=now_ms - partitions.DAY_MS,
-            end_ms=now_ms + 2 * partitions.DAY_MS,
-        )
-        rolled, archived = rolled_until(c), raw_since(c)
-        if rolled is None or archived is None:
-            oldest = _oldest_hour(c)
-            rolled = oldest if rolled is None else rolled
-            archived = oldest if archived is None else archived
-    history = History(policy.history_url) if policy.history_url else None
-
-    # Closed hours: rolled up at once (provisional until archived).
-    while rolled is not None and rolled + SPAN_MS <= roll_cutoff:
-        if report.hours_rolled >= policy.max_hours_per_run:
-            break
-        skipped = _skip_empty(engine, _ROLLED, rolled, roll_cutoff)
-        if skipped != rolled:
-            rolled = skipped
-            continue
-        rows, chunks, _ = _roll_hour(engine, rolled, policy, None, mark=_ROLLED)
-        report.hours_rolled += 1
-        report.chunks_written += chunks
-        rolled += SPAN_MS
-
-    # Hours that left the raw window: archived, rolled up again with late rows, then dropped.
-    wrote_history = False
-    limit = raw_cutoff if rolled is None else min(raw_cutoff, rolled)
-    while archived is not None and archived + SPAN_MS <= limit:
-        if report.hours_archived >= policy.max_hours_per_run:
-            break
-        skipped = _skip_empty(engine, _ARCHIVED, archived, limit)
-        if skipped != archived:
-            archived = skipped
-            continue
-        rows, chunks, written = _roll_hour(engine, archived, policy, history, mark=_ARCHIVED)
-        report.hours_archived += 1
-        report.samples_rolled += rows
-        report.history_rows += written
-        wrote_history = wrote_history or written > 0
-        archived += SPAN_MS
-
-    with engine.begin() as c:
-        if archived is not None:
-            # One archived hour stays raw: its last samples are the next hour's predecessors.
-            report.raw_dropped = partitions.drop_before(c, "samples", archived - SPAN_MS)
-        rollup_cutoff = now_ms - int(policy.rollup_window_s * 1000)
-        report.rollups_dropped = partitions.drop_before(c, "sample_rollups", rollup_cutoff)
-        report.events_deleted = int(
-            c.execute(text("DELETE FROM events WHERE ts_ms < :c"), {"c": rollup_cutoff}).rowcount
-        )
-        c.execute(text("DELETE FROM gpus WHERE last_seen_ms < :c"), {"c": rollup_cutoff})
-        partitions.vacuum(c)
-    if history is not None:
-        expired = 0
-        if policy.history_window_s is not None:
-            expired = history.expire(now_ms - int(policy.history_window_s * 1000))
-        if wrote_history or expired:
-            _refresh_labels(engine, history)
-    return report
-
-
-def _skip_empty(engine: Engine, name: str, mark: int, limit: int) -> int:
-    """Move mark ``name`` past hours with no sample (up to ``limit``); returns where it is."""
-    with engine.begin() as c:
-        found = _oldest_hour(c, after_ms=mark)
-        ready = partitions.floor(limit, SPAN_MS)
-        nearest = ready if found is None else min(found, ready)
-        if nearest > mark:
-            _set_mark(c, name, nearest)
-            return nearest
-        hour = {"start_ms": mark, "end_ms": mark + SPAN_MS}
-        partitions.ensure(c, "samples", **hour)
-        partitions.ensure(c, "sample_rollups", **hour)
-    return mark
-
-
-def _slices(engine: Engine, start: int, end: int, slice_rows: int) -> Iterator[pd.DataFrame]:
-    """The raw rows of ``[start, end)`` in time order, a few minutes at a time."""
-    with engine.connect() as c:
-        gpus = max(reads.gpu_count(c), 1)
-    step = max(MINUTE_MS, partitions.floor(slice_rows // gpus * 1000, MINUTE_MS))
-    at = start
-    while at < end:
-        upper = min(at + step, end)
-        with engine.connect() as c:
-            yield samples_between(c, since_ms=at, until_ms=upper)
-        at = upper
-
-
-def _predecessors(
-    connection: Connection, start_ms: int, *, node: str | None = None, gpu: int | None = None
-) -> pd.DataFrame:
-    """Each GPU's last raw sample in the hour before ``start_ms`` (counters only matter)."""
-    params: dict[str, Any] = {"a": start_ms - SPAN_MS, "b": start_ms}
-    columns = list(reads.FRAME_COLUMNS)
-    if node is not None and gpu is not None:
-        sql = (
-            f"SELECT {', '.join(columns)} FROM samples WHERE node = :node AND gpu = :gpu "
-            "AND ts_ms >= :a AND ts_ms < :b ORDER BY ts_ms DESC LIMIT 1"
-        )
-        return fetch_samples(connection, sql, {**params, "node": node, "gpu": gpu}, columns)
-    sql = (
-        f"SELECT {', '.join(f's.{c}' for c in columns)} FROM samples s "
-        "JOIN (SELECT node, gpu, MAX(ts_ms) AS newest FROM samples "
-        "WHERE ts_ms >= :a AND ts_ms < :b GROUP BY node, gpu) last "
-        "ON s.node = last.node AND s.gpu = last.gpu AND s.ts_ms = last.newest"
-    )
-    frame = fetch_samples(connection, sql, params, columns)
-    return frame if node is None else frame[frame["node"] == node]
-
-
-def _pack_chunks(rolled: pd.DataFrame, start_ms: int, end_ms: int) -> list[dict[str, Any]]:
-    if not len(rolled):
-        return []
-    values = rolled[list(STAT_COLUMNS)].to_numpy(np.float64)
-    minutes = (rolled["ts_ms"].to_numpy(np.int64) - start_ms) // MINUTE_MS
-    node = rolled["node"].to_numpy()
-    gpu = rolled["gpu"].to_numpy(np.int64)
-    edges = np.flatnonzero(np.r_[True, (node[1:] != node[:-1]) | (gpu[1:] != gpu[:-1]), True])
-    out = []
-    for a, b in itertools.pairwise(edges):
-        out.append(
-            {
-                "node": node[a],
-                "gpu": int(gpu[a]),
-                "start_ms": start_ms,
-                "end_ms": end_ms,
-                "minutes": int(b - a),
-                "data": pack(minutes[a:b], values[a:b]),
-            }
-        )
-    return out
-
-
-def roll_span(
-    engine: Engine, start_ms: int, end_ms: int, *, slice_rows: int = 1_000_000
-) -> tuple[pd.DataFrame, list[pd.DataFrame]]:
-    """Roll up the raw rows of ``[start_ms, end_ms)`` (the raw tier's view of a span).
-
-    Returns:
-        The rollup rows (sorted by node, gpu, ts_ms) and the raw slices read, in time order.
-    """
-    with engine.connect() as c:
-        before = _predecessors(c, start_ms)
-    rolled: list[pd.DataFrame] = []
-    raw: list[pd.DataFrame] = []
-    for piece in _slices(engine, start_ms, end_ms, slice_rows):
-        if not len(piece):
-            continue
-        rolled.append(rollup(piece, before=before))
-        raw.append(piece)
-        # The newest sample of every GPU so far is the next slice's predecessor.
-        tail = pd.concat([before, piece], ignore_index=True) if len(before) else piece
-        before = tail.sort_values("ts_ms", kind="stable").drop_duplicates(
-            ["node", "gpu"], keep="last"
-        )
-    if not rolled:
-        return rollup(pd.DataFrame(columns=list(reads.FRAME_COLUMNS))), raw
-    frame = pd.concat(rolled, ignore_index=True)
-    return frame.sort_values(["node", "gpu", "ts_ms"], kind="stable", ignore_index=True), raw
-
-
-_UPSERT = (
-    "INSERT INTO sample_rollups (node, gpu, start_ms, end_ms, minutes, data) "
-    "VALUES (:node, :gpu, :start_ms, :end_ms, :minutes, :data) "
-    "ON CONFLICT (node, gpu, start_ms) DO UPDATE SET end_ms = excluded.end_ms, "
-    "minutes = excluded.minutes, data = excluded.data"
-)
-
-
-def _roll_hour(
-    engine: Engine, start_ms: int, policy: TierPolicy, history: History | None, *, mark: str
-) -> tuple[int, int, int]:
-    """Roll one hour up (and archive it when ``history`` is given); move ``mark`` past it.
-
-    Returns:
-        (raw rows read, chunks written, rows written to the history)
-    """
-    end_ms = start_ms + SPAN_MS
-    rolled, raw = roll_span(engine, start_ms, end_ms, slice_rows=policy.slice_rows)
-    rows = sum(len(r) for r in raw)
-    archived = history.write_part(start_ms, iter(raw)) if history is not None and rows else 0
-    chunks = _pack_chunks(rolled, start_ms, end_ms)
-    with engine.begin() as c:
-        if chunks:
-            c.execute(text(_UPSERT), chunks)
-        _set_mark(c, mark, end_ms)
-    log.debug("%s: %d samples of %d GPUs from %d", mark, rows, len(chunks), start_ms)
-    return rows, len(chunks), archived
-
-
-def _refresh_labels(engine: Engine, history: History) -> None:
-    with engine.connect() as c:
-        events = pd.DataFrame(reads.read_events(c, limit=10_000_000))
-        gpus = pd.DataFrame(
-            c.execute(text("SELECT node, gpu, uuid FROM gpus ORDER BY node, gpu")).all(),
-            columns=["node", "gpu", "uuid"],
-        )
-    columns = ["ts_ms", "node", "gpu", "kind", "xid", "message", "source"]
-    events = events[columns] if len(events) else pd.DataFrame(columns=columns)
-    events = events.sort_values(["ts_ms", "node"], kind="stable", ignore_index=True)
-
-    def precursors(node: str, gpu: int, ts_ms: int) -> bool:
-        with engine.connect() as c:
-            return had_precursors(c, node=node, gpu=gpu, ts_ms=ts_ms)
-
-    history.write_labels(events, gpus, precursors)
 
 
 _WARNING_COUNTERS = (
@@ -474,6 +233,35 @@ def had_precursors(connection: Connection, *, node: str, gpu: int, ts_ms: int) -
     pending = bool((rolled["remap_pending_max"].fillna(0) > 0).any())
     heat = rolled["temp_gpu_c_max"].max() - rolled["temp_gpu_c_min"].min()
     return bool(grew or pending or (heat == heat and heat > 10.0))
+
+
+def predecessors(
+    connection: Connection, start_ms: int, *, node: str | None = None, gpu: int | None = None
+) -> pd.DataFrame:
+    """Each GPU's last raw sample in the hour before ``start_ms`` (counters only matter)."""
+    params: dict[str, Any] = {"a": start_ms - SPAN_MS, "b": start_ms}
+    columns = list(reads.FRAME_COLUMNS)
+    if node is not None and gpu is not None:
+        sql = (
+            f"SELECT {', '.join(columns)} FROM samples WHERE node = :node AND gpu = :gpu "
+            "AND ts_ms >= :a AND ts_ms < :b ORDER BY ts_ms DESC LIMIT 1"
+        )
+        return fetch_samples(connection, sql, {**params, "node": node, "gpu": gpu}, columns)
+    sql = (
+        f"SELECT {', '.join(f's.{c}' for c in columns)} FROM samples s "
+        "JOIN (SELECT node, gpu, MAX(ts_ms) AS newest FROM samples "
+        "WHERE ts_ms >= :a AND ts_ms < :b GROUP BY node, gpu) last "
+        "ON s.node = last.node AND s.gpu = last.gpu AND s.ts_ms = last.newest"
+    )
+    frame = fetch_samples(connection, sql, params, columns)
+    return frame if node is None else frame[frame["node"] == node]
+
+
+def maintain(engine: Engine, policy: TierPolicy, *, now_ms: int) -> TierReport:
+    """One pass of the tiering task (:func:`store.tiering.maintain`)."""
+    from store import tiering  # the task builds on this module's tables and reads
+
+    return tiering.maintain(engine, policy, now_ms=now_ms)
 
 
 # Reads -------------------------------------------------------------------------------------
@@ -539,7 +327,7 @@ def _minutes(
         parts.append(_chunks(c, since_ms=since_ms, until_ms=boundary, node=node, gpu=gpu))
     if boundary < until_ms:
         raw = samples_between(c, since_ms=boundary, until_ms=until_ms, node=node, gpu=gpu)
-        before = _predecessors(c, boundary, node=node, gpu=gpu)
+        before = predecessors(c, boundary, node=node, gpu=gpu)
         parts.append(rollup(raw, before=before))
     parts = [p for p in parts if len(p)]
     if not parts:
