@@ -159,3 +159,21 @@ def test_every_page_renders_without_console_errors(
         assert p.page.inner_text("main").strip(), path
         p.shot("page-" + (path.strip("/").split("/")[0] or "fleet"))
     assert p.errors == []
+
+
+def test_pages_fit_a_laptop_screen(make_page: Any, service: LiveService, feed: SimFeed) -> None:
+    """At 1366 x 768 nothing scrolls sideways; the map and the first charts are in view."""
+    p = make_page(service.read_token, viewport={"width": 1366, "height": 768})
+    for path in ("/", f"/gpu/{WORN[0]}/{WORN[1]}", "/migrations", "/jobs"):
+        p.go(path)
+        wait_js(p.page, "document.getElementById('live').textContent.startsWith('live')")
+        overflow = p.page.evaluate(
+            "() => document.scrollingElement.scrollWidth - window.innerWidth"
+        )
+        assert overflow <= 0, (path, overflow)
+    p.go("/")
+    wait_cells(p.page, FLEET_GPUS)
+    box = p.page.locator("#fleet-map").bounding_box()
+    assert box is not None and box["y"] + box["height"] <= 768
+    p.shot("fleet-1366x768")
+    assert p.errors == []
