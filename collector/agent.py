@@ -54,6 +54,8 @@ class Agent:
         pusher: a started or unstarted :class:`BatchingPusher` (the agent starts it).
         interval_s: sampling period, seconds.
         node: this node's name (for ``telemetry_stalled`` events and heartbeats).
+        heartbeat: send heartbeats for ``node`` while it has no readings (False for a source
+            that reports other nodes, such as the simulator: the host is not a GPU node).
         agent_id: stable identity reported to the service (default: ``<node>-<random>``).
         stall_ticks: failed ticks in a row before a ``telemetry_stalled`` event.
         clock, wall, sleep: monotonic clock, UTC wall clock and sleep (parameters for tests).
@@ -66,6 +68,7 @@ class Agent:
         *,
         interval_s: float = 1.0,
         node: str,
+        heartbeat: bool = True,
         agent_id: str | None = None,
         stall_ticks: int = 3,
         clock: Callable[[], float] = time.monotonic,
@@ -87,7 +90,8 @@ class Agent:
         self._last_ts: datetime | None = None
         self._stop = threading.Event()
         self.pusher.agent_status = self.status
-        self.pusher.watch(node)
+        if heartbeat:
+            self.pusher.watch(node)
 
     @property
     def source_name(self) -> str:

@@ -189,7 +189,13 @@ def run(args: argparse.Namespace) -> int:
         max_delay_s=args.batch_max_delay_s,
         heartbeat_s=args.heartbeat_s,
     )
-    agent = Agent(sources, pusher, interval_s=args.interval_s, node=args.node)
+    agent = Agent(
+        sources,
+        pusher,
+        interval_s=args.interval_s,
+        node=args.node,
+        heartbeat=args.source != "simulated",  # the host is no node of the simulated fleet
+    )
     signal.signal(signal.SIGTERM, lambda *_: agent.stop())
     signal.signal(signal.SIGINT, lambda *_: agent.stop())  # Ctrl-C: flush and spool, no trace
     log.info(
