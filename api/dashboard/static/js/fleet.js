@@ -484,8 +484,9 @@ function renderText() {
       jobIds.map((id) => `<option value="${esc(id)}">${esc(id)}</option>`).join("");
     jobSelect.value = filter.job;
   }
-  root.querySelector("#f-count").textContent =
-    layout.order.length === items.length ? "" : `${layout.order.length.toLocaleString("en")} shown`;
+  root.querySelector("#f-count").textContent = !items.length
+    ? "No GPU has reported yet: start a collector (forewarn collect) or the simulator."
+    : layout.order.length === items.length ? "" : `${layout.order.length.toLocaleString("en")} shown`;
   setHtml("#fleet-top", topHtml());
 }
 

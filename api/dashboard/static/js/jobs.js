@@ -1,7 +1,7 @@
 // Jobs: every registered job, and one job's ranks with placement, spares, generation, step,
 // health; a rank can be moved to a spare by hand (operate scope), after a confirmation.
 
-import { get, getAll, has, post } from "./api.js";
+import { get, getAll, has, post, withQuery } from "./api.js";
 import { ago, confirmAction, errorNote, esc, fmtPct, gpuHref, unavailable } from "./util.js";
 import { jobIdOf, ranksOf } from "./shapes.js";
 
@@ -40,7 +40,7 @@ export async function refresh() {
     el.innerHTML = `<p class="muted">No job has registered. Start one with <code>forewarn launch --service …</code>.</p>`;
     return;
   }
-  el.innerHTML = `<table><thead><tr><th>job</th><th>status</th><th>ranks</th><th>spares</th><th>generation</th><th>step</th><th>heartbeat</th></tr></thead><tbody>
+  el.innerHTML = `<table><thead><tr><th>job</th><th>status</th><th>ranks</th><th>spares</th><th>generation</th><th>message</th><th>heartbeat</th></tr></thead><tbody>
     ${jobs.map((j) => {
       const ranks = ranksOf(j);
       const active = ranks.filter((r) => (r.role || "active") === "active").length;
@@ -49,30 +49,33 @@ export async function refresh() {
         <td>${esc(j.status ?? j.health ?? "–")}</td>
         <td class="num">${ranks.length ? active : esc(j.world_size ?? "–")}</td>
         <td class="num">${ranks.length ? spares : esc(j.spares ?? "–")}</td>
-        <td class="num">${esc(j.generation ?? "–")}</td><td class="num">${esc(j.step ?? "–")}</td>
+        <td class="num">${esc(j.generation ?? "–")}</td><td>${esc(j.message ?? "")}</td>
         <td>${ago(j.heartbeat_at)}</td></tr>`;
     }).join("")}</tbody></table>`;
 }
 
 async function refreshJob(p) {
-  const [job, gpus] = await Promise.all([
-    get(`/v1/jobs/${encodeURIComponent(p.job)}`),
-    getAll("/v1/gpus").catch(() => []),
-  ]);
+  const job = await get(`/v1/jobs/${encodeURIComponent(p.job)}`);
+  // the risk of the GPUs under the job: one read per node it uses, not the whole fleet
+  const nodes = [...new Set(ranksOf(job).map((r) => r.node))];
+  const perNode = await Promise.all(
+    nodes.map((n) => getAll(withQuery("/v1/gpus", { node: n })).catch(() => [])),
+  );
   if (!root || p !== params) return;
-  gpuRisk = new Map(gpus.map((g) => [`${g.node}/${g.gpu}`, g]));
+  gpuRisk = new Map(perNode.flat().map((g) => [`${g.node}/${g.gpu}`, g]));
   const ranks = [...ranksOf(job)].sort((a, b) => (a.role === "spare") - (b.role === "spare") || a.rank - b.rank);
+  const steps = job.step != null || ranks.some((r) => r.step != null); // shown when reported
   root.querySelector("#job-summary").innerHTML = `<dl class="facts inline">
     <dt>status</dt><dd>${esc(job.status ?? job.health ?? "–")}</dd>
     <dt>world size</dt><dd>${esc(job.world_size ?? "–")}</dd>
     <dt>spares</dt><dd>${esc(job.spares ?? ranks.filter((r) => r.role === "spare").length)}</dd>
     <dt>generation</dt><dd>${esc(job.generation ?? "–")}</dd>
-    <dt>step</dt><dd>${esc(job.step ?? "–")}</dd>
+    ${steps ? `<dt>step</dt><dd>${esc(job.step)}</dd>` : ""}
     ${job.message ? `<dt>message</dt><dd>${esc(job.message)}</dd>` : ""}
     <dt>heartbeat</dt><dd>${ago(job.heartbeat_at)}</dd></dl>`;
   const canMigrate = has("POST /v1/migrations");
   const el = root.querySelector("#job-ranks");
-  el.innerHTML = `<table><thead><tr><th>rank</th><th>role</th><th>GPU</th><th>risk</th><th>generation</th><th>step</th><th></th></tr></thead><tbody>
+  el.innerHTML = `<table><thead><tr><th>rank</th><th>role</th><th>GPU</th><th>risk</th><th>generation</th>${steps ? "<th>step</th>" : ""}<th></th></tr></thead><tbody>
     ${ranks.map((r) => {
       const g = r.gpu !== null && r.gpu !== undefined ? gpuRisk.get(`${r.node}/${r.gpu}`) : null;
       const where = r.gpu !== null && r.gpu !== undefined ? `<a href="${gpuHref(r.node, r.gpu)}">${esc(r.node)}/${r.gpu}</a>` : esc(r.node);
@@ -80,7 +83,7 @@ async function refreshJob(p) {
         ? `<button type="button" data-migrate="${esc(r.rank)}">Move to a spare…</button>` : "";
       return `<tr class="${r.role === "retired" ? "muted" : ""}"><td class="num">${esc(r.rank)}</td><td>${esc(r.role || "active")}</td><td>${where}</td>
         <td class="num">${g && typeof g.risk === "number" ? fmtPct(g.risk) : "–"}${g && g.alarm ? ` <span class="badge bad">alarm</span>` : ""}</td>
-        <td class="num">${esc(r.generation ?? job.generation ?? "–")}</td><td class="num">${esc(r.step ?? job.step ?? "–")}</td><td>${action}</td></tr>`;
+        <td class="num">${esc(r.generation ?? job.generation ?? "–")}</td>${steps ? `<td class="num">${esc(r.step ?? job.step ?? "–")}</td>` : ""}<td>${action}</td></tr>`;
     }).join("")}</tbody></table>
     ${canMigrate ? "" : unavailable("Manual migration", "POST /v1/migrations")}`;
   for (const b of el.querySelectorAll("[data-migrate]")) {
