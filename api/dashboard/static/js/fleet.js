@@ -1,8 +1,9 @@
 // Fleet view: every GPU as one cell of a canvas, coloured by risk, grouped by node.
 //
-// One canvas, redrawn in one pass per update (cells batched into one Path2D per colour), so
-// 16,384 GPUs cost a few milliseconds and no DOM nodes; the pointer and the keyboard find a
-// cell by arithmetic on the layout, not by listeners per cell. The text around it (counts,
+// One canvas, redrawn in one pass per update (every cell written into one pixel buffer, put
+// on the canvas at once; the layout kept while the set of GPUs and the window stay the same),
+// so 16,384 GPUs cost a few milliseconds and no DOM nodes; the pointer and the keyboard find
+// a cell by arithmetic on the layout, not by listeners per cell. The text around it (counts,
 // the GPUs most at risk) is one small innerHTML build per update.
 
 import { get, getAll, has, parseTotalMs, serverNow } from "./api.js";

@@ -1,0 +1,102 @@
+"""``GET /v1/dashboard/cells``: the fleet map's columns, on SQLite and PostgreSQL."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from api.app import create_app
+from api.settings import Settings
+from store import control as control_db
+
+pytestmark = pytest.mark.timeout(60)
+
+READ = {"Authorization": "Bearer dash-read-token-0123456789"}
+INGEST = {"Authorization": "Bearer dash-ingest-token-0123456789"}
+
+
+@pytest.fixture
+def client(database_url: str, tmp_path: Path) -> Iterator[TestClient]:
+    settings = Settings(
+        database_url=database_url,
+        data_dir=tmp_path,
+        read_token=READ["Authorization"].split()[1],
+        ingest_token=INGEST["Authorization"].split()[1],
+        control_enabled=False,  # the test writes the scores itself
+        webhook_dispatch=False,
+        writer_process=False,
+    )
+    with TestClient(create_app(settings)) as c:
+        yield c
+
+
+def ingest(client: TestClient, node: str, gpus: int, ts: float) -> None:
+    samples = [{"node": node, "gpu": g, "ts": ts, "temp_gpu_c": 60.0} for g in range(gpus)]
+    response = client.post("/v1/ingest", json={"node": node, "samples": samples}, headers=INGEST)
+    assert response.status_code == 200, response.text
+
+
+def score(client: TestClient, rows: list[dict[str, Any]]) -> None:
+    store = client.app.state.store  # type: ignore[attr-defined]
+    with store.begin() as connection:
+        control_db.upsert_risk(connection, rows)
+
+
+def risk_row(node: str, gpu: int, risk: float, **kw: Any) -> dict[str, Any]:
+    now = int(time.time() * 1000)
+    row = {
+        "node": node,
+        "gpu": gpu,
+        "risk": risk,
+        "alarm": False,
+        "reasons": "[]",
+        "scored_ms": now,
+        "last_seen_ms": now,
+        "stale": False,
+        "streak": 0,
+        "crossed": False,
+        "crossed_ms": None,
+        "failed": False,
+    }
+    row.update(kw)
+    return row
+
+
+def test_cells_are_parallel_columns_with_reasons_for_the_few(client: TestClient) -> None:
+    now = time.time()
+    ingest(client, "node-b", 2, now)
+    ingest(client, "node-a", 3, now)
+    ingest(client, "node-c", 1, now - 3600)  # an hour quiet: stale
+    score(
+        client,
+        [
+            risk_row("node-a", 1, 0.9, crossed=True, reasons='["ECC rising", "remap pending"]'),
+            risk_row("node-b", 0, 0.1, reasons='["nothing much"]'),
+            risk_row("node-b", 1, 0.02, failed=True),
+        ],
+    )
+    assert client.get("/v1/dashboard/cells").status_code == 401
+    body = client.get("/v1/dashboard/cells", headers=READ).json()
+    assert body["count"] == 6
+    assert body["nodes"] == ["node-a", "node-b", "node-c"]
+    cols = ["node", "gpu", "last_seen_ms", "risk", "alarm", "stale", "failed"]
+    assert all(len(body[c]) == 6 for c in cols)
+    cells = [
+        dict(zip(cols, row, strict=True)) for row in zip(*(body[c] for c in cols), strict=True)
+    ]
+    key = {(body["nodes"][c["node"]], c["gpu"]): c for c in cells}
+    assert [(body["nodes"][c["node"]], c["gpu"]) for c in cells] == sorted(key)
+    assert key[("node-a", 1)]["alarm"] is True and key[("node-a", 1)]["risk"] == 0.9
+    assert key[("node-a", 0)]["risk"] is None  # not scored: unknown, not low
+    assert key[("node-b", 1)]["failed"] is True
+    assert key[("node-c", 0)]["stale"] is True and key[("node-a", 0)]["stale"] is False
+    # reasons travel for the GPUs in alarm and the highest risks only, keyed by position
+    reasons = {int(i): r for i, r in body["reasons"].items()}
+    index = {k: i for i, k in enumerate(key)}
+    assert reasons[index[("node-a", 1)]] == ["ECC rising", "remap pending"]
+    assert index[("node-a", 0)] not in reasons
