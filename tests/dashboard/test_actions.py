@@ -101,7 +101,7 @@ def test_a_requested_migration_reaches_the_timeline(
     assert response.status_code in (200, 201), response.text
     migration = response.json()["id"]
     lane = p.page.locator(f"[data-migration='{migration}']")
-    lane.wait_for(timeout=6_000)  # within three polls of the open page, no reload
+    lane.wait_for(timeout=10_000)  # within a few polls of the open page, no reload
     assert "job-api/1" in lane.inner_text()
     row = p.page.locator(f"[data-migration-row='{migration}']")
     assert "manual" in row.inner_text()
@@ -131,7 +131,7 @@ def test_manual_migration_from_the_job_page(
     done = p.page.locator("[data-result='migration']")
     done.wait_for()
     done.get_by_role("link").click()
-    p.page.locator(".lane", has_text="job-ui/0").wait_for(timeout=6_000)
+    p.page.locator(".lane", has_text="job-ui/0").wait_for(timeout=10_000)
     p.shot("jobs")
     assert p.errors == []
 
