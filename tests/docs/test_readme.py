@@ -78,7 +78,7 @@ _INJECT = " ".join(
 
 CASES: dict[str, Case] = {
     "make run": Case(
-        "make -n -C @repo@ run | grep -q 'forewarn demo --host 127.0.0.1 --port 8765'\n"
+        "make -n -C @repo@ run | grep 'forewarn demo --host 127.0.0.1 --port 8765' >/dev/null\n"
         "exec forewarn demo --no-story --gpus 16 --port @port@ --data-dir demo-var --duration 2",
         expect=(
             "dashboard   http://127.0.0.1:@port@/",
@@ -126,12 +126,12 @@ CASES: dict[str, Case] = {
         "forewarn collect --source simulated --sim-gpus 16 --service @service@ "
         "--token forewarn-dev-token --duration-s 4 --spool-dir spool\n"
         "curl -sf -H 'Authorization: Bearer forewarn-dev-token' @service@/v1/gpus "
-        "| grep -q sim-node-0001",
+        "| grep sim-node-0001 >/dev/null",
     ),
     "forewarn simulate --gpus 64 --service http://127.0.0.1:8765 --token forewarn-dev-token "
     "--speed 60": Case(
         "forewarn simulate --gpus 16 --service @service@ --token forewarn-dev-token --speed 60 "
-        "--control-port @port@ --duration 20 & sim=$!\n"
+        "--control-port @port@ --duration 12 & sim=$!\n"
         "for _ in $(seq 60); do curl -s -o /dev/null http://127.0.0.1:@port@/ && break; "
         "sleep 0.5; done\n"
         "forewarn simulate inject --control http://127.0.0.1:@port@ --node sim-node-0001 "
@@ -150,7 +150,7 @@ CASES: dict[str, Case] = {
         "@repo@/examples/train_gpt.py --steps 80 --pace-s 0.1 & job=$!\n"
         "for _ in $(seq 240); do ls run/gpt.*.json >/dev/null 2>&1 && break; sleep 0.5; done\n"
         "forewarn migrate --job gpt --rank 1 --reason preventive --wait --timeout-s 200\n"
-        "forewarn migrate --job gpt --status | grep -q completed\n"
+        "forewarn migrate --job gpt --status | grep completed >/dev/null\n"
         "wait $job",
         expect=("completed",),
         slow=True,
@@ -169,11 +169,13 @@ CASES: dict[str, Case] = {
         f"forewarn simulate --gpus 64 --days 0.5 --seed 100 --interval 60 --out var/ds/train "
         f"{_INJECT}",
         expect=("16 failures",),
+        slow=True,  # the dataset chain runs whole or not at all
     ),
     "forewarn simulate --gpus 1024 --days 7 --seed 200 --interval 60 --out var/ds/eval": Case(
         f"forewarn simulate --gpus 64 --days 0.5 --seed 200 --interval 60 --out var/ds/eval "
         f"{_INJECT}",
         expect=("16 failures",),
+        slow=True,  # the dataset chain runs whole or not at all
     ),
     "forewarn train --data var/ds/train --out var/models": Case(
         "forewarn train --data var/ds/train --out var/models --rounds 20 --no-progress",
