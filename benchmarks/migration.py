@@ -282,6 +282,7 @@ def launch_nodes(
     for rank, (nproc, spares) in enumerate(nodes):
         cmd = [sys.executable, "-m", "forewarn", "launch", "--nnodes", str(len(nodes))]
         cmd += ["--node-rank", str(rank), "--node-name", f"node{rank}", "--timeout-s", "60"]
+        cmd += ["--node-timeout-s", "3"]
         cmd += ["--nproc-per-node", str(nproc), "--spares-per-node", str(spares)]
         cmd += ["--rdzv-endpoint", f"127.0.0.1:{port}", "--log-dir", str(tmp)]
         if rank == 0:

@@ -90,8 +90,8 @@ class AgentConfig:
     the others (``join_timeout_s``) and hosts the store on ``host:store_port`` for them."""
     join_timeout_s: float = 300.0
     node_timeout_s: float | None = None
-    """A node whose launcher is silent this long is lost with its processes (None:
-    timeout_s)."""
+    """A node whose launcher is silent this long is lost with its processes (None: the
+    smaller of timeout_s and 10 s; launchers beat every 0.2 s)."""
 
 
 _PLACEMENT_ROLE: dict[str, Literal["active", "spare", "retired"]] = {
@@ -157,6 +157,7 @@ class Agent(Recovery):
         self._recovery: dict[str, Any] | None = None
         self._pause_deadline: float | None = None
         self._script_errors: list[dict[str, Any]] = []
+        self._refills: list[tuple[int, float]] = []  # (freed slot, kill it after)
         self._endpoint: Any = None
         self.world_size = config.nproc  # all nodes' active ranks, once they joined
         self.monitor: NodeMonitor | None = None  # the other nodes (several launchers)
@@ -190,7 +191,7 @@ class Agent(Recovery):
                 "join_timeout_s": self.cfg.join_timeout_s,
             }
             if self.cfg.nnodes > 1:
-                grace = self.cfg.node_timeout_s or self.cfg.timeout_s
+                grace = self.cfg.node_timeout_s or min(self.cfg.timeout_s, 10.0)
                 self.monitor = NodeMonitor(self.store, node_timeout_s=grace)
                 for n in range(1, self.cfg.nnodes):
                     self.monitor.watch(n)
@@ -389,6 +390,7 @@ class Agent(Recovery):
                 # The source of a handover exits 0 once the spare has its state.
                 slot.role = "retired"
         self._progress_migration()
+        self._do_refills()
         self._progress_recovery(now)
         if self.status == "failed":
             return 1
@@ -480,14 +482,22 @@ class Agent(Recovery):
                 self._refill(src)
 
     def _refill(self, freed: int) -> None:
-        slot = self.slots[freed]
-        if slot.proc is not None:
-            try:
-                slot.proc.wait(timeout=self.cfg.timeout_s)
-            except subprocess.TimeoutExpired:
+        """Start a new spare once the process on slot ``freed`` has left (see _refills)."""
+        self._refills.append((freed, time.monotonic() + self.cfg.timeout_s))
+
+    def _do_refills(self) -> None:
+        # Never wait for a leaving source under the lock: the ranks need the watch loop
+        # (the handover step S of the next command is fixed here).
+        for item in list(self._refills):
+            freed, deadline = item
+            slot = self.slots[freed]
+            if slot.proc is not None and slot.proc.poll() is None:
+                if time.monotonic() < deadline:
+                    continue
                 self._kill(slot)
-        self._spawn(len(self.slots), None)
-        self._register()
+            self._refills.remove(item)
+            self._spawn(len(self.slots), None)
+            self._register()
 
     # -- reporting --------------------------------------------------------------------------
 

@@ -10,7 +10,8 @@ Why the handover step S is still the same on every rank: the watcher raises the 
 *before* it reads the boundary counter, and the loop bumps the counter *before* it reads the
 flag. So once a rank's acknowledgement says "boundary b", its loop cannot pass another
 boundary without seeing the flag. The agent waits for every rank's acknowledgement and sets
-S = max(b) + 1 (``g{g}/stop/{id}``): no rank has passed S, and every rank that sees the flag
+S = max(b) + 1 (every rank computes the same from the acknowledgements, and the agent
+writes it to ``g{g}/stop/{id}``): no rank has passed S, and every rank that sees the flag
 stops at its next boundary until S is known (:meth:`CommandWatcher.await_stop`). Ranks
 stopped there are outside any collective, so they watch for the agent's suspicion of a
 failure (``g{g}/suspect``) as well, and join the recovery from the boundary.
@@ -21,6 +22,7 @@ from __future__ import annotations
 import atexit
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -62,9 +64,7 @@ class CommandWatcher:
 
     def start(self) -> None:
         if self._thread is None:
-            self._thread = threading.Thread(
-                target=self._run, name="forewarn-commands", daemon=True
-            )
+            self._thread = threading.Thread(target=self._run, name="forewarn-commands", daemon=True)
             self._thread.start()
             atexit.register(self.close)
 
@@ -119,16 +119,32 @@ class CommandWatcher:
         self.ended.add(migration_id)
         self.flag = None
 
-    def await_stop(self, cmd: dict[str, Any], *, timeout_s: float) -> str:
-        """Wait for the agent's S (or an abort, a failure, a suspected lost peer).
+    def await_stop(self, cmd: dict[str, Any], *, world_size: int, timeout_s: float) -> str | int:
+        """Wait for S (or an abort, a failure, a suspected lost peer).
 
-        Returns the key that appeared: :func:`protocol.stop_key`, ``m/{id}/aborted``,
-        ``m/{id}/failed`` or :func:`protocol.suspect_key`.
+        Every rank computes S itself from the acknowledgements (they never change once
+        written, so all compute the same value) and the agent writes it too; so a busy agent
+        does not hold the ranks up. Returns S, or the key that appeared:
+        ``m/{id}/aborted``, ``m/{id}/failed`` or :func:`protocol.suspect_key`.
+
+        Raises:
+            HandoverTimeout: nothing within ``timeout_s``.
         """
         gen, mid = cmd["gen"], cmd["migration_id"]
-        keys = [P.stop_key(gen, mid), f"m/{mid}/aborted", f"m/{mid}/failed"]
-        keys.append(P.suspect_key(gen))
-        return P.first_present(self.store, keys, timeout_s=timeout_s, what="the handover step")
+        keys = [f"m/{mid}/aborted", f"m/{mid}/failed", P.suspect_key(gen)]
+        deadline = time.monotonic() + timeout_s
+        poll = P.POLL_S
+        while True:
+            for key in keys:
+                if self.store.check([key]):
+                    return key
+            step = handover_step(self.store, mid, range(world_size))
+            if step is not None:
+                return step
+            if time.monotonic() >= deadline:
+                raise P.HandoverTimeout(f"waited {timeout_s:.1f} s for the handover step")
+            time.sleep(poll)
+            poll = min(poll * 1.5, 0.02)
 
 
 def ack_key(migration_id: str, rank: int) -> str:

@@ -114,4 +114,6 @@ class FaultPlan:
                     fault.rank if fault.target is None else fault.target, fault.reason
                 )
                 # Seen at this very boundary: the move happens at the next one, every run.
-                job.commands.poll()
+                commands = getattr(job, "commands", None)
+                if commands is not None:
+                    commands.poll()

@@ -369,8 +369,12 @@ class Job(HandoverMixin):
         """Learn S for ``cmd`` at boundary ``k``; False: no handover (aborted, or a peer was
         lost meanwhile and this rank took part in the recovery; step ``k`` runs next)."""
         mid = cmd["migration_id"]
+        bound = 4 * self.timeout_s + 30
         while True:
-            got = self.commands.await_stop(cmd, timeout_s=4 * self.timeout_s + 30)
+            got = self.commands.await_stop(cmd, world_size=self.world_size, timeout_s=bound)
+            if isinstance(got, int):
+                self._cmd, self._stop = cmd, got
+                return True
             if got.endswith("/aborted"):
                 self.commands.abort(mid)
                 return False
@@ -385,8 +389,6 @@ class Job(HandoverMixin):
                 if self._recover(lost, k):
                     return False
                 continue
-            self._cmd, self._stop = cmd, int(self.store.get(got))
-            return True
 
     def _join(
         self, gen: int, rank: int, layouts: list[Any] | None, *, initial: bool = False

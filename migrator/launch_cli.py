@@ -70,6 +70,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--node-name", help="this node's name in placements (default: hostname)")
     parser.add_argument(
+        "--node-timeout-s",
+        type=float,
+        help="a node whose launcher is silent this long is lost, with every process on it "
+        "(default: the smaller of --timeout-s and 10)",
+    )
+    parser.add_argument(
         "--join-timeout-s",
         type=float,
         default=300.0,
@@ -161,6 +167,7 @@ def run(args: argparse.Namespace) -> int:
         report_path=args.report,
         nnodes=args.nnodes,
         join_timeout_s=args.join_timeout_s,
+        node_timeout_s=args.node_timeout_s,
     )
     if args.node_name:
         cfg.node = args.node_name

@@ -114,3 +114,26 @@ def test_handover_step_is_after_the_last_boundary_any_rank_passed() -> None:
     assert handover_step(store, "m1", range(2)) is None  # rank 1 has not acknowledged
     store.set(ack_key("m1", 1), "8")
     assert handover_step(store, "m1", range(2)) == 9
+
+
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")  # torchdata 0.11
+def test_a_stateful_dataloader_is_a_data_position() -> None:
+    """torchdata's StatefulDataLoader moves with the rank state like ShardedIndices."""
+    sdl = pytest.importorskip("torchdata.stateful_dataloader")
+    from migrator.state import capture_rank_state, restore_rank_state
+
+    def loader() -> object:
+        data = torch.arange(40).float()
+        gen = torch.Generator().manual_seed(3)
+        return sdl.StatefulDataLoader(data, batch_size=4, shuffle=True, generator=gen)
+
+    source = loader()
+    it = iter(source)
+    for _ in range(3):
+        next(it)
+    blob = capture_rank_state(3, source)
+    expected = [next(it) for _ in range(4)]
+    spare = loader()
+    assert restore_rank_state(blob, spare) == 3
+    got = list(iter(spare))[:4]
+    assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
