@@ -54,7 +54,13 @@ def reset_postgres(url: str) -> None:
 class Service:
     """``forewarn serve`` in its own process, for end-to-end figures over loopback."""
 
-    def __init__(self, database_url: str, log_path: Path, token: str = "bench-token") -> None:
+    def __init__(
+        self,
+        database_url: str,
+        log_path: Path,
+        token: str = "bench-token",
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.token = token
@@ -62,6 +68,7 @@ class Service:
             **os.environ,
             "FOREWARN_ADMIN_TOKEN": token,
             "FOREWARN_DATA_DIR": str(log_path.parent),
+            **(env or {}),
         }
         with log_path.open("ab") as log:
             self.process = subprocess.Popen(
@@ -95,7 +102,11 @@ class Service:
     def stop(self) -> None:
         if self.process.poll() is None:
             self.process.terminate()
-            self.process.wait(timeout=15)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=10)
 
 
 def ratio(a: float, b: float) -> str:

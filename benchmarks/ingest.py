@@ -5,9 +5,10 @@ For a 16,384-GPU fleet (2,048 nodes x 8 GPUs) whose collectors batch ``--ticks``
 
 (a) raw: ``Store.write`` of already-validated rows, one transaction per node batch, in this
     process (no HTTP, no validation) — the ceiling set by the database;
-(b) end to end: gzip'd batches POSTed to a real ``forewarn serve`` (uvicorn, writer process)
-    over loopback by ``--concurrency`` concurrent clients, each response waited for; the
-    batches as ``sample_columns`` (what ``IngestClient(columns=True)`` sends) and as rows.
+(b) end to end: gzip'd batches POSTed to a real ``forewarn serve`` (uvicorn, writer process;
+    the control loop and webhook dispatcher off, see ``INGEST_ONLY``) over loopback by
+    ``--concurrency`` concurrent clients, each response waited for; the batches as
+    ``sample_columns`` (what ``IngestClient(columns=True)`` sends) and as rows.
 
 Prints samples/s for each, and b/a (goal: b/a >= 0.6 and b >= 50,000/s on SQLite; PostgreSQL
 raw >= 50,000/s). ``--repeat`` runs everything again so the spread shows: the machine is
@@ -121,7 +122,7 @@ def bodies_of(batches: list[list[dict]], shape: str) -> list[bytes]:
 def end_to_end_rate(
     url: str, work: Path, bodies: list[bytes], expected: int, concurrency: int
 ) -> float:
-    service = Service(url, work / "service.log")
+    service = Service(url, work / "service.log", env=INGEST_ONLY)
     try:
         start = time.perf_counter()
         stored = _post_all(service.url, service.token, bodies, concurrency)
@@ -131,6 +132,11 @@ def end_to_end_rate(
     if stored != expected:
         raise SystemExit(f"stored {stored} of {expected} samples")
     return expected / elapsed
+
+
+INGEST_ONLY = {"FOREWARN_CONTROL_ENABLED": "false", "FOREWARN_WEBHOOK_DISPATCH": "false"}
+"""The service with ingest alone: the control loop scores every GPU that reports (its cost is
+``benchmarks/scoring.py``'s to measure) and would share these two cores with ingest here."""
 
 
 def _fresh(backend: str, work: Path, name: str) -> str | None:
