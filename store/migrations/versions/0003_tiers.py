@@ -27,7 +27,7 @@ depends_on = None
 def upgrade() -> None:
     bind = op.get_bind()
     postgres = bind.dialect.name == "postgresql"
-    columns = [
+    columns: list[sa.schema.SchemaItem] = [
         sa.Column("node", sa.String(length=253), nullable=False),
         sa.Column("gpu", sa.SmallInteger(), nullable=False),
         sa.Column("start_ms", sa.BigInteger(), nullable=False),
