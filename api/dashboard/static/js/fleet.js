@@ -1,7 +1,7 @@
 // Fleet view: every GPU as one cell of a canvas, coloured by risk, grouped by node.
 //
-// One canvas, redrawn in one pass per update (every cell written into one pixel buffer, put
-// on the canvas at once; the layout kept while the set of GPUs and the window stay the same),
+// One canvas, redrawn in one pass per update (every cell and its marks written into one pixel
+// buffer, put on the canvas at once; the layout kept while the set of GPUs and the window stay the same),
 // so 16,384 GPUs cost a few milliseconds and no DOM nodes; the pointer and the keyboard find
 // a cell by arithmetic on the layout, not by listeners per cell. The text around it (counts,
 // the GPUs most at risk) is one small innerHTML build per update.
@@ -323,6 +323,10 @@ const WORD_RISK = RISK_COLORS.map(word);
 const WORD_NONE = word(COLOR_NONE);
 const WORD_STALE = word(COLOR_STALE);
 const WORD_DRAINED = word(COLOR_DRAINED);
+const WORD_DRAINED_EDGE = word("#6ea8fe");
+const WORD_HATCH = word("#3b4452");
+const WORD_RING = word("#ffffff");
+const WORD_SPARE = word("#e8ecf1");
 
 let pixels = null; // reused between updates: {image, words, w, h}
 
@@ -335,8 +339,8 @@ function cellWord(i) {
   return b < 0 ? WORD_NONE : WORD_RISK[b];
 }
 
-// Every cell is written straight into one pixel buffer and put on the canvas at once; the few
-// marked cells (alarm, stale, drained, spare, focus) are then stroked on top.
+// Every cell and its marks are written straight into one pixel buffer, put on the canvas at
+// once; only the node labels and the keyboard focus are drawn on top.
 function draw() {
   if (!root) return;
   const key = layoutKey();
@@ -361,22 +365,22 @@ function draw() {
   words.fill(WORD_BG);
   const { order, x, y, size } = layout;
   const side = Math.max(1, Math.round(size * dpr));
-  const marked = [];
+  const line = Math.max(1, Math.round(dpr)); // one CSS pixel
+  const ring = size >= 7;
   for (let k = 0; k < order.length; k++) {
     const i = order[k];
-    const c = cellWord(i);
     const x0 = Math.round(x[k] * dpr);
     const y0 = Math.round(y[k] * dpr);
     for (let r = 0; r < side; r++) {
       const at = (y0 + r) * W + x0;
-      words.fill(c, at, at + side);
+      words.fill(cellWord(i), at, at + side);
     }
-    if (data.state[i] & 15) marked.push(k);
+    const s = data.state[i];
+    if (s & 15) mark(words, W, x0, y0, side, line, s, ring);
   }
   ctx.setTransform(1, 0, 0, 1, 0, 0);
   ctx.putImageData(pixels.image, 0, 0);
   ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
-  if (marked.length) strokeMarks(marked);
   if (layout.labelH) {
     ctx.fillStyle = "#aab4c0";
     ctx.font = "11px system-ui, sans-serif";
@@ -397,34 +401,40 @@ function draw() {
   renderText();
 }
 
-function strokeMarks(marked) {
-  const { order, x, y, size } = layout;
-  const drained = new Path2D();
-  const stale = new Path2D();
-  const alarm = new Path2D();
-  const spare = new Path2D();
-  for (const k of marked) {
-    const s = data.state[order[k]];
-    if (s & 4) drained.rect(x[k] + 0.5, y[k] + 0.5, size - 1, size - 1);
-    else if (s & 2) {
-      stale.moveTo(x[k], y[k] + size);
-      stale.lineTo(x[k] + size, y[k]);
-    } else if (s & 1 && size >= 7) alarm.rect(x[k] + 1.5, y[k] + 1.5, size - 3, size - 3);
-    if (s & 8) {
-      const c = size / 2;
-      spare.moveTo(x[k] + c + size / 6, y[k] + c);
-      spare.arc(x[k] + c, y[k] + c, Math.max(1, size / 6), 0, 2 * Math.PI);
+// The marks of one cell, in the pixel buffer too: an outline for a drained node, a diagonal
+// for stale telemetry, a white ring for an alarm, a dot for a spare.
+function mark(words, W, x0, y0, side, line, s, ring) {
+  if (s & 4) outline(words, W, x0, y0, side, 0, line, WORD_DRAINED_EDGE);
+  else if (s & 2) {
+    for (let r = 0; r < side; r++) {
+      const at = (y0 + side - 1 - r) * W + x0 + r;
+      words.fill(WORD_HATCH, at, Math.min(at + line, (y0 + side - r) * W));
+    }
+  } else if (s & 1 && ring) outline(words, W, x0, y0, side, line, line, WORD_RING);
+  if (s & 8) {
+    const d = Math.max(line, Math.round(side / 3));
+    const o = Math.floor((side - d) / 2);
+    for (let r = 0; r < d; r++) {
+      const at = (y0 + o + r) * W + x0 + o;
+      words.fill(WORD_SPARE, at, at + d);
     }
   }
-  ctx.lineWidth = 1;
-  ctx.strokeStyle = "#6ea8fe";
-  ctx.stroke(drained);
-  ctx.strokeStyle = "#3b4452";
-  ctx.stroke(stale);
-  ctx.strokeStyle = "#ffffff";
-  ctx.stroke(alarm);
-  ctx.fillStyle = "#e8ecf1";
-  ctx.fill(spare);
+}
+
+function outline(words, W, x0, y0, side, inset, line, c) {
+  const a = x0 + inset;
+  const b = x0 + side - inset; // exclusive
+  const t = y0 + inset;
+  const u = y0 + side - inset; // exclusive
+  if (b - a <= 2 * line || u - t <= 2 * line) return;
+  for (let r = t; r < u; r++) {
+    const at = r * W;
+    if (r < t + line || r >= u - line) words.fill(c, at + a, at + b);
+    else {
+      words.fill(c, at + a, at + a + line);
+      words.fill(c, at + b - line, at + b);
+    }
+  }
 }
 
 // The layout depends on the window, the filter and which GPUs there are, not on their risk:
