@@ -482,16 +482,18 @@ class Agent(Recovery):
                 self._refill(src)
 
     def _refill(self, freed: int) -> None:
-        """Start a new spare once the process on slot ``freed`` has left (see _refills)."""
+        """Start a new spare for slot ``freed``: at once on CPU; with NCCL once the process
+        there has left its GPU (or was killed after ``timeout_s``; see _do_refills)."""
         self._refills.append((freed, time.monotonic() + self.cfg.timeout_s))
+        if self.cfg.backend != "nccl":
+            self._do_refills(wait=False)
 
-    def _do_refills(self) -> None:
-        # Never wait for a leaving source under the lock: the ranks need the watch loop
-        # (the handover step S of the next command is fixed here).
+    def _do_refills(self, *, wait: bool = True) -> None:
+        # Never wait for a leaving source under the lock: the ranks need the watch loop.
         for item in list(self._refills):
             freed, deadline = item
             slot = self.slots[freed]
-            if slot.proc is not None and slot.proc.poll() is None:
+            if wait and slot.proc is not None and slot.proc.poll() is None:
                 if time.monotonic() < deadline:
                     continue
                 self._kill(slot)
