@@ -52,12 +52,14 @@ from store.schema import metadata, outbox
 __all__ = [
     "ATTEMPT_LOG_SIZE",
     "claim_webhooks",
+    "claimable",
     "create_webhook",
     "delete_webhook",
     "due_deliveries",
     "events_by_seq",
     "events_to_fan_out",
     "get_webhook",
+    "held_webhooks",
     "list_deliveries",
     "list_webhooks",
     "max_outbox_seq",
@@ -274,6 +276,28 @@ def claim_webhooks(
         select(webhooks).where(webhooks.c.lease_owner == owner, webhooks.c.enabled.is_(True))
     )
     return [_decode(r) for r in rows.mappings()]
+
+
+def held_webhooks(connection: Connection, *, owner: str) -> list[dict[str, Any]]:
+    """The enabled subscriptions ``owner`` holds (a read: no lease is taken or renewed)."""
+    rows = connection.execute(
+        select(webhooks).where(webhooks.c.lease_owner == owner, webhooks.c.enabled.is_(True))
+    )
+    return [_decode(r) for r in rows.mappings()]
+
+
+def claimable(connection: Connection, *, now_ms: int | None = None) -> bool:
+    """Whether an enabled subscription is free or its lease has expired."""
+    now = now_ms if now_ms is not None else _now_ms()
+    found = connection.execute(
+        select(webhooks.c.id)
+        .where(
+            webhooks.c.enabled.is_(True),
+            or_(webhooks.c.lease_owner.is_(None), webhooks.c.lease_until_ms < now),
+        )
+        .limit(1)
+    ).first()
+    return found is not None
 
 
 def release_webhooks(connection: Connection, *, owner: str) -> None:

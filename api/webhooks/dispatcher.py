@@ -7,9 +7,10 @@ Every service replica runs one :class:`Dispatcher` as a background task. Each ti
    passed; its ``seq`` values are watched for ``late_window_s`` more, and an event that
    commits into one after all is still queued (out of order) for the subscriptions that want
    it;
-2. takes or renews its lease on every enabled subscription no live replica holds
-   (:func:`store.webhooks.claim_webhooks`), so a subscription is served by one replica and an
-   event is delivered by one of them; a crashed replica's leases expire after ``lease_s``;
+2. takes its lease on every enabled subscription no live replica holds, and renews its leases
+   a third of the way through them (:func:`store.webhooks.claim_webhooks`), so a subscription
+   is served by one replica and an event is delivered by one of them; a crashed replica's
+   leases expire after ``lease_s``;
 3. runs one worker per held subscription. A worker queues the subscription's new events as
    deliveries (moving its cursor in the same transaction) and sends them in event order,
    stopping at the first that fails: it is retried after an exponential backoff with jitter
@@ -125,6 +126,8 @@ class Dispatcher:
         self.owner = owner or f"dispatch-{secrets.token_hex(6)}"
         self.safe_seq: int | None = None
         self._gaps: dict[int, float] = {}
+        self._renew_at = 0.0  # monotonic time of the next lease renewal
+        self._lease_deadline = 0.0  # our leases are surely valid until then (monotonic)
         self._late: dict[int, float] = {}  # seqs passed over while uncommitted -> when
         self._held: dict[str, dict[str, Any]] = {}
         self._workers: dict[str, asyncio.Task[None]] = {}
@@ -180,10 +183,19 @@ class Dispatcher:
             wstore.release_webhooks(connection, owner=self.owner)
 
     def _claim(self) -> list[dict[str, Any]]:
+        """Renew the leases a third of the way through them, take free subscriptions as
+        they appear; otherwise only read what is held (an idle service writes nothing)."""
+        now = time.monotonic()
+        with self.engine.connect() as connection:
+            if now < self._renew_at and not wstore.claimable(connection):
+                return wstore.held_webhooks(connection, owner=self.owner)
         with self.engine.begin() as connection:
-            return wstore.claim_webhooks(
+            held = wstore.claim_webhooks(
                 connection, owner=self.owner, lease_ms=int(self.config.lease_s * 1000)
             )
+        self._renew_at = now + self.config.lease_s / 3
+        self._lease_deadline = now + self.config.lease_s
+        return held
 
     def _advance_safe_seq(self) -> bool:
         """Move ``safe_seq`` over every committed event with no open gap below it."""
@@ -255,6 +267,10 @@ class Dispatcher:
                 current = self._held.get(webhook_id)
                 if current is None:
                     return None
+                if time.monotonic() + self.config.timeout_s >= self._lease_deadline:
+                    # the lease could lapse during this attempt and another replica send it
+                    # too: wait for the renewal instead
+                    return self.config.poll_interval_s
                 result = await self._attempt(current, delivery)
                 if result.ok:
                     accepted.append(

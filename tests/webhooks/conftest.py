@@ -141,7 +141,7 @@ FAST = DispatchConfig(
     horizon_s=60.0,
     disable_after=50,
     poll_interval_s=0.02,
-    lease_s=3.0,
+    lease_s=10.0,
     gap_grace_s=0.5,
 )
 """Pacing for tests: retries in tens of milliseconds."""

@@ -147,7 +147,9 @@ def test_a_migration_fired_by_webhook_is_bitwise_equal(
         monkeypatch.setenv(key, value)
     steps = 60
     base = launch(tmp_path / "base", steps=steps)
-    service = start_service(f"sqlite:///{tmp_path / 'svc.db'}", tmp_path / "service.log")
+    service = start_service(
+        f"sqlite:///{tmp_path / 'svc.db'}", tmp_path / "service.log", timeout_s=120
+    )
     try:
         out = tmp_path / "webhook"
         script = ROOT / "tests" / "control" / "train_paced.py"

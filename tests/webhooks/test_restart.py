@@ -17,8 +17,8 @@ FAST_SERVICE = {
     "FOREWARN_WEBHOOK_ALLOW": "127.0.0.1",
     "FOREWARN_WEBHOOK_RETRY_BASE_S": "0.05",
     "FOREWARN_WEBHOOK_RETRY_MAX_S": "0.2",
-    "FOREWARN_WEBHOOK_TIMEOUT_S": "5",
-    "FOREWARN_WEBHOOK_LEASE_S": "6",
+    "FOREWARN_WEBHOOK_TIMEOUT_S": "4",
+    "FOREWARN_WEBHOOK_LEASE_S": "12",
     "FOREWARN_WEBHOOK_POLL_INTERVAL_S": "0.05",
 }
 
@@ -36,7 +36,7 @@ def test_sigkill_mid_delivery_then_restart_delivers_with_the_same_ids(
 ) -> None:
     for key, value in FAST_SERVICE.items():
         monkeypatch.setenv(key, value)
-    service = start_service(database_url, tmp_path / "service.log")
+    service = start_service(database_url, tmp_path / "service.log", timeout_s=120)
     try:
         created = httpx.post(
             f"{service.url}/v1/webhooks",
@@ -60,7 +60,7 @@ def test_sigkill_mid_delivery_then_restart_delivers_with_the_same_ids(
         assert receiver.received[0].headers["webhook-id"] == ids[0]
         assert receiver.ids() == []
 
-        service = start_service(database_url, tmp_path / "service.log")
+        service = start_service(database_url, tmp_path / "service.log", timeout_s=120)
         _wait(lambda: len(receiver.ids()) == len(ids))
     finally:
         service.stop()

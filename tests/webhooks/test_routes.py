@@ -109,6 +109,7 @@ def test_guard_refuses_at_the_door(client: TestClient) -> None:
     assert refused.json()["error"]["code"] == "webhook_target_refused"
 
 
+@pytest.mark.slow  # two apps start per backend
 def test_loopback_needs_the_allow_list(database_url: str, tmp_path: Path) -> None:
     with _client(database_url, tmp_path) as strict:
         for url in ("http://127.0.0.1:9/", "http://169.254.169.254/"):
