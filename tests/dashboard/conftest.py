@@ -37,7 +37,6 @@ FLEET_GPUS = 32
 WORN = ("sim-node-0001", 3)  # the GPU whose memory wears out
 ARTIFACTS = Path(os.environ.get("FOREWARN_TEST_ARTIFACTS", "var/artifacts/dashboard"))
 
-pytestmark = pytest.mark.browser
 
 
 def post_rows(
