@@ -149,8 +149,12 @@ class Story:
         policy: dict[str, Any] = {"hysteresis": 2, "cooldown_s": 30, "stale_after_s": 30}
         if self.config.threshold is not None:
             policy["threshold"] = self.config.threshold
+        env = dict(os.environ)
+        models = Path(__file__).resolve().parents[1] / "models"  # the source tree's models
+        if "FOREWARN_MODELS_DIR" not in env and "FOREWARN_MODEL" not in env and models.is_dir():
+            env["FOREWARN_MODELS_DIR"] = str(models)
         return {
-            **os.environ,
+            **env,
             "FOREWARN_DATA_DIR": str(self.config.data_dir),
             "FOREWARN_INGEST_TOKEN": TOKENS["ingest"],
             "FOREWARN_READ_TOKEN": TOKENS["read"],
