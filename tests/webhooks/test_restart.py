@@ -31,6 +31,7 @@ def _wait(condition, timeout_s: float = 60.0) -> None:  # type: ignore[no-untype
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(360)  # two service starts, which take long on a loaded machine
 def test_sigkill_mid_delivery_then_restart_delivers_with_the_same_ids(
     database_url: str, tmp_path: Path, receiver: Receiver, monkeypatch: pytest.MonkeyPatch
 ) -> None:
