@@ -51,6 +51,10 @@ SCHEMA_VERSION = 1
 # collector bug, and storing it would poison every delta computed from it.
 MAX_COUNTER = 2**48
 
+# Bounds of the job-side integers: far past any real job, and inside a signed 64-bit column.
+MAX_RANK = 2**20 - 1
+MAX_INT = 2**62
+
 
 # A timestamp must say where it is: ISO 8601 with an offset ("Z" or "+00:00") or Unix seconds
 # (read as UTC). A naive time is refused rather than guessed, and no per-row Python validator
@@ -268,13 +272,15 @@ class MigrationReason(StrEnum):
 
 
 class Placement(_Wire):
-    rank: int = Field(ge=0)
+    rank: int = Field(ge=0, le=MAX_RANK)
     node: Name
     gpu: int | None = Field(default=None, ge=0, le=255)
-    pid: int | None = None
+    pid: int | None = Field(default=None, ge=0, le=2**31 - 1)
     role: Literal["active", "spare", "retired"] = "active"
     """``retired``: no longer serves the job (the source of a completed migration)."""
-    slot: int | None = Field(default=None, ge=0, description="The agent's process slot.")
+    slot: int | None = Field(
+        default=None, ge=0, le=MAX_RANK, description="The agent's process slot."
+    )
     uuid: str | None = Field(default=None, max_length=96, description="GPU UUID, if known.")
 
 
@@ -282,8 +288,8 @@ class JobRegistration(_Wire):
     """What a job agent tells the service when a job starts or its placement changes."""
 
     job_id: Name
-    world_size: int = Field(ge=1)
-    spares: int = Field(ge=0)
+    world_size: int = Field(ge=1, le=MAX_RANK + 1)
+    spares: int = Field(ge=0, le=MAX_RANK + 1)
     placement: list[Placement]
     agent_url: str | None = Field(default=None, description="Where commands may be pushed.")
 
@@ -293,7 +299,7 @@ class MigrationCommand(_Wire):
 
     migration_id: str = Field(min_length=1, max_length=64)
     job_id: Name
-    rank: int = Field(ge=0)
+    rank: int = Field(ge=0, le=MAX_RANK)
     reason: MigrationReason
     requested_at: UtcDatetime
     detail: str | None = Field(default=None, max_length=2000)
@@ -311,7 +317,9 @@ class MigrationProgress(_Wire):
     migration_id: str = Field(min_length=1, max_length=64)
     job_id: Name
     state: Literal["acknowledged", "transferring", "failed"]
-    step: int | None = Field(default=None, description="The handover step boundary, if known.")
+    step: int | None = Field(
+        default=None, ge=0, le=MAX_INT, description="The handover step boundary, if known."
+    )
     error: str | None = Field(default=None, max_length=2000)
 
 
@@ -319,7 +327,7 @@ class JobHeartbeat(_Wire):
     """A job agent's periodic sign of life."""
 
     status: str = Field(max_length=32, description="starting, running, paused, completed, failed")
-    generation: int = Field(default=0, ge=0)
+    generation: int = Field(default=0, ge=0, le=MAX_INT)
     message: str | None = Field(default=None, max_length=2000)
 
 
@@ -328,14 +336,16 @@ class MigrationReport(_Wire):
 
     migration_id: str
     job_id: Name
-    rank: int
+    rank: int = Field(ge=0, le=MAX_RANK)
     outcome: Literal["completed", "failed", "cancelled"]
-    step: int | None = Field(default=None, description="Training resumed at step+1.")
+    step: int | None = Field(
+        default=None, ge=0, le=MAX_INT, description="Training resumed at step+1."
+    )
     source: Placement | None = None
     target: Placement | None = None
     pause_s: float | None = Field(default=None, ge=0)
     transfer_s: float | None = Field(default=None, ge=0)
-    bytes_moved: int | None = Field(default=None, ge=0)
-    steps_lost: int = Field(default=0, ge=0)
+    bytes_moved: int | None = Field(default=None, ge=0, le=MAX_INT)
+    steps_lost: int = Field(default=0, ge=0, le=MAX_INT)
     error: str | None = None
     finished_at: UtcDatetime
