@@ -244,7 +244,7 @@ def part_b(gpus: int, jobs: int, seconds: float, tick_s: float) -> dict[str, Any
             for j in range(jobs):
                 node, gpu = f"sim-node-{j // 8:04d}", j % 8
                 agent = StubAgent(f"bench-{j}", node, gpu)
-                link = ServiceLink(url, token=token, job_id=agent.job_id, poll_s=10.0)
+                link = ServiceLink(url, token=token, job_id=agent.job_id, poll_s=2.0)
                 link.preflight()
                 link.register(agent.registration())
                 link.start(agent)
