@@ -58,7 +58,7 @@ from migrator.ddp import ElasticDDP
 from migrator.faults import FaultPlan
 from migrator.groups import Graveyard, new_group
 from migrator.handover import HandoverMixin
-from migrator.state import DataPosition, Registry, capture_rank_state
+from migrator.state import DataPosition, Registry, capture_rank_state, restore_rank_state
 
 __all__ = ["Job", "Step", "is_peer_failure"]
 
@@ -434,15 +434,24 @@ class Job(HandoverMixin):
             reg.optimizers[0].register_step_pre_hook(lambda *_: fire("before_optimizer"))
 
     def request_migration(self, rank: int, reason: str = "planned") -> str:
-        """Ask the agent to migrate ``rank`` at the next boundary; returns the migration id."""
-        import httpx
+        """Ask the agent to migrate ``rank`` at the next boundary; returns the migration id.
 
+        Leaves the random streams as they were: importing and using httpx draws from the
+        global generators, which would make this run differ from one without the request.
+        """
         if not self.agent_url:
             raise RuntimeError("no agent URL (FOREWARN_AGENT_URL) to send the request to")
-        body = {"job_id": self.job_id, "rank": rank, "reason": reason}
-        resp = httpx.post(f"{self.agent_url}/v1/migrations", json=body, timeout=self.timeout_s)
-        resp.raise_for_status()
-        return str(resp.json()["migration_id"])
+        saved = capture_rank_state(0, None)
+        try:
+            import httpx
+
+            body = {"job_id": self.job_id, "rank": rank, "reason": reason}
+            url = f"{self.agent_url}/v1/migrations"
+            resp = httpx.post(url, json=body, timeout=self.timeout_s)
+            resp.raise_for_status()
+            return str(resp.json()["migration_id"])
+        finally:
+            restore_rank_state(saved, None)
 
     def _report_error(self, exc: BaseException, step: int) -> None:
         """Tell the agent what the script raised (before the process exits with it)."""
