@@ -73,5 +73,3 @@ def test_whole_node_lost_without_spares_stops_cleanly(tmp_path: Path) -> None:
     )
     assert run.code == 1
     assert "paused at step 4" in errs[0] and "no spare came" in errs[0]
-
-
