@@ -131,6 +131,10 @@ def main(argv: list[str] | None = None) -> None:
         log = open(args.log / f"gpt.slot{job.slot}.jsonl", "a")  # noqa: SIM115
     for step in job.steps(args.steps):
         with step:
+            # Paced inside the step, after its boundary: a rank killed while it waits here
+            # is rebuilt from the snapshot its boundary just took.
+            if args.pace_s > 0 and not (args.fast_file and args.fast_file.exists()):
+                time.sleep(args.pace_s)
             at = batches.next()
             x = torch.stack([data[i : i + args.seq] for i in at.tolist()]).to(device)
             y = torch.stack([data[i + 1 : i + 1 + args.seq] for i in at.tolist()]).to(device)
@@ -152,8 +156,6 @@ def main(argv: list[str] | None = None) -> None:
                 row = {"rank": job.rank, "step": step.index, "loss": float(loss.item()).hex()}
                 log.write(json.dumps(row) + "\n")
                 log.flush()
-        if args.pace_s > 0 and not (args.fast_file and args.fast_file.exists()):
-            time.sleep(args.pace_s)
     if args.out is not None and job.rank is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         final = {"model": model.state_dict(), "optimizer": opt.state_dict(), "loss": loss.item()}
