@@ -167,7 +167,8 @@ def test_metadata_keeps_the_base_lean(wheel: Path) -> None:
     assert "Provides-Extra: node" in _metadata(wheel)
     assert "forewarn" in _requires(wheel, "dev")  # dev = forewarn[server,train] + tools
     assert any(
-        line.startswith("Requires-Dist: forewarn[server,train]") for line in _metadata(wheel)
+        line.startswith("Requires-Dist: forewarn[") and "server" in line and "train" in line
+        for line in _metadata(wheel)
     )
 
 
