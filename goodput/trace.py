@@ -108,6 +108,8 @@ def _parse_table(text: str) -> list[Fault]:
 def find_trace_dir(start: Path | None = None) -> Path | None:
     """The original trace beside a source checkout (``../shared/data/stepfun-fault-trace``)."""
     here = (start or Path(__file__)).resolve()
+    if "site-packages" in here.parts:  # an installed wheel: no checkout beside it
+        return None
     for parent in here.parents:
         candidate = parent / "shared" / "data" / "stepfun-fault-trace"
         if (candidate / "fault_trace.json").is_file():
