@@ -122,7 +122,7 @@ class SimFeed:
             self.thread.join(timeout=10)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def chromium_path() -> str:
     if not os.access(CHROMIUM, os.X_OK):
         if IN_CI:
@@ -131,7 +131,7 @@ def chromium_path() -> str:
     return CHROMIUM
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def browser(chromium_path: str) -> Iterator[Any]:
     from playwright.sync_api import sync_playwright
 
@@ -141,7 +141,7 @@ def browser(chromium_path: str) -> Iterator[Any]:
         b.close()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveService]:
     """One service for every dashboard test (it starts in 10-30 s on a busy machine)."""
     tmp = tmp_path_factory.mktemp("dashboard")
@@ -153,7 +153,7 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveService]:
     live.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def feed(service: LiveService) -> Iterator[SimFeed]:
     sim = SimFeed(service)
     sim.history()
