@@ -52,6 +52,20 @@ FORBIDDEN = {
         "pandas",
         "numpy",
     },
+    "goodput": {
+        "api",
+        "store",
+        "predictor",
+        "migrator",
+        "collector",
+        "torch",
+        "sqlalchemy",
+        "fastapi",
+        "pandas",
+        "uvicorn",
+        "httpx",
+        "lightgbm",
+    },
 }
 # Modules allowed past the rule, with the reason: ``forewarn simulate`` streams its fleet
 # through the collector's pusher (it is a collector with the simulated source) and posts to the

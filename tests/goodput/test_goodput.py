@@ -294,24 +294,3 @@ def test_command_json(tmp_path: Path) -> None:
     assert all(0 < r["ettr"] <= 1 for r in doc["rows"])
     assert doc["assumptions"]["restart_s"] == 900.0 and doc["sanity_64xh200"] is None
     assert math.isclose(doc["fleet_model_mttf_h"]["1024"], 7.9)
-
-
-def test_goodput_imports_neither_the_service_nor_torch() -> None:
-    from tests.test_boundaries import imports_of
-
-    forbidden = {
-        "api",
-        "store",
-        "predictor",
-        "migrator",
-        "collector",
-        "torch",
-        "sqlalchemy",
-        "fastapi",
-        "pandas",
-        "uvicorn",
-        "httpx",
-        "lightgbm",
-    }
-    for path in sorted((ROOT / "goodput").rglob("*.py")):
-        assert not imports_of(path) & forbidden, path
