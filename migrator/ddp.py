@@ -16,7 +16,7 @@ already equal on every rank, bit for bit, by construction of the handover.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 import torch
@@ -50,11 +50,20 @@ class ElasticDDP(torch.nn.Module):
 
     Build it with ``job.ddp(module, **ddp_kwargs)``; call it like the module. ``module``
     stays the owner of the parameters (give ``module.parameters()`` to the optimizer).
+    ``after_forward`` runs after each forward, before the backward's all-reduces (the job
+    mirrors the rank's state there).
     """
 
-    def __init__(self, module: torch.nn.Module, **ddp_kwargs: Any) -> None:
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        *,
+        after_forward: Callable[[], None] | None = None,
+        **ddp_kwargs: Any,
+    ) -> None:
         super().__init__()
         self.module = module
+        self._after_forward = after_forward
         ddp_kwargs.pop("process_group", None)
         ddp_kwargs.pop("init_sync", None)
         self._kwargs = ddp_kwargs
@@ -90,4 +99,7 @@ class ElasticDDP(torch.nn.Module):
         object.__setattr__(self, "_ddp", ddp)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.ddp(*args, **kwargs)
+        out = self.ddp(*args, **kwargs)
+        if self._after_forward is not None and torch.is_grad_enabled():
+            self._after_forward()
+        return out

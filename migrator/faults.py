@@ -13,6 +13,8 @@ Points inside a step:
 - ``backward``: the gradient hook of the first model's first parameter, which fires late in
   the backward pass while DDP's bucket all-reduces are in flight (mid-collective);
 - ``before_optimizer``: the first optimizer's step pre-hook (after the gradient all-reduce);
+- ``step_end``: leaving ``with step:`` after a body that finished: after the step's last
+  collective, before the next boundary;
 - ``transfer``: while this rank is sending its state to a spare, after the first tensor;
 - ``receive``: in the spare taking over ``rank``, while it receives the state of ``step``
   (the handover step), after the first tensor: the spare dies mid-receive.
@@ -38,7 +40,9 @@ from typing import Any, Literal
 
 __all__ = ["Fault", "FaultPlan"]
 
-Point = Literal["step_start", "forward", "backward", "before_optimizer", "transfer", "receive"]
+Point = Literal[
+    "step_start", "forward", "backward", "before_optimizer", "step_end", "transfer", "receive"
+]
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from typing import Any
 from forewarn.errors import MigrationError, NoSpareAvailable, StateNotReplicated
 from migrator import protocol as P
 from migrator.groups import pair_group
-from migrator.state import restore_rank_state
+from migrator.state import peek_step, restore_rank_state
 from migrator.transport import PGTransport
 
 __all__ = ["HandoverMixin"]
@@ -213,6 +213,21 @@ class HandoverMixin:
 
     # -- spare ------------------------------------------------------------------------------
 
+    def _mirror_at(self: Any, rank: int, step: int) -> bytes:
+        """Rank ``rank``'s mirrored state at boundary ``step``: the boundary's own mirror, or
+        the one written inside the step before (the rank died after that step's last
+        collective, before it reached the boundary)."""
+        seen = []
+        for key in (P.mirror_key(rank), P.mirror_ahead_key(rank)):
+            if not self.store.check([key]):
+                continue
+            blob: bytes = self.store.get(key)
+            at = peek_step(blob)
+            if at == step:
+                return blob
+            seen.append(at)
+        raise MigrationError(f"rank {rank}'s mirrors are at steps {seen}, not {step}")
+
     def _serve_as_spare(self: Any) -> None:
         key = P.assign_key(self.slot)
         self.store.set(f"slot{self.slot}/ready", "1")
@@ -243,11 +258,11 @@ class HandoverMixin:
             if a["mode"] == "peer":
                 self.store.set(f"{base}/fallback/{rank}", str(exc)[:500])
             meta, stats = self._receive(P.replica_prefix(mid, rank, a.get("attempt", 0)), rank)
-            rank_state = self.store.get(P.mirror_key(rank))
+            rank_state = self._mirror_at(rank, meta["step"])
         self.registry.apply_meta(meta)
         step = restore_rank_state(rank_state, self.registry.data)
         if step != meta["step"]:
-            raise MigrationError(f"rank {rank}'s mirror is at step {step}, not {meta['step']}")
+            raise MigrationError(f"rank {rank}'s state is at step {step}, not {meta['step']}")
         self._next = step
         self.store.set(f"{base}/received/{rank}", str(self.slot))
         self._join(a["gen"], rank, meta["layouts"])

@@ -29,6 +29,10 @@ stopped. A source whose rank moved to a spare leaves the loop with ``SystemExit(
 At each step boundary the job snapshots this rank's own state (RNG, data position), mirrors it
 to the agent's store and checks for a migration command: one local pickle and two store round
 trips (tens of microseconds; ``benchmarks/migration.py`` measures it against a plain loop).
+Inside the step, before its collectives (after each forward of :meth:`ddp`'s module, before
+each :meth:`all_reduce`), the rank mirrors its state once more as the next boundary will find
+it: a rank that dies after its last collective of step k, before boundary k+1, leaves the
+survivors at k+1, and the spare that replaces it needs the rank's state at k+1, not at k.
 
 If a collective fails inside ``with step:`` because a peer died or wedged, the step's context
 manager reports to the agent, waits for its decision, puts back this rank's state as it was
@@ -93,6 +97,10 @@ class Step:
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
         if exc is None:
             self.ok = True
+            if self.job.rank is not None:
+                self.job.faults.fire(
+                    "step_end", self.job.rank, self.index, store=self.job.store, job=self.job
+                )
             return False
         if is_peer_failure(exc):
             self.redo = self.job._recover(exc, self.index)
@@ -191,6 +199,7 @@ class Job(HandoverMixin):
         self._stop: int | None = None
         self._cmd: dict[str, Any] | None = None
         self._snapshot: bytes | None = None
+        self._ahead: bytes | None = None
         self._stepped = False
         self._started = False
         self._boundary_t = 0.0
@@ -270,7 +279,7 @@ class Job(HandoverMixin):
 
     def ddp(self, module: torch.nn.Module, **ddp_kwargs: Any) -> ElasticDDP:
         """Wrap ``module`` in DDP on the job's current process group, whatever it becomes."""
-        wrapped = ElasticDDP(module, **ddp_kwargs)
+        wrapped = ElasticDDP(module, after_forward=self._mirror_ahead, **ddp_kwargs)
         self._ddps.append(wrapped)
         if self.group is not None:
             wrapped.rebuild(self.group, None, initial=True)
@@ -282,6 +291,7 @@ class Job(HandoverMixin):
         """All-reduce ``tensor`` in place on the current generation (bounded by the timeout)."""
         if self.group is None:
             raise RuntimeError("all_reduce before the job joined a process group")
+        self._mirror_ahead()
         opts = dist.AllreduceOptions()
         opts.reduceOp = op
         self.group.allreduce([tensor], opts).wait(timedelta(seconds=self.timeout_s))
@@ -364,6 +374,19 @@ class Job(HandoverMixin):
                 raise RuntimeError(f"rank {self.rank} passed the handover step {self._stop}")
             if k == self._stop:
                 self._handover(k)
+
+    def _mirror_ahead(self) -> None:
+        """Mirror this rank's state as boundary ``k+1`` will find it, from inside step ``k``.
+
+        Called before the step's collectives; the store is written only when the state
+        changed since the last call (a plain loop all-reduces many tensors in a row).
+        """
+        if not self.mirror or self.rank is None:
+            return
+        blob = capture_rank_state(self._current + 1, self.registry.data)
+        if blob != self._ahead:
+            self.store.set(P.mirror_ahead_key(self.rank), blob)
+            self._ahead = blob
 
     def _await_stop(self, cmd: dict[str, Any], k: int) -> bool:
         """Learn S for ``cmd`` at boundary ``k``; False: no handover (aborted, or a peer was

@@ -24,6 +24,9 @@ Key map (``g`` is a process-group generation, ``r`` a rank, ``s`` a process slot
                              type, message, traceback), written before the process exits
     rs/{r}                   mirror of rank r's own state (RNG, data position) at its last
                              step boundary, for rebuilding it from a replica
+    rs/{r}/ahead             the same state as the next boundary will find it, written
+                             before the step's collectives (a rank that dies after its last
+                             collective of step k leaves the survivors at boundary k+1)
     m/{id}/...               progress and timings of migration ``id``
     x/{id}/...               point-to-point transfer groups of migration ``id``
     fault/{i}                fault-injection bookkeeping (each fault fires once per job)
@@ -49,6 +52,7 @@ __all__ = [
     "error_key",
     "first_present",
     "get_json",
+    "mirror_ahead_key",
     "mirror_key",
     "put_json",
     "recovery_key",
@@ -118,6 +122,10 @@ def assign_key(slot: int) -> str:
 
 def mirror_key(rank: int) -> str:
     return f"rs/{rank}"
+
+
+def mirror_ahead_key(rank: int) -> str:
+    return f"rs/{rank}/ahead"
 
 
 def put_json(store: Any, key: str, value: Any) -> None:

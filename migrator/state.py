@@ -34,6 +34,7 @@ __all__ = [
     "DataPosition",
     "Registry",
     "capture_rank_state",
+    "peek_step",
     "restore_rank_state",
 ]
 
@@ -203,6 +204,11 @@ def restore_rank_state(blob: bytes, data: DataPosition | None) -> int:
     if data is not None and state["data"] is not None:
         data.load_state_dict(state["data"])
     return int(state["step"])
+
+
+def peek_step(blob: bytes) -> int:
+    """The step of a state from :func:`capture_rank_state`, without restoring it."""
+    return int(pickle.loads(blob)["step"])
 
 
 def tensors_nbytes(tensors: Sequence[torch.Tensor]) -> int:

@@ -86,6 +86,21 @@ def test_rank0_migrated_twice_with_a_reused_spare_plain_loop(
     assert second.target.pid == slots[3].proc.pid
 
 
+@pytest.mark.parametrize("mode", ["ddp", "plain"])
+def test_rank_killed_after_its_last_collective_is_rebuilt_at_the_next_step(
+    base_ddp: Run, base_plain: Run, mode: str, tmp_path: Path
+) -> None:
+    """Rank 1 dies leaving ``with step:`` of step 7: its peers finished step 7 with it and
+    fail in step 8. The spare takes rank 1's state as boundary 8 would have found it (the
+    mirror written inside step 7, before its collectives), not the one of boundary 7."""
+    base = base_ddp if mode == "ddp" else base_plain
+    plan = FaultPlan().fail_at(1, 7, where="step_end")
+    run = launch(tmp_path, spares=1, plan=plan, steps=40 if mode == "ddp" else 20, mode=mode)
+    assert_same(base, run, unlogged={(1, 7)})
+    (report,) = run.reports
+    assert (report.rank, report.outcome, report.step) == (1, "completed", 8)
+
+
 def test_wedged_peer_is_detected_within_the_bound(base_plain: Run, tmp_path: Path) -> None:
     """(e) SIGSTOP: alive but silent. Survivors time out, the agent kills it, a spare runs on."""
     timeout_s = 2.0
