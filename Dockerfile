@@ -31,8 +31,8 @@ RUN pip install "$(ls /wheels/forewarn-*.whl)[${EXTRAS}]" && rm -rf /wheels \
  && useradd --create-home --uid 10001 forewarn \
  && mkdir -p /data && chown forewarn /data
 WORKDIR /app
-# The default risk model (the service loads the newest in ./models) and the example job.
-COPY models/ models/
+# The example job (the default risk model ships inside the wheel; the service loads the
+# newest in ./models first, so a volume mounted there brings the operator's own).
 COPY examples/ examples/
 USER forewarn
 EXPOSE 8765

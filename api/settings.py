@@ -111,7 +111,8 @@ class Settings(BaseSettings):
     """Model card to score with (``FOREWARN_MODEL``); default the newest in ``models_dir``."""
 
     models_dir: Path = Path("models")
-    """Where trained models live (the newest is loaded when ``model`` is not set)."""
+    """Where trained models live (the newest is loaded when ``model`` is not set; with none
+    there, the model shipped with Forewarn)."""
 
     policy: Policy = Field(default_factory=Policy)
     """Default policy as JSON (``FOREWARN_POLICY='{"hysteresis": 3}'``); PUT /v1/policy wins."""

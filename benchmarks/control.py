@@ -66,7 +66,7 @@ def fleet_rows(source: SimulatedSource, now: datetime) -> tuple[list[Any], list[
 
 
 def part_a(gpus: int, seconds: float, tick_s: float) -> dict[str, Any]:
-    model = registry.load_latest(ROOT / "models")
+    model = registry.load_default(ROOT / "models")
     with tempfile.TemporaryDirectory() as tmp:
         store = Store.open(f"sqlite:///{tmp}/bench.db")
         source = SimulatedSource(gpus, seed=1)

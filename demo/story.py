@@ -150,9 +150,6 @@ class Story:
         if self.config.threshold is not None:
             policy["threshold"] = self.config.threshold
         env = dict(os.environ)
-        models = Path(__file__).resolve().parents[1] / "models"  # the source tree's models
-        if "FOREWARN_MODELS_DIR" not in env and "FOREWARN_MODEL" not in env and models.is_dir():
-            env["FOREWARN_MODELS_DIR"] = str(models)
         return {
             **env,
             "FOREWARN_DATA_DIR": str(self.config.data_dir),

@@ -1,6 +1,6 @@
 """What the predictor catches: recall and lead time by failure kind, and its false-alarm rate.
 
-Read from a model card (``models/*.json``, written by ``forewarn train``) when one is found,
+Read from a model card (``models/*.json``, written by ``forewarn train``, else the shipped one),
 else the stated defaults below. Recall by kind is pooled over every held-out set the card
 reports (the validation split and each evaluation fleet): caught / failures. Lead time by kind
 is the validation split's median. The false-alarm rate is the highest any held-out set
@@ -10,6 +10,7 @@ the card's ``lead_min_s`` (2 min) ahead, which is more than a migration needs.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -66,9 +67,15 @@ DEFAULT_PROFILE = PredictorProfile(
 
 
 def find_card(start: Path | None = None) -> Path | None:
-    """The newest model card in ``./models`` or in the ``models/`` beside a source checkout."""
-    here = (start or Path(__file__)).resolve()
-    for d in [Path.cwd() / "models", *(p / "models" for p in here.parents)]:
+    """The newest model card in ``./models``, else the card of the model shipped with the
+    predictor (``predictor/shipped/``, found without importing the predictor)."""
+    dirs = [Path.cwd() / "models"]
+    if start is not None:
+        dirs += [p / "models" for p in start.resolve().parents]
+    spec = importlib.util.find_spec("predictor")
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        dirs.append(Path(location) / "shipped")
+    for d in dirs:
         card = _newest_card(d)
         if card is not None:
             return card

@@ -4,6 +4,10 @@ A model is two files with the same stem: ``<stem>.lgb.txt`` (the LightGBM booste
 and ``<stem>.json`` (the model card: data manifests, features, hyper-parameters, held-out
 metrics, threshold, calibration map, version, date). Stems are ``forewarn-risk-<UTC time>``,
 so names sort by age; :func:`load_latest` takes the newest card by ``created_at``.
+
+The model the project ships lives in the package (``predictor/shipped/``), so an installed
+wheel has one: :func:`load_default` takes the newest model in the operator's directory and
+falls back to it.
 """
 
 from __future__ import annotations
@@ -20,10 +24,12 @@ from forewarn.errors import InvalidInput, NotFound
 from predictor.evaluate import json_safe
 from predictor.model import RiskModel
 
-__all__ = ["list_models", "load", "load_latest", "save"]
+__all__ = ["SHIPPED_DIR", "list_models", "load", "load_default", "load_latest", "save"]
 
 CARD_SUFFIX = ".json"
 BOOSTER_SUFFIX = ".lgb.txt"
+SHIPPED_DIR = Path(__file__).with_name("shipped")
+"""The model shipped with Forewarn (package data)."""
 
 
 def save(model: RiskModel, models_dir: str | Path, stem: str | None = None) -> Path:
@@ -113,3 +119,10 @@ def load_latest(models_dir: str | Path) -> RiskModel:
     if not models:
         raise NotFound(f"no model in {models_dir}")
     return load(models[-1][1])
+
+
+def load_default(models_dir: str | Path) -> RiskModel:
+    """The newest model in ``models_dir``, else the one shipped with Forewarn."""
+    if list_models(models_dir):
+        return load_latest(models_dir)
+    return load_latest(SHIPPED_DIR)

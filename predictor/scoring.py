@@ -38,7 +38,7 @@ class Scorer:
 
     Example::
 
-        scorer = Scorer(registry.load_latest("models"))
+        scorer = Scorer(registry.load_default("models"))
         scorer.update(new_samples, new_events, now_ms=now)
         frame = scorer.score()   # node, gpu, risk, score, alarm, reasons, staleness_s
 

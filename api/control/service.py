@@ -1,8 +1,9 @@
 """Wiring of the control loop into the app: its routes, its model and its background task.
 
 ``install_control(app, settings)`` includes the routes (risk, jobs, migrations, policy, audit,
-drain); ``start_control(app)``, called from the app's lifespan, loads the model (``FOREWARN_MODEL``
-or the newest in ``models_dir``) and starts :class:`api.control.loop.ControlLoop` as a task.
+drain); ``start_control(app)``, called from the app's lifespan, loads the model
+(``FOREWARN_MODEL``, or the newest in ``models_dir``, else the model shipped in
+``predictor/shipped/``) and starts :class:`api.control.loop.ControlLoop` as a task.
 Every replica runs the task; only the leader acts (``api.control.leader``).
 """
 
@@ -37,7 +38,7 @@ def load_model(settings: Settings) -> Any:
     try:
         if settings.model is not None:
             return registry.load(settings.model)
-        return registry.load_latest(settings.models_dir)
+        return registry.load_default(settings.models_dir)
     except ForewarnError as exc:
         log.warning("no risk model (%s): GPUs will not be scored", exc)
         return None

@@ -205,6 +205,20 @@ def test_node_install_then_server(wheel: Path, venv: Venv) -> None:
     assert result.returncode == 0, result.stderr
     assert "--port" in result.stdout
     assert not venv.has("torch")
+    # The service scores with the model shipped in the wheel when ./models holds none.
+    probe = (
+        "from api.settings import Settings; from api.control.service import load_model; "
+        "m = load_model(Settings()); print('MODEL', m.card['booster_file'] if m else None)"
+    )
+    result = subprocess.run(
+        [str(venv.python), "-c", probe],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=venv.path.parent,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "MODEL forewarn-risk-" in result.stdout, result.stdout + result.stderr
 
 
 def _torch_is_local(wheel: Path, venv: Venv) -> bool:
