@@ -343,6 +343,10 @@ class Agent(Recovery):
             self.link.start(self)
         try:
             code = self._watch()
+        except KeyboardInterrupt:  # SIGINT, or SIGTERM (forewarn launch makes it one)
+            with self.lock:
+                self.status, self.message = "stopped", "stopped by a signal"
+            code = 130
         finally:
             if self.link is not None:
                 self.link.stop(self)
@@ -558,6 +562,8 @@ class Agent(Recovery):
         for slot in self.slots:
             if slot.role == "spare" and slot.proc and slot.proc.poll() is None:
                 P.put_json(self.store, P.assign_key(slot.index), {"mode": "exit"})
+            elif self.status == "stopped" and slot.proc and slot.proc.poll() is None:
+                slot.proc.send_signal(signal.SIGTERM)  # the ranks ignore SIGINT (nodes.spawn)
         deadline = time.monotonic() + 10
         for slot in self.slots:
             if slot.proc is None:

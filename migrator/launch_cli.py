@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -138,6 +139,9 @@ def run(args: argparse.Namespace) -> int:
     if args.nproc is None:
         print("forewarn launch: --nproc-per-node is required", file=sys.stderr)
         return 2
+    # SIGTERM (a scheduler's stop) ends the job as Ctrl-C does: the launcher terminates the
+    # job's processes, which ignore SIGINT (migrator.nodes.spawn), and exits with 130.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     if args.rdzv_endpoint:  # several launchers: node rank 0 hosts the store there
         host, _, port = args.rdzv_endpoint.partition(":")
         args.host, args.store_port = host, int(port or 29400)

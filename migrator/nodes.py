@@ -111,17 +111,32 @@ def slot_env(
     }
 
 
+# Run the job's command with SIGINT ignored (an ignored signal stays ignored across exec, and
+# Python then installs no KeyboardInterrupt handler): a Ctrl-C in the launcher's terminal
+# reaches its whole process group, and the launcher, not each rank, decides what it means.
+_IGNORE_SIGINT = (
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+    "os.execvp(sys.argv[1], sys.argv[1:])"
+)
+
+
 def spawn(
     command: list[str], env: dict[str, str], *, log_dir: Path | None, index: int
 ) -> subprocess.Popen[bytes]:
-    """Start one process of the job; its output goes to ``log_dir/slot<index>.log`` if given."""
+    """Start one process of the job; its output goes to ``log_dir/slot<index>.log`` if given.
+
+    The process ignores SIGINT: a stopped launcher ends the job's processes with SIGTERM.
+    """
     out: Any = None
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)
         out = open(log_dir / f"slot{index}.log", "ab")  # noqa: SIM115
     try:
         return subprocess.Popen(
-            command, env=env, stdout=out, stderr=subprocess.STDOUT if out else None
+            [sys.executable, "-c", _IGNORE_SIGINT, *command],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT if out else None,
         )
     finally:
         if out is not None:
@@ -263,6 +278,7 @@ class NodeAgent:
             raise ValueError("node rank 0 is the coordinator's (it hosts the store)")
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
         self.exits: dict[int, int] = {}
+        self.interrupted = False
 
     def run(self) -> int:
         hello = {"name": self.cfg.node, "nproc": self.cfg.nproc, "spares": self.cfg.spares}
@@ -285,6 +301,8 @@ class NodeAgent:
         except (RuntimeError, OSError) as exc:  # the store (the coordinator's node) is gone
             log.error("node %d: lost the coordinator: %s", self.node_rank, exc)
             code = 1
+        except KeyboardInterrupt:  # SIGINT or SIGTERM to this launcher
+            self.interrupted, code = True, 130
         self._end()
         return code
 
@@ -305,6 +323,10 @@ class NodeAgent:
             time.sleep(BEAT_S)
 
     def _end(self) -> None:
+        if self.interrupted:
+            for proc in self.procs.values():
+                if proc.poll() is None:
+                    proc.terminate()
         deadline = time.monotonic() + 10
         for slot, proc in self.procs.items():
             try:
@@ -391,7 +413,7 @@ def run_node(args: Any, command: list[str]) -> int | None:
     code = agent.run()
     print(
         f"forewarn launch: node {agent.node_rank} ({name}) of job {args.job_id} "
-        f"{'ended' if code == 0 else 'failed'}",
+        f"{'ended' if code == 0 else 'stopped' if agent.interrupted else 'failed'}",
         file=sys.stderr,
     )
     return code

@@ -101,3 +101,51 @@ def test_no_spare_left_pauses_refuses_and_fails(tmp_path: Path) -> None:
         timeout=60,
     )
     assert missing.returncode == 2  # the job file went away with the job
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+def test_a_stopped_launcher_ends_its_ranks_quietly(how: str, tmp_path: Path) -> None:
+    """Ctrl-C in the launcher's terminal (SIGINT to its whole process group) or SIGTERM to the
+    launcher alone: the ranks and the spare end, none prints a KeyboardInterrupt traceback,
+    and the launcher says it stopped and exits with 130."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env["FOREWARN_RUN_DIR"] = str(tmp_path / "run")
+    out, logs = tmp_path / "out", tmp_path / "logs"
+    launch = _forewarn(
+        "launch", "--nproc", "2", "--spares", "1", "--job-id", "stop", "--log-dir", str(logs),
+        "--", sys.executable, str(SCRIPT), "--out", str(out), "--steps", "100000",
+        env=env,
+        start_new_session=True,  # its own process group, as a terminal's foreground job
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and not any(out.glob("log.slot*.jsonl")):
+            time.sleep(0.2)
+        pids = [int(p) for p in subprocess.run(
+            ["pgrep", "-g", str(launch.pid)], capture_output=True, text=True
+        ).stdout.split() if int(p) != launch.pid]  # fmt: skip
+        assert len(pids) == 3, pids  # two ranks and the spare
+        if how == "ctrl-c":
+            os.killpg(launch.pid, 2)  # SIGINT
+        else:
+            launch.terminate()
+        _, stderr = launch.communicate(timeout=60)
+    finally:
+        if launch.poll() is None:
+            os.killpg(launch.pid, 9)
+    assert launch.returncode == 130, stderr
+    assert "job stop stopped" in stderr and "Traceback" not in stderr, stderr
+    for log in logs.glob("slot*.log"):
+        text = log.read_text()
+        assert "KeyboardInterrupt" not in text and "Traceback" not in text, text
+    assert not [p for p in pids if _alive(p)]
