@@ -62,7 +62,7 @@ def _stop(_signum: int, _frame: object) -> None:
 
 def _gpu_note() -> str | None:
     """Where a real GPU is present, say how to collect from it instead of the simulator."""
-    for module, source in (("pynvml", "nvml"), ("amdsmi", "amdsmi")):
+    for module, source in (("pynvml", "nvml"), ("amdsmi", "amd")):
         try:
             __import__(module)
         except Exception:
