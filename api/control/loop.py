@@ -37,6 +37,7 @@ from prometheus_client.core import GaugeMetricFamily
 from api.control import orchestrator
 from api.control.leader import Leadership
 from api.control.policy import Policy, Situation, breaker_should_trip, decide
+from predictor.budget import AlarmBudget
 from store import Store
 from store import control as db
 from store.outbox import emit_event
@@ -144,6 +145,9 @@ class ControlLoop:
         self._crossings: deque[int] = deque()
         self.ticks = 0
         self.last_tick_s = 0.0
+        self.threshold_in_force: float | None = None
+        self.budget: AlarmBudget | None = None
+        self._budget_slots: dict[tuple[str, int], int] = {}
         self.last_phases: dict[str, float] = {}
         self.tick_hist = self.leader_gauge = None
         self._latest: tuple[list[str], list[int], list[float]] = ([], [], [])
@@ -268,9 +272,7 @@ class ControlLoop:
         score_done = time.perf_counter()
         with self.store.begin() as c:
             policy = self.policy(c)
-            threshold = policy.threshold
-            if threshold is None:
-                threshold = float(self.model.threshold) if self.model is not None else 1.0
+            threshold = self._threshold(policy, scores, now_ms)
             self._apply_scores(c, scores, events, policy, threshold, now_ms)
             if self.scorer is not None:  # reasons for GPUs above half the threshold in force
                 self.scorer.reason_floor = threshold / 2
@@ -294,6 +296,37 @@ class ControlLoop:
         }
         if self.tick_hist is not None:
             self.tick_hist.observe(self.last_tick_s)
+
+    def _threshold(self, policy: Policy, scores: pd.DataFrame | None, now_ms: int) -> float:
+        """The threshold in force this tick: the policy's, else the alarm budget's (judged by
+        what it knew before this tick; then this tick's risks are folded in), else the card's."""
+        card = float(self.model.threshold) if self.model is not None else 1.0
+        if policy.threshold is not None or policy.alarm_budget is None:
+            self.budget = None
+            self.threshold_in_force = card if policy.threshold is None else policy.threshold
+            return self.threshold_in_force
+        if self.budget is None or self.budget.budget != policy.alarm_budget:
+            self.budget = AlarmBudget(policy.alarm_budget, fallback=card)
+            self._budget_slots = {}
+        threshold = self.budget.threshold
+        if scores is not None and len(scores):
+            slots = self._budget_slots
+            index = [
+                slots.setdefault((n, int(g)), len(slots))
+                for n, g in zip(scores["node"].tolist(), scores["gpu"].tolist(), strict=True)
+            ]
+            risk = np.full(len(slots), np.nan)
+            risk[index] = scores["risk"].to_numpy(dtype=np.float64)
+            healthy = np.ones(len(slots), dtype=bool)
+            stale_ms = policy.stale_after_s * 1000
+            last_seen = scores["last_seen_ms"].to_numpy(dtype=np.float64)
+            healthy[index] = now_ms - last_seen <= stale_ms
+            for key, st in self.gpus.items():  # a failed GPU's scores are not healthy time
+                if st.failed and key in slots:
+                    healthy[slots[key]] = False
+            self.budget.observe(risk, now_ms=now_ms, healthy=healthy)
+        self.threshold_in_force = threshold
+        return threshold
 
     def _apply_scores(
         self,
@@ -369,6 +402,8 @@ class ControlLoop:
                 st.stale = stale
                 if key in failed_now and not st.failed:
                     st.failed = True
+                    if self.budget is not None and key in self._budget_slots:
+                        self.budget.discard([self._budget_slots[key]])
                     emit_event(
                         c,
                         "gpu.failed",

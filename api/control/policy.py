@@ -34,7 +34,12 @@ class Policy(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     threshold: float | None = Field(default=None, ge=0.0, le=1.0)
-    """Risk at or above which a score counts as alarming; None: the model card's threshold."""
+    """Risk at or above which a score counts as alarming; None: the alarm budget's threshold,
+    or the model card's when there is no budget."""
+    alarm_budget: float | None = Field(default=None, gt=0.0, le=1000.0)
+    """False alarms per 1,000 GPU-days this fleet may raise. The threshold then follows the
+    fleet's own risk distribution (``predictor.budget.AlarmBudget``; the card's threshold
+    until enough healthy GPU-time was seen). Ignored when ``threshold`` is set."""
     hysteresis: int = Field(default=3, ge=1, le=1000)
     """Consecutive alarming scores before a GPU counts as crossed."""
     cooldown_s: float = Field(default=600.0, ge=0)

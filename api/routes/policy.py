@@ -23,7 +23,14 @@ class PolicyPublic(BaseModel):
     source: Literal["settings", "operator"]
     """``operator``: set by ``PUT /v1/policy``; ``settings``: the service's defaults."""
     model_threshold: float | None
-    """The loaded model card's threshold (used when ``policy.threshold`` is null)."""
+    """The loaded model card's threshold (used when ``policy.threshold`` and
+    ``policy.alarm_budget`` are null)."""
+    threshold_in_force: float | None
+    """The threshold the control loop applied at its last tick (null on a replica that does
+    not lead, or before the first tick)."""
+    alarm_budget: dict[str, Any] | None
+    """With ``policy.alarm_budget``: what its threshold stands on (``warm``: confirmed healthy
+    GPU-time only; otherwise provisional or the card's)."""
     breaker_tripped_at: str | None
     updated_at: str | None
 
@@ -35,10 +42,13 @@ def _read(store: Any, settings: Any, request: Request) -> dict[str, Any]:
         updated = c.execute(db.policy.select().where(db.policy.c.id == 1)).mappings().first()
     loop = getattr(request.app.state, "control", None)
     model = getattr(loop, "model", None)
+    budget = getattr(loop, "budget", None)
     return {
         "policy": Policy.model_validate(stored) if stored is not None else settings.policy,
         "source": "operator" if stored is not None else "settings",
         "model_threshold": float(model.threshold) if model is not None else None,
+        "threshold_in_force": getattr(loop, "threshold_in_force", None),
+        "alarm_budget": budget.summary() if budget is not None else None,
         "breaker_tripped_at": iso(int(tripped)) if tripped else None,
         "updated_at": iso(updated["updated_ms"]) if updated else None,
     }

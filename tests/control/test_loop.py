@@ -134,3 +134,31 @@ def test_two_loops_one_leader(registered: Store) -> None:
     first.leadership.release()
     assert second.step(now_ms=NOW)
     second.leadership.release()
+
+
+def test_an_alarm_budget_sets_the_threshold_from_the_fleets_own_risks(registered: Store) -> None:
+    """With ``alarm_budget`` the threshold follows this fleet's risks (the card's 0.5 means
+    nothing here: healthy GPUs score 0.01-0.05), a GPU far above them crosses, and a
+    threshold set by the operator still wins."""
+    import numpy as np
+
+    loop, scorer = make_loop(registered, hysteresis=1, alarm_budget=2.0)
+    rng = np.random.default_rng(0)
+    hour = 3_600_000
+    for k in range(8):  # eight hours of 200 healthy GPUs, one tick an hour
+        for g in range(200):
+            scorer.risk[(f"h{g // 8}", g % 8)] = float(rng.uniform(0.01, 0.05))
+        loop.tick(NOW + k * hour)
+    assert loop.budget is not None and loop.budget.healthy_blocks == 0  # none confirmed yet
+    threshold = loop.threshold_in_force
+    assert threshold is not None and 0.04 < threshold < 0.2, threshold  # provisional: the tail
+    scorer.risk[("n0", 1)] = 0.2
+    loop.tick(NOW + 8 * hour)
+    (m,) = migrations(registered)
+    assert (m["source_node"], m["source_gpu"], m["trigger"]) == ("n0", 1, "preventive")
+    crossed = [e for e in audit(registered) if e["action"] == "requested"]
+    assert crossed
+    with registered.begin() as c:
+        db.write_policy(c, data=Policy(threshold=0.9, alarm_budget=2.0).model_dump(), ts_ms=NOW)
+    loop.tick(NOW + 9 * hour)
+    assert loop.threshold_in_force == 0.9 and loop.budget is None

@@ -42,9 +42,10 @@ export function finishedAt(m) {
   return m.completed_at ?? m.finished_at ?? m.failed_at ?? m.cancelled_at ?? m.ended_at ?? null;
 }
 
-// Policy threshold: the operator's, else the model card's.
+// Policy threshold: the one the control loop applied last (the operator's, the alarm
+// budget's or the model card's), else the operator's, else the model card's.
 export function thresholdOf(policy) {
   if (!policy || policy.error) return null;
   const p = policy.policy || policy;
-  return p.threshold ?? policy.model_threshold ?? null;
+  return policy.threshold_in_force ?? p.threshold ?? policy.model_threshold ?? null;
 }
