@@ -326,7 +326,9 @@ class MigrationProgress(_Wire):
 class JobHeartbeat(_Wire):
     """A job agent's periodic sign of life."""
 
-    status: str = Field(max_length=32, description="starting, running, paused, completed, failed, stopped")
+    status: str = Field(
+        max_length=32, description="starting, running, paused, completed, failed, stopped"
+    )
     generation: int = Field(default=0, ge=0, le=MAX_INT)
     message: str | None = Field(default=None, max_length=2000)
 
