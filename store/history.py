@@ -14,7 +14,9 @@ format of ``docs/datasets.md``::
 so ``forewarn train --data HISTORY`` trains on the fleet's own data with no export step, and
 :func:`read_history` yields its sample frames for any other reader.
 
-Failure labels come from the events that end a job: the fatal Xids (48, 63, 64, 74, 79, 94,
+Failure labels come from the operator's failure records (``store.failures``: ground truth,
+``trace_class`` "operator"; each replaces an event-derived failure of its GPU within ten
+minutes) and from the events that end a job: the fatal Xids (48, 63, 64, 74, 79, 94,
 95, 119, 120), ``gpu_lost``, ``thermal_shutdown``, ``link_down`` and ``power_loss`` (a node's
 event labels each of its GPUs). Events of one GPU within ten minutes of a failure belong to it;
 the next ``gpu_recovered`` event marks it back in service. Whether the failure had precursors
@@ -158,6 +160,8 @@ class History:
         events: pd.DataFrame,
         gpus: pd.DataFrame,
         precursors: Precursors | None = None,
+        *,
+        records: pd.DataFrame | None = None,
     ) -> dict[str, Any]:
         """Refresh ``events.parquet``, ``failures.parquet`` and ``manifest.json``.
 
@@ -165,13 +169,17 @@ class History:
             events: the store's events over the history's span (dataset event columns).
             gpus: the fleet's GPUs (``node``, ``gpu``, ``uuid``).
             precursors: tells whether a failure's GPU showed warning signs before it.
+            records: the operator's failure records (``ts_ms``, ``node``, ``gpu``, ``kind``;
+                ``gpu`` null: the whole node), which override the events.
         """
         parts = self.parts()
         start_ms = parts[0][0] if parts else 0
         end_ms = parts[-1][0] + 3_600_000 if parts else 0
         events = events[(events["ts_ms"] >= start_ms) & (events["ts_ms"] < end_ms)]
         events = events.astype(EVENT_DTYPES)
-        failures = failures_from_events(events, gpus, end_ms=end_ms, precursors=precursors)
+        failures = failures_from_events(
+            events, gpus, end_ms=end_ms, precursors=precursors, records=records
+        )
         with self.fs.open(self._path("events.parquet"), "wb") as f:
             events.to_parquet(f, index=False, compression="zstd")
         with self.fs.open(self._path("failures.parquet"), "wb") as f:
@@ -209,8 +217,10 @@ def failures_from_events(
     *,
     end_ms: int | None = None,
     precursors: Precursors | None = None,
+    records: pd.DataFrame | None = None,
 ) -> pd.DataFrame:
-    """Failure labels (``failures.parquet`` columns) from job-ending events.
+    """Failure labels (``failures.parquet`` columns) from job-ending events and the
+    operator's records.
 
     Args:
         events: event rows (``ts_ms``, ``node``, ``gpu``, ``kind``, ``xid``).
@@ -218,12 +228,15 @@ def failures_from_events(
         end_ms: the end of the history (recoveries after it are unknown).
         precursors: ``(node, gpu, ts_ms) -> bool``, whether the GPU's telemetry warned before
             the failure (``has_precursors``); default: never.
+        records: operator failure records (``ts_ms``, ``node``, ``gpu``, ``kind``), kept as
+            they are (``trace_class`` "operator"); an event-derived failure of the same GPU
+            within ten minutes of one is dropped.
     """
     columns = list(FAILURE_DTYPES)
-    records: list[dict[str, Any]] = events.to_dict("records")  # type: ignore[assignment]
+    evs: list[dict[str, Any]] = events.to_dict("records")  # type: ignore[assignment]
     uuid = {(n, int(g)): u for n, g, u in zip(gpus["node"], gpus["gpu"], gpus["uuid"], strict=True)}
     rows: list[dict[str, Any]] = []
-    for event in sorted(records, key=lambda e: int(e["ts_ms"])):
+    for event in sorted(evs, key=lambda e: int(e["ts_ms"])):
         kind, xid, gpu = event["kind"], event["xid"], event["gpu"]
         if kind == "xid" and not pd.isna(xid):
             failure = FATAL_XIDS.get(int(xid))
@@ -244,8 +257,25 @@ def failures_from_events(
                     "gpu": g,
                     "kind": failure,
                     "scope": scope,
+                    "trace_class": "",
                 }
             )
+    said: list[dict[str, Any]] = []
+    for rec in ([] if records is None else records.to_dict("records")):
+        node_wide = pd.isna(rec["gpu"])
+        targets = [g for n, g in sorted(uuid) if n == rec["node"]] if node_wide else [rec["gpu"]]
+        for g in targets:
+            said.append(
+                {
+                    "ts_ms": int(rec["ts_ms"]),
+                    "node": str(rec["node"]),
+                    "gpu": int(g),
+                    "kind": str(rec["kind"]),
+                    "scope": "node" if node_wide else "gpu",
+                    "trace_class": "operator",
+                }
+            )
+    rows = [r for r in rows if not _told(said, r)] + said
     if not rows:
         return pd.DataFrame({c: pd.Series(dtype=t) for c, t in FAILURE_DTYPES.items()})
     table = pd.DataFrame(rows).sort_values(["node", "gpu", "ts_ms"], kind="stable")
@@ -261,7 +291,6 @@ def failures_from_events(
         bool(precursors(n, int(g), int(ts))) if precursors is not None else False
         for n, g, ts in zip(table["node"], table["gpu"], table["ts_ms"], strict=True)
     ]
-    table["trace_class"] = ""
     table["incident_id"] = table.groupby(["node", "ts_ms"]).ngroup().astype(np.int64)
     table["precursor_onset_ts_ms"] = pd.NA
     table["injected"] = False
@@ -271,6 +300,16 @@ def failures_from_events(
     ]
     table = table.sort_values(["ts_ms", "node", "gpu"], kind="stable", ignore_index=True)
     return table[columns].astype(FAILURE_DTYPES)
+
+
+def _told(said: list[dict[str, Any]], row: dict[str, Any]) -> bool:
+    """Whether an operator's record covers this event-derived failure (same GPU, near)."""
+    return any(
+        s["node"] == row["node"]
+        and s["gpu"] == row["gpu"]
+        and abs(s["ts_ms"] - row["ts_ms"]) <= _SAME_FAILURE_MS
+        for s in said
+    )
 
 
 def _next(recovered: pd.DataFrame, node: str, gpu: int, ts: int, end_ms: int | None) -> Any:

@@ -14,6 +14,7 @@ import pandas as pd
 from sqlalchemy import Engine, text
 
 from store import partitions, reads
+from store.failures import failure_records
 from store.history import History
 from store.rawread import samples_between
 from store.rollups import MINUTE_MS, STAT_COLUMNS, pack, rollup
@@ -243,6 +244,7 @@ def _refresh_labels(engine: Engine, history: History) -> None:
             c.execute(text("SELECT node, gpu, uuid FROM gpus ORDER BY node, gpu")).all(),
             columns=["node", "gpu", "uuid"],
         )
+        records = failure_records(c, since_ms=0, until_ms=2**62)
     columns = ["ts_ms", "node", "gpu", "kind", "xid", "message", "source"]
     events = events[columns] if len(events) else pd.DataFrame(columns=columns)
     events = events.sort_values(["ts_ms", "node"], kind="stable", ignore_index=True)
@@ -251,4 +253,4 @@ def _refresh_labels(engine: Engine, history: History) -> None:
         with engine.connect() as c:
             return had_precursors(c, node=node, gpu=gpu, ts_ms=ts_ms)
 
-    history.write_labels(events, gpus, precursors)
+    history.write_labels(events, gpus, precursors, records=records)

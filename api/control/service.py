@@ -16,7 +16,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from api.control.loop import ControlLoop
-from api.routes import audit, drain, jobs, migrations, policy, risk
+from api.routes import audit, drain, failures, jobs, migrations, policy, risk
 from api.settings import Settings
 
 __all__ = ["install_control", "load_model", "start_control"]
@@ -26,7 +26,7 @@ log = logging.getLogger("forewarn.control")
 
 def install_control(app: FastAPI, settings: Settings) -> None:
     app.state.control = None
-    for module in (risk, jobs, migrations, policy, audit, drain):
+    for module in (risk, jobs, migrations, policy, audit, drain, failures):
         app.include_router(module.router)
 
 

@@ -37,7 +37,7 @@ class TokenPublic(BaseModel):
 async def list_audit(
     store: StoreDep,
     since: Since = None,
-    kind: Annotated[str | None, Query(description="migration or policy")] = None,
+    kind: Annotated[str | None, Query(description="migration, policy or failure")] = None,
     migration: str | None = None,
     limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
 ) -> dict[str, Any]:
