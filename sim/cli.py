@@ -6,12 +6,16 @@
     forewarn simulate --gpus 1024 --days 1 --seed 7 --out var/ds                # history
     forewarn simulate inject --node sim-node-0002 --gpu 3 --kind memory --lead-s 300
     forewarn simulate convert-csv --csv gpu.csv --node host1 --out var/real     # real export
+    forewarn simulate --gpus 16 --speed 60 --serve-dcgm-exporter 9400           # for Prometheus
 
 Live mode posts one batch stream per node to ``POST /v1/ingest`` (token from ``--token`` or
 ``FOREWARN_INGEST_TOKEN``) through the collector's batching pusher, stamps samples with the
 wall clock, and serves the control API (``sim/control.py``) on localhost so that
-failures can be injected while it runs. ``--inject NODE:GPU:KIND[:LEAD_S][@AT_S]`` injects
-from the command line, in both modes (AT_S: seconds after the start).
+failures can be injected while it runs. ``--serve-dcgm-exporter PORT`` serves the fleet's
+current readings as a dcgm-exporter would (``http://HOST:PORT/metrics``, ``sim/exposition.py``)
+for a Prometheus to scrape; it needs no service (with ``--service`` it does both).
+``--inject NODE:GPU:KIND[:LEAD_S][@AT_S]`` injects from the command line, in both modes
+(AT_S: seconds after the start).
 """
 
 from __future__ import annotations
@@ -66,6 +70,19 @@ def configure(parser: argparse.ArgumentParser) -> None:
     live.add_argument("--speed", type=float, default=1.0, help="failure dynamics run X faster")
     live.add_argument("--duration", type=float, help="stop after this many seconds")
     live.add_argument(
+        "--serve-dcgm-exporter",
+        type=int,
+        metavar="PORT",
+        help="serve the fleet's readings as dcgm-exporter text on http://HOST:PORT/metrics "
+        "(0: any free port; no --service needed)",
+    )
+    live.add_argument(
+        "--exporter-host",
+        default="127.0.0.1",
+        metavar="HOST",
+        help="address the dcgm-exporter endpoint binds to (default %(default)s)",
+    )
+    live.add_argument(
         "--control-port", type=int, default=8799, help="control API port on 127.0.0.1 (0: off)"
     )
     inj = parser.add_argument_group("inject")
@@ -114,11 +131,15 @@ def run(args: argparse.Namespace) -> int:
             return _inject(args)
         if args.action == "convert-csv":
             return _convert(args)
-        if args.service:
+        if args.service or args.serve_dcgm_exporter is not None:
             return _live(args)
         if args.out and args.days:
             return _history(args)
-        print("forewarn simulate: give --service URL (live) or --days D --out DIR", file=sys.stderr)
+        print(
+            "forewarn simulate: give --service URL or --serve-dcgm-exporter PORT (live) "
+            "or --days D --out DIR",
+            file=sys.stderr,
+        )
         return 2
     except ForewarnError as exc:
         print(f"forewarn simulate: {exc.message}", file=sys.stderr)
@@ -194,10 +215,11 @@ def _live(args: argparse.Namespace) -> int:
     from collector.push import BatchingPusher, IngestClient
     from forewarn.wire import AgentStatus
     from sim.control import ControlServer
+    from sim.exposition import DcgmExposition, ExporterServer
     from sim.source import SimulatedSource
 
     token = args.token or os.environ.get("FOREWARN_INGEST_TOKEN")
-    if not token:
+    if args.service and not token:
         raise InvalidInput("live mode needs --token or FOREWARN_INGEST_TOKEN")
     interval = float(args.interval or 1.0)
     params = _params(args)
@@ -214,15 +236,30 @@ def _live(args: argparse.Namespace) -> int:
             interval_s=interval,
         )
 
-    pusher = BatchingPusher(
-        IngestClient(args.service, token),
-        max_rows=5000,
-        max_delay_s=max(1.0, interval),
-        agent_status=status,
-    ).start()
+    pusher = None
+    if args.service:
+        pusher = BatchingPusher(
+            IngestClient(args.service, str(token)),
+            max_rows=5000,
+            max_delay_s=max(1.0, interval),
+            agent_status=status,
+        ).start()
+    exposition, exporter = DcgmExposition(), None
     control = None
-    if args.control_port:
-        control = ControlServer(source, port=args.control_port).start()
+    try:
+        if args.serve_dcgm_exporter is not None:
+            exposition.update(source.read(datetime.now(UTC)))
+            exporter = ExporterServer(
+                exposition, host=args.exporter_host, port=args.serve_dcgm_exporter
+            ).start()
+        if args.control_port:
+            control = ControlServer(source, port=args.control_port).start()
+    except OSError as exc:
+        if exporter is not None:
+            exporter.close()
+        if pusher is not None:
+            pusher.close()
+        raise InvalidInput(f"cannot listen: {exc}") from exc
     pending = sorted((parse_inject(t) for t in args.inject), key=lambda j: j["at_s"])
     stop = False
 
@@ -232,9 +269,12 @@ def _live(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, _stop)
     where = f", control API {control.url}" if control else ""
+    sinks = [args.service] if args.service else []
+    if exporter is not None:
+        sinks.append(f"dcgm-exporter {exporter.url}")
     print(
-        f"simulating {source.model.g} GPUs on {source.model.nodes} nodes -> {args.service} "
-        f"every {interval:g} s, speed {args.speed:g}{where}",
+        f"simulating {source.model.g} GPUs on {source.model.nodes} nodes -> "
+        f"{' and '.join(sinks)} every {interval:g} s, speed {args.speed:g}{where}",
         flush=True,
     )
     t0 = time.monotonic()
@@ -247,14 +287,21 @@ def _live(args: argparse.Namespace) -> int:
             while pending and pending[0]["at_s"] <= elapsed:
                 j = pending.pop(0)
                 print(json.dumps(source.inject(j["node"], j["gpu"], j["kind"], j["lead_s"])))
-            pusher.add(source.read(datetime.now(UTC)))
+            readings = source.read(datetime.now(UTC))
+            if pusher is not None:
+                pusher.add(readings)
+            if exporter is not None:
+                exposition.update(readings)
             k += 1
             if time.monotonic() - last_report >= 60.0:
                 last_report = time.monotonic()
-                s, st = pusher.stats, source.status()
+                st = source.status()
+                sent = ""
+                if pusher is not None:
+                    s = pusher.stats
+                    sent = f"sent={s.sent_total} spooled={s.spooled} dropped={s.dropped_total} "
                 print(
-                    f"t={elapsed:.0f}s sent={s.sent_total} spooled={s.spooled} "
-                    f"dropped={s.dropped_total} up={st['gpus_up']}/{st['gpus']} "
+                    f"t={elapsed:.0f}s {sent}up={st['gpus_up']}/{st['gpus']} "
                     f"failures={st['failures']}",
                     flush=True,
                 )
@@ -264,8 +311,14 @@ def _live(args: argparse.Namespace) -> int:
     finally:
         if control is not None:
             control.close()
-        pusher.close()
+        if exporter is not None:
+            exporter.close()
+        if pusher is not None:
+            pusher.close()
         source.close()
+    if pusher is None:
+        print(f"stopped after {k} ticks")
+        return 0
     s = pusher.stats
     print(f"stopped: sent {s.sent_total} rows, dropped {s.dropped_total}, spooled {s.spooled}")
     return 0
