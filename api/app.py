@@ -23,6 +23,7 @@ from api.docs import install_docs
 from api.errors import error_body, install_error_handlers
 from api.metrics import Metrics, TimingMiddleware
 from api.settings import DEV_TOKEN, Settings
+from api.threads import to_thread_to_end
 from api.webhooks import install_webhooks, webhook_dispatcher
 from forewarn import __version__
 from store import Store
@@ -40,7 +41,9 @@ async def _retention(app: FastAPI) -> None:
     while True:
         try:
             now_ms = int(time.time() * 1000)
-            report = await asyncio.to_thread(app.state.store.maintain_tiers, policy, now_ms=now_ms)
+            report = await to_thread_to_end(
+                app.state.store.maintain_tiers, policy, now_ms=now_ms
+            )
             if report:
                 log.info("storage tiers: %s", report)
         except Exception:  # a failed pass is retried next interval; the service stays up

@@ -37,6 +37,7 @@ from prometheus_client.core import GaugeMetricFamily
 from api.control import orchestrator
 from api.control.leader import Leadership
 from api.control.policy import Policy, Situation, breaker_should_trip, decide
+from api.threads import to_thread_to_end
 from predictor.budget import AlarmBudget
 from store import Store
 from store import control as db
@@ -173,7 +174,7 @@ class ControlLoop:
             while True:
                 started = time.monotonic()
                 try:
-                    await asyncio.to_thread(self.step)
+                    await to_thread_to_end(self.step)
                 except Exception:
                     log.exception("control loop tick failed")
                 await asyncio.sleep(max(0.0, self.tick_s - (time.monotonic() - started)))

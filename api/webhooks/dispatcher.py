@@ -37,6 +37,7 @@ from typing import Any
 import orjson
 from sqlalchemy import Engine
 
+from api.threads import to_thread_to_end
 from api.webhooks.sender import AttemptResult, Sender
 from api.webhooks.signing import signature_headers
 from store import webhooks as wstore
@@ -148,11 +149,11 @@ class Dispatcher:
             await self.stop()
 
     async def tick(self) -> None:
-        advanced = await asyncio.to_thread(self._advance_safe_seq)
-        held = await asyncio.to_thread(self._claim)
+        advanced = await to_thread_to_end(self._advance_safe_seq)
+        held = await to_thread_to_end(self._claim)
         self._held = {w["id"]: w for w in held}
         if self._late:
-            await asyncio.to_thread(self._queue_late)
+            await to_thread_to_end(self._queue_late)
         for webhook_id in list(self._workers):
             if webhook_id not in self._held or self._workers[webhook_id].done():
                 task = self._workers.pop(webhook_id)
@@ -175,7 +176,7 @@ class Dispatcher:
         await asyncio.gather(*workers, return_exceptions=True)
         self._workers.clear()
         with contextlib.suppress(Exception):
-            await asyncio.to_thread(self._release)
+            await to_thread_to_end(self._release)
         await self.sender.aclose()
 
     def _release(self) -> None:
@@ -255,8 +256,8 @@ class Dispatcher:
         if webhook is None:
             return None
         if self.safe_seq is not None and self.safe_seq > webhook["cursor_seq"]:
-            await asyncio.to_thread(self._fan_out, webhook, self.safe_seq)
-        due = await asyncio.to_thread(self._due, webhook_id)
+            await to_thread_to_end(self._fan_out, webhook, self.safe_seq)
+        due = await to_thread_to_end(self._due, webhook_id)
         idle_s = max(self.config.lease_s / 3, self.config.poll_interval_s)
         accepted: list[dict[str, Any]] = []  # recorded in batches: one commit, not one each
         try:
@@ -287,7 +288,7 @@ class Dispatcher:
                     continue
                 if not await self._flush(accepted):
                     return None
-                outcome = await asyncio.to_thread(self._record, current, delivery, result)
+                outcome = await to_thread_to_end(self._record, current, delivery, result)
                 if not outcome["held"] or outcome["disabled"]:
                     if outcome["disabled"]:
                         log.warning(
@@ -311,7 +312,7 @@ class Dispatcher:
             with self.engine.begin() as connection:
                 return wstore.record_successes(connection, batch, owner=self.owner)
 
-        return await asyncio.to_thread(write)
+        return await to_thread_to_end(write)
 
     def _fan_out(self, webhook: dict[str, Any], up_to_seq: int) -> None:
         with self.engine.connect() as connection:
