@@ -35,6 +35,7 @@ COMMANDS: dict[str, Command] = {
     "simulate": Command("sim.cli", "simulate a GPU fleet: live or to a dataset"),
     "train": Command("predictor.train_cli", "train the failure-risk model on a dataset"),
     "evaluate": Command("predictor.evaluate_cli", "evaluate a model against the rule baseline"),
+    "import": Command("predictor.import_cli", "a dataset from a fleet's Prometheus history"),
     "launch": Command("migrator.launch_cli", "start a migratable training job with spares"),
     "migrate": Command("migrator.migrate_cli", "ask a running job to move a rank to a spare"),
     "demo": Command("demo.cli", "service, simulated fleet and a job that survives failures"),

@@ -35,7 +35,7 @@ from forewarn.errors import InvalidInput
 from sim.dataset import write_parquet_frame
 from sim.schema import EVENT_COLUMNS, FAILURE_COLUMNS, SAMPLE_COLUMNS, sample_dtypes
 
-__all__ = ["NVSMI_COLUMNS", "convert_csv"]
+__all__ = ["NVSMI_COLUMNS", "convert_csv", "read_failures_csv"]
 
 NVSMI_COLUMNS = {
     "timestamp": "ts",
@@ -200,6 +200,16 @@ def _failures(path: str | Path | None) -> pd.DataFrame:
     df["in_window"] = True
     df["uuid"] = pd.Series([""] * len(df), dtype="str", index=df.index)
     return df.reset_index(drop=True)[list(FAILURE_COLUMNS)]
+
+
+def read_failures_csv(path: str | Path) -> pd.DataFrame:
+    """A failures CSV (``node,gpu,ts|ts_ms,kind`` and optional ``has_precursors``,
+    ``recovered_ts|recovered_ts_ms``) as a ``failures.parquet`` frame; the importers share it.
+
+    Raises:
+        InvalidInput: no timestamps, or unknown failure kinds.
+    """
+    return _failures(path)
 
 
 def convert_csv(

@@ -69,8 +69,13 @@ FORBIDDEN = {
 }
 # Modules allowed past the rule, with the reason: ``forewarn simulate`` streams its fleet
 # through the collector's pusher (it is a collector with the simulated source) and posts to the
-# control API of a running simulator; the fleet model itself imports neither.
-ALLOWED = {("sim", "collector"): ("sim/cli.py",), ("sim", "httpx"): ("sim/cli.py",)}
+# control API of a running simulator; the fleet model itself imports neither. The predictor's
+# Prometheus importer asks Prometheus' HTTP API for a fleet's history (DESIGN.md).
+ALLOWED = {
+    ("sim", "collector"): ("sim/cli.py",),
+    ("sim", "httpx"): ("sim/cli.py",),
+    ("predictor", "httpx"): ("predictor/prometheus_import.py",),
+}
 # The command dispatcher names every room as a string, and imports them lazily.
 SKIP = {"forewarn/cli.py"}
 
