@@ -6,6 +6,9 @@ step into a :class:`predictor.state.FleetState` exactly as the live scorer does 
 store received since its last tick, and hands the state to a callback after every step. The
 features a callback computes at time ``t`` are the ones the service would have computed at
 ``t`` (the decayed windows do not depend on how the rows were split into steps).
+
+A dataset is read from a local directory or any fsspec URL (``s3://bucket/forewarn/history``,
+``file://...``): the service's Parquet history can stay on object storage.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import fsspec
 import numpy as np
 import pandas as pd
 import pyarrow as pa
@@ -25,14 +29,23 @@ import pyarrow.parquet as pq
 from forewarn.errors import InvalidInput
 from predictor.state import VALUE_COLUMNS, FleetState, SampleBlock
 
-__all__ = ["Dataset", "block_from_table", "load_dataset", "read_manifest", "replay", "steps"]
+__all__ = [
+    "Dataset",
+    "block_from_table",
+    "load_dataset",
+    "read_failures",
+    "read_manifest",
+    "replay",
+    "steps",
+]
 
 
 @dataclass
 class Dataset:
     """One labelled fleet history."""
 
-    path: Path
+    path: Path | str
+    """The local directory, or the URL it was read from."""
     manifest: dict[str, Any]
     samples: SampleBlock
     events: pd.DataFrame
@@ -67,17 +80,23 @@ def block_from_table(table: pa.Table) -> SampleBlock:
     return block
 
 
-def _read_samples(path: Path) -> SampleBlock:
+def _location(path: str | Path) -> tuple[Any, str]:
+    """(fsspec filesystem, path on it) of a local path or a URL."""
+    fs, root = fsspec.core.url_to_fs(str(path))
+    return fs, str(root).rstrip("/")
+
+
+def _read_samples(fs: Any, path: str) -> SampleBlock:
     """The samples of a dataset, read batch by batch into one preallocated block.
 
     Only the columns the state uses are read and the node names come from the Parquet
     dictionary (one string object per node, not per row), so a 20M-row fleet-week costs about
     its value matrix (rows x columns x 8 bytes) rather than several times that.
     """
-    files = sorted(path.glob("*.parquet")) if path.is_dir() else [path]
+    files = sorted(fs.glob(f"{path}/*.parquet")) if fs.isdir(path) else [path]
     if not files:
         raise InvalidInput(f"no Parquet part in {path}")
-    pfs = [pq.ParquetFile(f) for f in files]
+    pfs = [pq.ParquetFile(f, filesystem=fs) for f in files]
     n = sum(pf.metadata.num_rows for pf in pfs)
     ts = np.empty(n, dtype=np.int64)
     gpu = np.empty(n, dtype=np.int64)
@@ -106,46 +125,55 @@ def _read_samples(path: Path) -> SampleBlock:
     return SampleBlock(ts, node, gpu, values)
 
 
-def _read(path: Path, what: str) -> pd.DataFrame:
+def _read(fs: Any, path: str, what: str) -> pd.DataFrame:
     try:
-        return pq.read_table(path).to_pandas()
+        return pq.read_table(path, filesystem=fs).to_pandas()
     except (OSError, ValueError) as exc:
         raise InvalidInput(f"cannot read {what} {path}: {exc}") from exc
 
 
+def read_failures(path: str | Path) -> pd.DataFrame:
+    """The failure labels of a dataset (local directory or URL), without its samples."""
+    fs, root = _location(path)
+    return _read(fs, f"{root}/failures.parquet", "failures")
+
+
 def read_manifest(path: str | Path) -> dict[str, Any]:
-    """The manifest of a dataset directory.
+    """The manifest of a dataset (local directory or URL).
 
     Raises:
         InvalidInput: no manifest, or a manifest of another format.
     """
-    root = Path(path)
+    fs, root = _location(path)
     try:
-        manifest = json.loads((root / "manifest.json").read_text("utf-8"))
+        with fs.open(f"{root}/manifest.json", "r", encoding="utf-8") as f:
+            manifest = json.loads(f.read())
     except (OSError, ValueError) as exc:
-        raise InvalidInput(f"{root} is not a dataset (manifest.json: {exc})") from exc
+        raise InvalidInput(f"{path} is not a dataset (manifest.json: {exc})") from exc
     if manifest.get("format") != "forewarn-dataset":
-        raise InvalidInput(f"{root}/manifest.json: format is not forewarn-dataset")
+        raise InvalidInput(f"{path}/manifest.json: format is not forewarn-dataset")
     return dict(manifest)
 
 
 def load_dataset(path: str | Path) -> Dataset:
-    """Read a dataset directory.
+    """Read a dataset: a local directory or an fsspec URL.
 
     Raises:
         InvalidInput: no manifest, a manifest of another format, or unreadable Parquet.
     """
-    root = Path(path)
-    manifest = read_manifest(root)
+    manifest = read_manifest(path)
+    fs, root = _location(path)
     try:
-        samples = _read_samples(root / "samples")
+        samples = _read_samples(fs, f"{root}/samples")
     except (OSError, ValueError, KeyError, pa.ArrowException) as exc:
-        raise InvalidInput(f"cannot read samples in {root}: {exc}") from exc
-    events = _read(root / "events.parquet", "events")
-    failures = _read(root / "failures.parquet", "failures")
+        raise InvalidInput(f"cannot read samples in {path}: {exc}") from exc
+    events = _read(fs, f"{root}/events.parquet", "events")
+    failures = _read(fs, f"{root}/failures.parquet", "failures")
     if len(events):
         events = events.sort_values("ts_ms", kind="stable").reset_index(drop=True)
-    return Dataset(root, manifest, samples, events, failures)
+    return Dataset(
+        Path(path) if "://" not in str(path) else path, manifest, samples, events, failures
+    )
 
 
 Sink = Callable[[int, FleetState], None]

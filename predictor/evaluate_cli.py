@@ -25,7 +25,9 @@ __all__ = ["configure", "run"]
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--data", required=True, metavar="DIR", help="dataset directory")
+    parser.add_argument(
+        "--data", required=True, metavar="DIR", help="dataset directory or fsspec URL"
+    )
     parser.add_argument(
         "--model",
         default="models",

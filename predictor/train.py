@@ -38,7 +38,7 @@ from sklearn.isotonic import IsotonicRegression
 from forewarn import __version__
 from forewarn.errors import InvalidInput
 from predictor import baseline, evaluate
-from predictor.dataset import Dataset, load_dataset, read_manifest, replay
+from predictor.dataset import Dataset, load_dataset, read_failures, read_manifest, replay
 from predictor.features import FEATURE_NAMES, compute
 from predictor.labels import Labeller, failure_table
 from predictor.model import DEFAULT_PARAMS, DEFAULT_ROUNDS, RiskModel, fit_booster
@@ -167,7 +167,7 @@ def _ground_truth(d: Dataset | str | Path) -> tuple[pd.DataFrame, int, int]:
     if isinstance(d, Dataset):
         return d.failures, d.start_ms, d.end_ms
     m = read_manifest(d)
-    return pd.read_parquet(Path(d) / "failures.parquet"), int(m["start_ms"]), int(m["end_ms"])
+    return read_failures(d), int(m["start_ms"]), int(m["end_ms"])
 
 
 def split_counts(

@@ -25,7 +25,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         action="append",
         required=True,
         metavar="DIR",
-        help="dataset directory (docs/datasets.md); repeat to train on several fleets",
+        help="dataset directory or fsspec URL, e.g. s3://bucket/history (docs/datasets.md); "
+        "repeat to train on several fleets",
     )
     parser.add_argument("--out", default="models", help="model directory (default: models/)")
     parser.add_argument("--step-s", type=float, default=60.0, help="replay step in seconds")
