@@ -230,8 +230,12 @@ def train(
     cfg: TrainConfig | None = None,
     *,
     progress: Progress | None = None,
+    booster_params: dict[str, Any] | None = None,
 ) -> RiskModel:
     """Train, calibrate and pick the threshold; the returned model carries its card.
+
+    ``booster_params``: hyper-parameters over :data:`predictor.model.DEFAULT_PARAMS` (a base
+    model's, when retraining: :mod:`predictor.retrain`).
 
     Datasets given as paths are loaded one at a time (twice: to collect, to validate), so
     several large fleets never sit in memory together.
@@ -278,7 +282,7 @@ def train(
         if yh.sum() == 0:
             continue
         w = np.where(yh == 1, w0 * 0.1 * w0[yh == 0].sum() / w0[yh == 1].sum(), w0)
-        b = fit_booster(x, yh, w, rounds=cfg.rounds, seed=cfg.seed)
+        b = fit_booster(x, yh, w, params=booster_params, rounds=cfg.rounds, seed=cfg.seed)
         boosters[_cand(h)] = (h, b)
         scorers[_cand(h)] = RiskModel(b, np.zeros(0), np.zeros(0), 0.5).raw
 
@@ -339,7 +343,9 @@ def train(
     val_model = evaluate.metrics(table, "raw", raw_thr)
     val_model["threshold"] = model.threshold
     val_base = evaluate.metrics(table, "baseline", baseline.THRESHOLD)
-    model.card = _card(manifests, cfg, model, len(y), int(y.sum()), val_model, val_base)
+    model.card = _card(
+        manifests, cfg, model, len(y), int(y.sum()), val_model, val_base, booster_params
+    )
     model.card["raw_threshold"] = raw_thr
     model.card["training"]["label_horizon_s"] = boosters[chosen][0]
     model.card["metrics"]["validation_candidates"] = candidates
@@ -393,6 +399,7 @@ def _card(
     n_pos: int,
     val_model: dict[str, Any],
     val_base: dict[str, Any],
+    params: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     return {
         "format": "forewarn-model",
@@ -403,7 +410,12 @@ def _card(
         "target": f"hardware failure within {cfg.horizon_s:.0f} s",
         "threshold": model.threshold,
         "features": list(FEATURE_NAMES),
-        "hyper_parameters": {**DEFAULT_PARAMS, "rounds": cfg.rounds, "seed": cfg.seed},
+        "hyper_parameters": {
+            **DEFAULT_PARAMS,
+            **(params or {}),
+            "rounds": cfg.rounds,
+            "seed": cfg.seed,
+        },
         "training": {**asdict(cfg), "rows": n_rows, "positive_rows": n_pos},
         "data": [
             {k: v for k, v in ds.manifest.items() if k != "params"} | {"path": str(ds.path)}

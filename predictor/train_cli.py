@@ -1,6 +1,8 @@
 """``forewarn train --data DIR [--data DIR ...] --out models/``: train, calibrate, write.
 
-Prints where the model and its card went and the held-out (validation) figures.
+Prints where the model and its card went and the held-out (validation) figures. With
+``--base MODEL`` it retrains on top of an existing model (:mod:`predictor.retrain`): the base
+card's settings and hyper-parameters, the new data plus the base's datasets still present.
 """
 
 from __future__ import annotations
@@ -8,12 +10,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any
 
 from tqdm import tqdm
 
 from forewarn.errors import ForewarnError
 from predictor import evaluate, registry
 from predictor.dataset import read_manifest
+from predictor.retrain import Base, load_base
 from predictor.train import TrainConfig, train
 
 __all__ = ["configure", "run"]
@@ -61,10 +65,61 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--base",
+        metavar="MODEL",
+        help="retrain on top of this model: a card, or a directory and its newest model "
+        "(e.g. predictor/shipped, models/). Training settings and hyper-parameters come from "
+        "its card (options above win when set to other than their defaults); the data is "
+        "--data plus the datasets its card lists that are still here, and those that are not "
+        "are named. See docs/predictor.md",
+    )
+    parser.set_defaults(cli_defaults={dest: parser.get_default(dest) for dest in _FROM_BASE})
+    parser.add_argument(
         "--no-progress",
         action="store_true",
         help="no progress bar (none when stderr is not a terminal)",
     )
+
+
+# option -> TrainConfig field: with --base the card's value, unless the option was changed
+_FROM_BASE = {
+    "step_s": "step_s",
+    "horizon_s": "horizon_s",
+    "lead_min_s": "lead_min_s",
+    "max_false_alarms": "max_false_alarms",
+    "rounds": "rounds",
+    "seed": "seed",
+    "val_from": "val_from",
+    "val_node_frac": "val_node_frac",
+}
+
+
+def _from_base(args: argparse.Namespace) -> tuple[TrainConfig, Base]:
+    base = load_base(args.base)
+    overrides: dict[str, Any] = {
+        field: getattr(args, dest)
+        for dest, field in _FROM_BASE.items()
+        if getattr(args, dest) != args.cli_defaults[dest]
+    }
+    if args.label_horizon_s:
+        overrides["label_horizons_s"] = tuple(args.label_horizon_s)
+    print(f"base: {base.card_path} (its settings and hyper-parameters)", file=sys.stderr)
+    for path, why in base.missing.items():
+        print(f"base data {path}: {why}; left out", file=sys.stderr)
+    if base.missing and not base.found:
+        how = (base.card.get("training") or {}).get("command")
+        print(
+            "none of the base's data is here: training on --data alone with the base's "
+            "settings" + (f" (the base's data came from: {how})" if how else ""),
+            file=sys.stderr,
+        )
+    if base.added_features:
+        print(
+            f"features: this version's; the base lacked {len(base.added_features)} "
+            f"({', '.join(base.added_features)})",
+            file=sys.stderr,
+        )
+    return base.config(overrides), base
 
 
 def run(args: argparse.Namespace) -> int:
@@ -79,8 +134,11 @@ def run(args: argparse.Namespace) -> int:
         val_node_frac=args.val_node_frac,
         label_horizons_s=tuple(args.label_horizon_s or (args.horizon_s,)),
     )
+    base: Base | None = None
     try:
-        datasets = list(args.data)
+        if args.base:
+            cfg, base = _from_base(args)
+        datasets = [*(base.found if base else []), *args.data]
         total = 2 * sum(_steps(d, cfg.step_s) for d in datasets)
         with tqdm(
             total=total,
@@ -95,7 +153,14 @@ def run(args: argparse.Namespace) -> int:
                 bar.update(1)
                 done[phase] = n
 
-            model = train(datasets, cfg, progress=progress)
+            model = train(
+                datasets,
+                cfg,
+                progress=progress,
+                booster_params=base.booster_params() if base else None,
+            )
+        if base is not None:
+            model.card["base"] = base.describe(base.found)
         card_path = registry.save(model, args.out)
     except ForewarnError as exc:
         print(f"forewarn train: {exc.message}", file=sys.stderr)
