@@ -6,6 +6,8 @@ STAMP := $(VENV)/.installed-stamp
 HOST ?= 127.0.0.1
 PORT ?= 8765
 PYTEST_ARGS ?=
+# Test workers (pytest-xdist; each test file stays on one worker). 0: one process.
+PYTEST_WORKERS ?= 2
 
 .PHONY: run test lint typecheck pytest bench clean
 
@@ -29,7 +31,7 @@ typecheck: $(STAMP)
 	$(BIN)/mypy
 
 pytest: $(STAMP)
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 ## bench: every benchmark, each printing ratios against a baseline measured in the same run.
 bench: $(STAMP)

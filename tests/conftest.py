@@ -2,15 +2,20 @@
 
 PostgreSQL: ``FOREWARN_TEST_POSTGRES_URL`` (``.ci/run`` creates a fresh database and sets it),
 else the local default ``postgresql+psycopg://postgres@127.0.0.1:5432/test``. When it cannot
-be reached the PostgreSQL tests skip — except under ``CI=true``, where they fail.
+be reached the PostgreSQL tests skip — except under ``CI=true``, where they fail. Under
+pytest-xdist (``make test`` runs two workers) each worker gets a database of its own, named
+after that one with the worker's id appended (``test_gw0``), created when missing: the tests
+empty their database at will.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -18,17 +23,45 @@ from pathlib import Path
 
 import httpx
 import pytest
-from sqlalchemy import create_engine, text
+from sqlalchemy import create_engine, make_url, text
 
 from store import Store
 
 DEFAULT_PG = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+# Job files of `forewarn launch` (found by `forewarn migrate --job`) stay within this test
+# process and its children: two workers may run jobs with the same id at once.
+os.environ.setdefault("FOREWARN_RUN_DIR", tempfile.mkdtemp(prefix="forewarn-test-run-"))
 
 
+def _own_database(url: str) -> str:
+    """This xdist worker's database beside ``url`` (created when missing); ``url`` itself
+    outside xdist."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if not worker:
+        return url
+    base = make_url(url)
+    name = f"{base.database}_{worker}"
+    admin = create_engine(
+        base.set(database="postgres"),
+        isolation_level="AUTOCOMMIT",
+        connect_args={"connect_timeout": 3},
+    )
+    try:
+        with admin.connect() as c:
+            found = c.execute(text("SELECT 1 FROM pg_database WHERE datname = :n"), {"n": name})
+            if found.first() is None:
+                c.execute(text(f'CREATE DATABASE "{name}"'))
+    finally:
+        admin.dispose()
+    return base.set(database=name).render_as_string(hide_password=False)
+
+
+@functools.cache
 def _postgres_url() -> str | None:
     url = os.environ.get("FOREWARN_TEST_POSTGRES_URL") or DEFAULT_PG
     try:
+        url = _own_database(url)
         engine = create_engine(url, connect_args={"connect_timeout": 3})
         with engine.connect() as connection:
             connection.execute(text("SELECT 1"))
