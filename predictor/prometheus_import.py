@@ -184,7 +184,8 @@ def _wide(long: pd.DataFrame) -> pd.DataFrame:
         if col == "vendor":
             frame[col] = "nvidia"
         elif col not in out:
-            frame[col] = pd.Series(pd.NA, index=out.index, dtype=dtype)
+            empty = np.nan if dtype == "float64" else None if dtype == "str" else pd.NA
+            frame[col] = pd.Series(empty, index=out.index, dtype=dtype)
         elif dtype == "boolean":
             frame[col] = (out[col] != 0).astype("boolean").mask(out[col].isna())
         elif dtype == "Int64":
