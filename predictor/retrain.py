@@ -77,9 +77,9 @@ class Base:
 def _card_path(path: str | Path) -> Path:
     p = Path(path)
     if p.is_dir():
-        models = registry.list_models(p)
+        models = registry.list_models(p) or registry.list_models(registry.SHIPPED_DIR)
         if not models:
-            raise NotFound(f"no model card in {p} (try --base {registry.SHIPPED_DIR})")
+            raise NotFound(f"no model card in {p}, and no shipped model")
         return models[-1][1]
     if p.name.endswith(registry.BOOSTER_SUFFIX):
         p = p.with_name(p.name[: -len(registry.BOOSTER_SUFFIX)] + registry.CARD_SUFFIX)
@@ -102,7 +102,8 @@ def _check(entry: dict[str, Any]) -> str | None:
 
 
 def load_base(path: str | Path) -> Base:
-    """The base model at ``path``: a card, its booster file, or a directory (its newest).
+    """The base model at ``path``: a card, its booster file, or a directory: its newest model,
+    or the shipped one when it holds none (the model the service would load from it).
 
     Raises:
         NotFound: no model there.

@@ -56,7 +56,9 @@ def test_a_base_with_unknown_features_is_refused(tiny_model_path: Path, tmp_path
     with pytest.raises(InvalidInput, match="no_such"):
         load_base(odd)
     with pytest.raises(NotFound):
-        load_base(tmp_path / "empty")
+        load_base(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()  # as the service does: an empty models/ means the shipped one
+    assert load_base(tmp_path / "empty").card_path.parent == registry.SHIPPED_DIR
 
 
 def test_the_shipped_model_can_be_a_base() -> None:
