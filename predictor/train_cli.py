@@ -68,8 +68,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--base",
         metavar="MODEL",
         help="retrain on top of this model: a card, or a directory and its newest model "
-        "(the shipped one when it holds none, e.g. models/). Training settings and hyper-parameters come from "
-        "its card (options above win when set to other than their defaults); the data is "
+        "(the shipped one when it holds none, e.g. models/). Training settings and "
+        "hyper-parameters come from its card (options above win when set to other than "
+        "their defaults); the data is "
         "--data plus the datasets its card lists that are still here, and those that are not "
         "are named. See docs/predictor.md",
     )
