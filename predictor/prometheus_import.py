@@ -12,7 +12,9 @@ export as nulls; Xid changes as ``xid`` events; failures from a labels CSV
 :mod:`predictor.heuristic_labels`. The manifest records the query and the label source.
 
 The time range is fetched in chunks of at most ``max_points`` (11,000, Prometheus' limit)
-steps; each chunk becomes one Parquet part, so memory is bounded by one chunk of the fleet.
+steps and, once the first (short) chunk has shown how many GPUs there are, at most about
+``rows_per_chunk`` sample rows (GPUs x steps); each chunk becomes one Parquet part, so memory
+is bounded by one chunk whatever the range.
 The values are Prometheus' evaluations at each step: the last scrape at most 5 minutes
 (Prometheus' lookback) before it, so a ``step`` shorter than the scrape interval repeats
 readings. ``transport`` takes an ``httpx`` transport (tests: ``httpx.MockTransport``).
@@ -21,7 +23,7 @@ readings. ``transport`` takes an ``httpx`` transport (tests: ``httpx.MockTranspo
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,10 +40,14 @@ from sim.csv_import import read_failures_csv
 from sim.dataset import write_parquet_frame
 from sim.schema import FAILURE_COLUMNS, SAMPLE_COLUMNS, sample_dtypes
 
-__all__ = ["MAX_POINTS", "SERIES", "ImportResult", "chunks", "import_prometheus"]
+__all__ = ["MAX_POINTS", "ROWS_PER_CHUNK", "SERIES", "ImportResult", "chunks", "import_prometheus"]
 
 MAX_POINTS = 11_000
 """Prometheus refuses a range query of more points per series than this."""
+ROWS_PER_CHUNK = 500_000
+"""Sample rows (GPUs x steps) fetched and joined at a time: bounds the importer's memory."""
+FIRST_CHUNK_STEPS = 100
+"""The first request's steps, short: it tells how many GPUs there are."""
 SERIES: tuple[str, ...] = (
     *DCGM_FIELDS,
     "DCGM_FI_DEV_FB_FREE",
@@ -64,18 +70,21 @@ class ImportResult:
 
 
 def chunks(
-    since_ms: int, until_ms: int, step_ms: int, max_points: int = MAX_POINTS
+    since_ms: int, until_ms: int, step_ms: int, steps: Callable[[], int]
 ) -> Iterator[tuple[int, int]]:
-    """(start, end) in ms of each request: at most ``max_points`` steps each, aligned on
-    ``since + k * step``, together covering ``[since, until]`` with no step twice."""
-    if step_ms <= 0 or max_points < 1:
-        raise InvalidInput("step and max_points must be positive")
-    span = step_ms * (max_points - 1)
+    """(start, end) in ms of each request, aligned on ``since + k * step``, together covering
+    ``[since, until]`` with no step twice; ``steps()``, asked before each request, says how
+    many steps it may hold (so later requests can grow or shrink)."""
+    if step_ms <= 0:
+        raise InvalidInput("step must be positive")
     start = since_ms
     while start <= until_ms:
-        end = min(start + span, until_ms)
+        n = steps()
+        if n < 1:
+            raise InvalidInput("a request must hold at least one step")
+        end = min(start + step_ms * (n - 1), until_ms)
         yield start, end
-        start += span + step_ms
+        start = end + step_ms
 
 
 class _Prometheus:
@@ -207,6 +216,7 @@ def import_prometheus(
     labels_csv: str | Path | None = None,
     rules: HeuristicRules | None = None,
     max_points: int = MAX_POINTS,
+    rows_per_chunk: int = ROWS_PER_CHUNK,
     timeout_s: float = 60.0,
     transport: httpx.BaseTransport | None = None,
 ) -> ImportResult:
@@ -221,6 +231,7 @@ def import_prometheus(
         labels_csv: failures CSV (``node,gpu,ts,kind,...``); None: the heuristic.
         rules: the heuristic's knobs (None: :class:`HeuristicRules` defaults).
         max_points: at most this many steps per request (Prometheus refuses over 11,000).
+        rows_per_chunk: about this many sample rows (GPUs x steps) per chunk (memory).
         timeout_s: limit for one request, seconds.
         transport: an httpx transport (tests); default: the network.
 
@@ -245,10 +256,18 @@ def import_prometheus(
     part, n_samples, events, found = 0, 0, [], set()
     gpus: dict[tuple[str, int], str] = {}
     first_ts = last_ts = None
+    part_empty = [0]  # requests that came back empty before any GPU was seen
+
+    def steps() -> int:
+        if not gpus:  # nothing seen yet: short requests, doubling while they come back empty
+            return min(max_points, FIRST_CHUNK_STEPS * 2 ** min(part_empty[0], 10))
+        return max(1, min(max_points, rows_per_chunk // len(gpus)))
+
     try:
-        for start, end in chunks(since_ms, until_ms, step_ms, max_points):
+        for start, end in chunks(since_ms, until_ms, step_ms, steps):
             long = _long(prom, selector, start, end, step_ms)
             if not len(long):
+                part_empty[0] += 1
                 continue
             found.update(long["series"].unique().tolist())
             xid = long[long["series"] == "DCGM_FI_DEV_XID_ERRORS"]
@@ -259,8 +278,9 @@ def import_prometheus(
             for node, gpu, uuid in (
                 samples[["node", "gpu", "uuid"]].drop_duplicates().itertuples(index=False)
             ):
-                if uuid or (node, gpu) not in gpus:
-                    gpus[(str(node), int(gpu))] = str(uuid or "")
+                u = "" if pd.isna(uuid) else str(uuid)
+                if u or (node, gpu) not in gpus:
+                    gpus[(str(node), int(gpu))] = u
             write_parquet_frame(samples, out / "samples" / f"part-{part:05d}.parquet")
             part += 1
             n_samples += len(samples)

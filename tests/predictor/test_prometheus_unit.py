@@ -125,20 +125,39 @@ def _import(tmp_path: Path, fake: FakePrometheus, **kw: Any) -> Any:
 def test_chunks_stay_under_the_limit_and_cover_every_step_once() -> None:
     step = 15_000
     for until in (0, step * 10, step * 10 + 7, step * 10_999, step * 11_000, step * 50_000 + 3):
-        got = list(chunks(0, until, step, max_points=11_000))
+        got = list(chunks(0, until, step, lambda: 11_000))
         points = []
         for start, end in got:
             n = (end - start) // step + 1
             assert n <= 11_000 and (end - start) / step <= 10_999
             points.extend(range(start, end + 1, step))
         assert points == list(range(0, until + 1, step))
-    assert len(list(chunks(0, step * 11_000, step))) == 2
+    assert len(list(chunks(0, step * 11_000, step, lambda: 11_000))) == 2
+    sizes = iter([3, 1, 5, 100])  # each request may hold another number of steps
+    assert list(chunks(0, 9 * step, step, lambda: next(sizes))) == [
+        (0, 2 * step),
+        (3 * step, 3 * step),
+        (4 * step, 8 * step),
+        (9 * step, 9 * step),
+    ]
+
+
+def test_requests_shrink_to_the_row_budget(tmp_path: Path) -> None:
+    fake = FakePrometheus(fleet(), max_points=11_000)
+    result = _import(tmp_path, fake, step_s=15.0, rows_per_chunk=40)
+    steps = [
+        round((float(r["end"]) - float(r["start"])) / 15) + 1
+        for r in fake.requests
+        if r["query"] == "DCGM_FI_DEV_GPU_TEMP"
+    ]
+    assert steps[0] == 100 and set(steps[1:-1]) == {10}  # 40 rows / 4 GPUs
+    assert sum(steps) == 241 and result.samples == 3 * 241 + 120
 
 
 def test_import_joins_series_into_the_dataset_schema(tmp_path: Path) -> None:
     fake = FakePrometheus(fleet(), max_points=50)
     result = _import(tmp_path, fake, step_s=15.0, max_points=50)
-    n_chunks = len(list(chunks(T0 * 1000, (T0 + HOUR) * 1000, 15_000, 50)))
+    n_chunks = len(list(chunks(T0 * 1000, (T0 + HOUR) * 1000, 15_000, lambda: 50)))
     assert n_chunks > 1 and len(fake.requests) == n_chunks * len(SERIES)
     assert {r["step"] for r in fake.requests} == {"15s"}
 
