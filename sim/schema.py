@@ -1,8 +1,8 @@
 """The dataset format's columns and their types, defined once for every writer and reader.
 
 The simulator (``sim.dataset``), the importers (CSV in ``sim.csv_import``, Prometheus in
-``predictor.importers``) and the predictor's reader use these names and types; the columns
-follow the wire schema (:class:`forewarn.wire.GpuSample`).
+``predictor.prometheus_import``) and the predictor's reader use these names and types; the
+columns follow the wire schema (:class:`forewarn.wire.GpuSample`).
 
 Sample columns are ``ts_ms`` then every field of :class:`forewarn.wire.GpuSample` except
 ``ts``, in schema order. In pandas (what ``pd.read_parquet`` gives back, thanks to the pandas
