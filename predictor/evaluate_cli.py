@@ -32,7 +32,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--model",
         default="models",
         metavar="PATH",
-        help="model card (.json), booster file, or a directory (newest model; default models/)",
+        help="model card (.json), booster file, or a directory (newest model; default models/, "
+        "else the shipped model)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--threshold", type=float, default=None, help="override the card's")
@@ -66,7 +67,11 @@ def _tick(bar: tqdm) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        model = registry.load(args.model)
+        # The default directory with no model of the operator's: the shipped one.
+        if args.model == "models" and not registry.list_models("models"):
+            model = registry.load_default("models")
+        else:
+            model = registry.load(args.model)
         ds = load_dataset(args.data)
         step_s = args.step_s or float(model.card.get("training", {}).get("step_s", 60.0))
         params = evaluate.Params(args.lead_min_s, args.horizon_s, args.merge_s)
