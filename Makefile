@@ -6,8 +6,9 @@ STAMP := $(VENV)/.installed-stamp
 HOST ?= 127.0.0.1
 PORT ?= 8765
 PYTEST_ARGS ?=
-# Test workers (pytest-xdist; each test file stays on one worker). 0: one process.
-PYTEST_WORKERS ?= 2
+# Test workers (pytest-xdist; each test file stays on one worker). 0, the default: one
+# process (on two cores two workers were no faster: the end-to-end cases compete for them).
+PYTEST_WORKERS ?= 0
 
 .PHONY: run test lint typecheck pytest bench clean
 

@@ -164,6 +164,10 @@ def _job_running(scene: Scene) -> bool:
     return True
 
 
+# On PostgreSQL: the same path on SQLite is what tests/demo/test_demo.py runs (`forewarn demo`).
+@pytest.mark.parametrize(
+    "database_url", [pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True
+)
 def test_risk_crossing_migrates_the_rank_and_the_job_ends_bitwise_equal(
     scene: Scene, tmp_path: Path
 ) -> None:
