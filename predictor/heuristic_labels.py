@@ -35,26 +35,14 @@ import numpy as np
 import pandas as pd
 
 from collector.xid import describe
+from forewarn.wire import COUNTER_FIELDS
 from predictor.catalog import FATAL_XIDS, xid_class
 from sim.schema import EVENT_DTYPES, FAILURE_COLUMNS, FAILURE_DTYPES
 
 __all__ = ["HeuristicRules", "LabelTracker", "xid_kind"]
 
-MOVING_COUNTERS = (
-    "ecc_sbe_volatile",
-    "ecc_dbe_volatile",
-    "ecc_sbe_aggregate",
-    "ecc_dbe_aggregate",
-    "retired_pages_sbe",
-    "retired_pages_dbe",
-    "remap_correctable",
-    "remap_uncorrectable",
-    "nvlink_crc_flit",
-    "nvlink_crc_data",
-    "nvlink_replay",
-    "nvlink_recovery",
-    "pcie_replay",
-)
+MOVING_COUNTERS = COUNTER_FIELDS
+"""Counters whose rise before a GPU went quiet says it was failing (every wire counter)."""
 _KIND_OF_CLASS = {"memory": "memory", "nvlink": "nvlink", "bus": "pcie", "thermal": "thermal"}
 
 Gpu = tuple[str, int]
