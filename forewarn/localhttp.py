@@ -3,18 +3,20 @@
 The simulator's failure-injection API and the job agent's migration endpoint are a few routes
 each, bound to localhost, in processes that must not carry the service's web stack. They share
 this base: quiet logging, JSON bodies with a size bound, and errors from the project's tree
-answered as ``{"error": {...}}`` with their status.
+answered as ``{"error": {...}}`` with their status; and :class:`BackgroundServer`, which
+serves such a handler from a daemon thread.
 """
 
 from __future__ import annotations
 
 import json
-from http.server import BaseHTTPRequestHandler
-from typing import Any
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Self
 
 from forewarn.errors import ForewarnError, InvalidInput
 
-__all__ = ["JsonHandler"]
+__all__ = ["BackgroundServer", "JsonHandler"]
 
 MAX_BODY_BYTES = 1 << 20
 
@@ -51,3 +53,34 @@ class JsonHandler(BaseHTTPRequestHandler):
             return json.loads(self.rfile.read(length) or b"{}")
         except ValueError as exc:
             raise InvalidInput(f"body is not JSON: {exc}") from None
+
+
+class BackgroundServer:
+    """A ``ThreadingHTTPServer`` for ``handler`` on ``host:port`` (port 0: any free port),
+    served from a daemon thread between :meth:`start` and :meth:`close`."""
+
+    thread_name = "forewarn-local-http"
+
+    def __init__(self, handler: type[BaseHTTPRequestHandler], host: str, port: int) -> None:
+        self._host = host
+        self._server = ThreadingHTTPServer((host, port), handler)
+        self._server.daemon_threads = True
+        self._thread: threading.Thread | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self._host}:{self._server.server_port}"
+
+    def start(self) -> Self:
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, name=self.thread_name, daemon=True
+        )
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._server.shutdown()
+            self._thread.join(5.0)
+            self._thread = None
+        self._server.server_close()

@@ -17,44 +17,27 @@ service) with the status of the
 
 from __future__ import annotations
 
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 from forewarn.errors import ForewarnError, InvalidInput, NotFound
-from forewarn.localhttp import JsonHandler
+from forewarn.localhttp import BackgroundServer, JsonHandler
 from sim.source import SimulatedSource
 
 __all__ = ["ControlServer"]
 
 
-class ControlServer:
+class ControlServer(BackgroundServer):
     """Serves the control API of ``source`` on ``host:port`` (port 0: any free port)."""
+
+    thread_name = "forewarn-sim-control"
 
     def __init__(self, source: SimulatedSource, host: str = "127.0.0.1", port: int = 0) -> None:
         self.source = source
-        self._host = host
-        handler = _handler(source)
-        self._server = ThreadingHTTPServer((host, port), handler)
-        self._server.daemon_threads = True
-        self._thread: threading.Thread | None = None
+        super().__init__(_handler(source), host, port)
 
     @property
     def url(self) -> str:
-        return f"http://{self._host}:{self._server.server_port}"
-
-    def start(self) -> ControlServer:
-        self._thread = threading.Thread(
-            target=self._server.serve_forever, name="forewarn-sim-control", daemon=True
-        )
-        self._thread.start()
-        return self
-
-    def close(self) -> None:
-        if self._thread is not None:
-            self._server.shutdown()
-            self._thread.join(5.0)
-            self._thread = None
-        self._server.server_close()
+        return self.base_url
 
 
 def _handler(source: SimulatedSource) -> type[BaseHTTPRequestHandler]:

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
+from forewarn.localhttp import BackgroundServer
 from forewarn.wire import Event, EventKind, GpuSample
 
 __all__ = ["EXPORTED", "MODEL_NAME", "DcgmExposition", "ExporterServer", "render"]
@@ -186,33 +187,18 @@ class DcgmExposition:
             return self._text
 
 
-class ExporterServer:
+class ExporterServer(BackgroundServer):
     """Serves ``exposition`` on ``http://host:port/metrics`` (port 0: any free port)."""
+
+    thread_name = "forewarn-sim-dcgm-exporter"
 
     def __init__(self, exposition: DcgmExposition, host: str = "127.0.0.1", port: int = 0) -> None:
         self.exposition = exposition
-        self._host = host
-        self._server = ThreadingHTTPServer((host, port), _handler(exposition))
-        self._server.daemon_threads = True
-        self._thread: threading.Thread | None = None
+        super().__init__(_handler(exposition), host, port)
 
     @property
     def url(self) -> str:
-        return f"http://{self._host}:{self._server.server_port}/metrics"
-
-    def start(self) -> ExporterServer:
-        self._thread = threading.Thread(
-            target=self._server.serve_forever, name="forewarn-sim-dcgm-exporter", daemon=True
-        )
-        self._thread.start()
-        return self
-
-    def close(self) -> None:
-        if self._thread is not None:
-            self._server.shutdown()
-            self._thread.join(5.0)
-            self._thread = None
-        self._server.server_close()
+        return f"{self.base_url}/metrics"
 
 
 def _handler(exposition: DcgmExposition) -> type[BaseHTTPRequestHandler]:
