@@ -97,6 +97,7 @@ def test_rank_killed_after_its_last_collective_is_rebuilt_at_the_next_step(
     plan = FaultPlan().fail_at(1, 7, where="step_end")
     run = launch(tmp_path, spares=1, plan=plan, steps=40 if mode == "ddp" else 20, mode=mode)
     assert_same(base, run, unlogged={(1, 7)})
+    assert (1, 7) not in run.steps()
     (report,) = run.reports
     assert (report.rank, report.outcome, report.step) == (1, "completed", 8)
 

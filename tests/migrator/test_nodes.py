@@ -58,7 +58,9 @@ def test_whole_node_lost_two_ranks_at_once_spares_on_other_nodes(tmp_path: Path)
     plan = FaultPlan().kill_node_at(1, 5)
     run, errs = launch_nodes(tmp_path / "run", [(1, 1), (2, 0), (0, 1)], plan=plan, steps=12)
     assert run.agent.codes[0] == 0 and run.agent.codes[2] == 0, errs
-    assert_same(base, run, nproc=3)
+    # Rank 2, on the node lost in rank 1's step 5, may die before logging its step 4 (it had
+    # finished it: its state at boundary 5 comes from the mirror written inside step 4).
+    assert_same(base, run, nproc=3, unlogged={(2, 4)})
     (report,) = run.reports
     assert (report.outcome, report.step, report.steps_lost) == ("completed", 5, 1)
     assert "node 1: no heartbeat" in errs[0] or "lost" in errs[0]
