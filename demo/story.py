@@ -178,7 +178,9 @@ class Story:
         return process
 
     def forewarn(self, name: str, *args: str, nice: bool = False) -> subprocess.Popen[bytes]:
-        return self.start(name, ["-m", "forewarn", *args], nice=nice)
+        # -P: the working directory is not put first on sys.path, so a directory there named
+        # like a package (a clone called forewarn/, a run dir) cannot shadow the installed one.
+        return self.start(name, ["-P", "-m", "forewarn", *args], nice=nice)
 
     def check_parts(self) -> None:
         for name, process in self.parts:
@@ -263,7 +265,7 @@ class Story:
             "--control-port", str(self.control_port),
         )  # fmt: skip
         job = [
-            "--", sys.executable, "-m", "demo.gpt", "--steps", str(c.steps),
+            "--", sys.executable, "-P", "-m", "demo.gpt", "--steps", str(c.steps),
             "--log", str(self.job_dir), "--out", str(self.job_dir),
         ]  # fmt: skip
         self.forewarn(
