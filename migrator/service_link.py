@@ -279,11 +279,17 @@ class ServiceLink:
                 self._stop.wait(1.0)
                 continue
             for command in commands:
-                self._deliver(command)
+                self.deliver(command)
 
-    def _deliver(self, command: MigrationCommand) -> None:
-        if command.migration_id in self._seen or self._agent is None:
-            return
+    def deliver(self, command: MigrationCommand) -> bool:
+        """Hand ``command`` to the agent once (the long poll and the webhook listener both
+        come here). True when it is settled: acknowledged, refused for good (reported as
+        failed), or seen before; False when the agent cannot take it yet (not started,
+        another move in flight, the job starting) and it should be delivered again."""
+        if command.migration_id in self._seen:
+            return True
+        if self._agent is None:
+            return False
         trigger = command.trigger or command.reason.value
         reason = _AGENT_REASON.get(trigger, "planned")
         slot = command.target.slot if command.target is not None else None
@@ -298,9 +304,10 @@ class ServiceLink:
             )
         except ForewarnError as exc:
             if exc.retryable or exc.code == "conflict":
-                return  # another move in flight, or the job is starting: next poll retries
+                return False  # another move in flight, or the job is starting: retried
             self._seen.add(command.migration_id)
             self.progress(command.migration_id, "failed", error=f"{exc.code}: {exc.message}")
-            return
+            return True
         self._seen.add(command.migration_id)
         self.progress(command.migration_id, "acknowledged")
+        return True

@@ -218,8 +218,7 @@ class WebhookListener:
             return 400, {}
         if command.job_id != self.job_id:
             return 204, {}
-        self.link._deliver(command)  # the long-poll's own path: submit, then acknowledge
-        if command.migration_id not in self.link._seen:
+        if not self.link.deliver(command):  # the long poll's own path: submit, acknowledge
             return 503, {"Retry-After": "1"}  # the agent cannot take it yet: deliver again
         with self._lock:
             self._seen[msg_id] = None

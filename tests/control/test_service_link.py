@@ -87,8 +87,8 @@ def test_a_command_reaches_the_agent_once_and_is_acknowledged() -> None:
     link = link_for(lambda r: httpx.Response(200, json={}))
     agent = Agent()
     link._agent = agent
-    link._deliver(command("manual"))
-    link._deliver(command("manual"))  # delivered again by the next poll: not submitted again
+    assert link.deliver(command("manual"))
+    assert link.deliver(command("manual"))  # delivered again by the next poll: not submitted
     assert len(agent.calls) == 1
     assert (agent.calls[0]["reason"], agent.calls[0]["spare_slot"]) == ("planned", 2)
     path, body = link._outbox.get_nowait()
@@ -98,5 +98,5 @@ def test_a_command_reaches_the_agent_once_and_is_acknowledged() -> None:
 def test_a_retryable_refusal_waits_for_the_next_poll() -> None:
     link = link_for(lambda r: httpx.Response(200, json={}))
     link._agent = Agent(NoSpareAvailable("no spare"))
-    link._deliver(command("preventive"))
+    assert not link.deliver(command("preventive"))
     assert link._outbox.empty() and "mig_1" not in link._seen

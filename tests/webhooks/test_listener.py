@@ -18,19 +18,22 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 class FakeLink:
-    """The command path of a ServiceLink: ``_deliver`` then ``_seen``."""
+    """The command path of a ServiceLink: ``deliver`` says whether the command was taken."""
 
     def __init__(self, busy: int = 0) -> None:
         self._seen: set[str] = set()
         self.delivered: list[Any] = []
         self.busy = busy
 
-    def _deliver(self, command: Any) -> None:
+    def deliver(self, command: Any) -> bool:
+        if command.migration_id in self._seen:
+            return True
         if self.busy:
             self.busy -= 1  # e.g. Conflict from the agent: not taken, not seen
-            return
+            return False
         self.delivered.append(command)
         self._seen.add(command.migration_id)
+        return True
 
 
 def _service(secret: str, calls: list[httpx.Request]) -> httpx.MockTransport:
