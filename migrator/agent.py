@@ -10,7 +10,8 @@ One :class:`Agent` per job, on one host (``docs/migration.md`` on several nodes)
   spare and posts the command where the ranks look at their next step boundary;
 - watches its processes and the survivors' reports: a rank that dies or wedges is replaced by
   a spare rebuilt from a healthy replica; with no spare left the job is paused and says so,
-  and fails after ``pause_timeout_s`` (that half lives in :mod:`migrator.recovery`);
+  and fails after ``pause_timeout_s`` (its :class:`~migrator.recovery.Recovery`
+  collaborator decides, on the job's :class:`~migrator.table.JobTable`);
 - reports each migration (:class:`forewarn.wire.MigrationReport`) to its log, its report
   file, its endpoint and, if given, the service.
 """
@@ -30,12 +31,12 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch.distributed as dist
 
 from forewarn.errors import Conflict, InvalidInput, NoSpareAvailable
-from forewarn.wire import JobRegistration, MigrationReason, MigrationReport, Placement
+from forewarn.wire import JobRegistration, MigrationReason, MigrationReport
 from migrator import protocol as P
 from migrator.commands import handover_step
 from migrator.faults import FaultPlan
@@ -49,7 +50,8 @@ from migrator.nodes import (
     spawn,
     wait_for_nodes,
 )
-from migrator.recovery import Recovery, _Migration
+from migrator.recovery import Recovery
+from migrator.table import JobTable, Migration, Slot
 
 __all__ = ["Agent", "AgentConfig", "Slot"]
 
@@ -94,41 +96,14 @@ class AgentConfig:
     smaller of timeout_s and 10 s; launchers beat every 0.2 s)."""
 
 
-_PLACEMENT_ROLE: dict[str, Literal["active", "spare", "retired"]] = {
-    "active": "active",
-    "assigned": "active",
-    "spare": "spare",
-}
+class Agent:
+    """Run a job; see the module docstring. Use :meth:`run` (blocks until the job ends).
 
-
-@dataclass
-class Slot:
-    """One process of the job."""
-
-    index: int
-    role: str  # active | spare | assigned | retired | done | dead
-    proc: Any = None  # a subprocess.Popen, or a migrator.nodes.RemoteProc on another node
-    rank: int | None = None
-    node: str | None = None  # None: the coordinator's own node
-    local: int | None = None  # index on its node (its GPU with NCCL)
-
-    def placement(self, node: str, backend: str) -> Placement:
-        # A retired, done or dead slot no longer serves the job: a migration's source ends so.
-        role = _PLACEMENT_ROLE.get(self.role, "retired")
-        gpu = (self.index if self.local is None else self.local) if backend == "nccl" else None
-        pid = self.proc.pid if self.proc else None
-        return Placement(
-            rank=self.rank if self.rank is not None else self.index,
-            node=self.node or node,
-            gpu=gpu,
-            pid=pid,
-            role=role,
-            slot=self.index,
-        )
-
-
-class Agent(Recovery):
-    """Run a job; see the module docstring. Use :meth:`run` (blocks until the job ends)."""
+    Built from collaborators: the job's :class:`~migrator.table.JobTable` (slots, roster,
+    status), a :class:`~migrator.recovery.Recovery` for unplanned failures (it gets the store,
+    the table, the config and this agent as its :class:`~migrator.recovery.Supervisor`), and
+    the service ``link``.
+    """
 
     def __init__(self, config: AgentConfig, link: Any = None) -> None:
         """``link``: the service collaborator (:class:`migrator.service_link.ServiceLink`),
@@ -146,22 +121,45 @@ class Agent(Recovery):
         )
         self.store_address = f"{config.host}:{self.store.port}"
         self.lock = threading.RLock()
-        self.slots: list[Slot] = []
-        self.roster: dict[int, int] = {}
-        self.gen = 0
-        self.status = "starting"
-        self.message = ""
+        # all nodes' active ranks, once they joined
+        self.table = JobTable(world_size=config.nproc)
+        self.recovery = Recovery(self.store, self.table, config, self)
         self.reports: list[MigrationReport] = []
-        self.inflight: _Migration | None = None
         self.agent_url: str | None = None
-        self._recovery: dict[str, Any] | None = None
-        self._pause_deadline: float | None = None
-        self._script_errors: list[dict[str, Any]] = []
         self._refills: list[tuple[int, float]] = []  # (freed slot, kill it after)
         self._endpoint: Any = None
-        self.world_size = config.nproc  # all nodes' active ranks, once they joined
         self.monitor: NodeMonitor | None = None  # the other nodes (several launchers)
         self._slot_config: dict[str, Any] = {}
+
+    # The table's fields, as the endpoint, the service link and the tests read them.
+
+    @property
+    def slots(self) -> list[Slot]:
+        return self.table.slots
+
+    @property
+    def roster(self) -> dict[int, int]:
+        return self.table.roster
+
+    @property
+    def world_size(self) -> int:
+        return self.table.world_size
+
+    @property
+    def gen(self) -> int:
+        return self.table.gen
+
+    @property
+    def status(self) -> str:
+        return self.table.status
+
+    @property
+    def message(self) -> str:
+        return self.table.message
+
+    @property
+    def inflight(self) -> Migration | None:
+        return self.table.inflight
 
     # -- processes --------------------------------------------------------------------------
 
@@ -179,10 +177,10 @@ class Agent(Recovery):
             names += [str(h["name"]) for h in hellos]
         specs = layout(shapes)
         with self.lock:
-            self.world_size = sum(n for n, _ in shapes)
+            self.table.world_size = sum(n for n, _ in shapes)
             self._slot_config = {
                 "store": self.store_address,
-                "world_size": self.world_size,
+                "world_size": self.table.world_size,
                 "job_id": self.cfg.job_id,
                 "backend": self.cfg.backend,
                 "timeout_s": self.cfg.timeout_s,
@@ -205,13 +203,15 @@ class Agent(Recovery):
                     proc = RemoteProc(self.monitor, spec.node_rank, spec.index)
                     role = "active" if spec.rank is not None else "spare"
                     node = names[spec.node_rank]
-                    self.slots.append(Slot(spec.index, role, proc, spec.rank, node, spec.local))
-            self.roster = {s.rank: s.index for s in specs if s.rank is not None}
+                    self.table.slots.append(
+                        Slot(spec.index, role, proc, spec.rank, node, spec.local)
+                    )
+            self.table.roster = {s.rank: s.index for s in specs if s.rank is not None}
 
     def _spawn(self, index: int, rank: int | None, *, local: int | None = None) -> Slot:
         """Start slot ``index`` on this node (``local``: its index here; default: the next)."""
         if local is None:
-            local = sum(1 for s in self.slots if s.node is None)
+            local = sum(1 for s in self.table.slots if s.node is None)
         spec = SlotSpec(index, 0, local, rank)
         env = dict(os.environ)
         env.update(self.cfg.env)
@@ -219,20 +219,20 @@ class Agent(Recovery):
         env.update(slot_env(spec, self._slot_config, local_world=local_world, node_rank=0))
         proc = spawn(self.cfg.command, env, log_dir=self.cfg.log_dir, index=index)
         slot = Slot(index, "active" if rank is not None else "spare", proc, rank, None, local)
-        self.slots.append(slot)
+        self.table.slots.append(slot)
         return slot
 
-    def _kill(self, slot: Slot) -> None:
+    def kill(self, slot: Slot) -> None:
         if slot.proc is not None and slot.proc.poll() is None:
             slot.proc.send_signal(signal.SIGKILL)
             slot.proc.wait(timeout=30)
 
     def registration(self) -> JobRegistration:
         with self.lock:
-            live = [s for s in self.slots if s.role in ("active", "spare", "assigned")]
+            live = [s for s in self.table.slots if s.role in ("active", "spare", "assigned")]
             return JobRegistration(
                 job_id=self.cfg.job_id,
-                world_size=self.world_size,
+                world_size=self.table.world_size,
                 spares=sum(1 for s in live if s.role == "spare"),
                 placement=[s.placement(self.cfg.node, self.cfg.backend) for s in live],
                 agent_url=self.agent_url,
@@ -264,19 +264,21 @@ class Agent(Recovery):
             )
         if job_id is not None and job_id != self.cfg.job_id:
             raise InvalidInput(f"this agent runs job {self.cfg.job_id!r}, not {job_id!r}")
-        if not 0 <= rank < self.world_size:
-            raise InvalidInput(f"rank {rank} is not in 0..{self.world_size - 1}")
+        if not 0 <= rank < self.table.world_size:
+            raise InvalidInput(f"rank {rank} is not in 0..{self.table.world_size - 1}")
         with self.lock:
-            if self.status != "running":
-                raise Conflict(f"the job is {self.status}", details={"status": self.status})
-            if self.inflight is not None or self._recovery is not None:
+            if self.table.status != "running":
+                raise Conflict(
+                    f"the job is {self.table.status}", details={"status": self.table.status}
+                )
+            if self.table.inflight is not None or self.recovery.current is not None:
                 raise Conflict("another migration is in progress; retry when it ends")
-            spare = self._free_spare()
+            spare = self.recovery.free_spare()
             if spare_slot is not None:  # the service chose the spare (e.g. not on a drained node)
                 spare = next(
                     (
                         s
-                        for s in self.slots
+                        for s in self.table.slots
                         if s.index == spare_slot
                         and s.role == "spare"
                         and s.proc
@@ -287,16 +289,16 @@ class Agent(Recovery):
             if spare is None:
                 raise NoSpareAvailable(f"job {self.cfg.job_id} has no free spare")
             mid = migration_id or uuid.uuid4().hex[:12]
-            replica = self._replica_for({rank})
+            replica = self.recovery.replica_for({rank})
             spare.role, spare.rank = "assigned", rank
             P.put_json(
                 self.store,
                 P.assign_key(spare.index),
-                {"mode": "peer", "gen": self.gen + 1, "rank": rank, "migration_id": mid},
+                {"mode": "peer", "gen": self.table.gen + 1, "rank": rank, "migration_id": mid},
             )
             P.put_json(
                 self.store,
-                P.cmd_key(self.gen),
+                P.cmd_key(self.table.gen),
                 {
                     "migration_id": mid,
                     "rank": rank,
@@ -305,13 +307,13 @@ class Agent(Recovery):
                     "spare": spare.index,
                 },
             )
-            self.inflight = _Migration(
+            self.table.inflight = Migration(
                 mid,
                 why,
                 [rank],
-                {rank: self.roster[rank]},
+                {rank: self.table.roster[rank]},
                 {rank: spare.index},
-                self.gen,
+                self.table.gen,
                 time.monotonic(),
                 detail,
             )
@@ -319,7 +321,7 @@ class Agent(Recovery):
                 "migration %s: rank %d (slot %d) -> slot %d, %s",
                 mid,
                 rank,
-                self.roster[rank],
+                self.table.roster[rank],
                 spare.index,
                 reason,
             )
@@ -336,8 +338,8 @@ class Agent(Recovery):
             self.agent_url = f"http://{self.cfg.host}:{self._endpoint.server_port}"
         self._start_slots()
         with self.lock:
-            P.put_json(self.store, P.roster_key(0), self.roster)
-            self.status = "running"
+            P.put_json(self.store, P.roster_key(0), self.table.roster)
+            self.table.status = "running"
         self._register()
         if self.link is not None:
             self.link.start(self)
@@ -345,7 +347,7 @@ class Agent(Recovery):
             code = self._watch()
         except KeyboardInterrupt:  # SIGINT, or SIGTERM (forewarn launch makes it one)
             with self.lock:
-                self.status, self.message = "stopped", "stopped by a signal"
+                self.table.status, self.table.message = "stopped", "stopped by a signal"
             code = 130
         finally:
             if self.link is not None:
@@ -365,10 +367,10 @@ class Agent(Recovery):
         now = time.monotonic()
         exited = {
             s.index: s.proc.returncode
-            for s in self.slots
+            for s in self.table.slots
             if s.proc is not None and s.proc.poll() is not None and s.role != "dead"
         }
-        for slot in self.slots:
+        for slot in self.table.slots:
             if slot.index not in exited:
                 continue
             if slot.role == "retired" or (
@@ -395,35 +397,35 @@ class Agent(Recovery):
                 slot.role = "retired"
         self._progress_migration()
         self._do_refills()
-        self._progress_recovery(now)
-        if self.status == "failed":
+        self.recovery.progress(now)
+        if self.table.status == "failed":
             return 1
-        active = [s for s in self.slots if s.role == "active"]
-        ended = all(s.role in ("done", "retired", "dead", "spare") for s in self.slots)
-        finished = any(s.role == "done" for s in self.slots) and self.inflight is None
+        active = [s for s in self.table.slots if s.role == "active"]
+        ended = all(s.role in ("done", "retired", "dead", "spare") for s in self.table.slots)
+        finished = any(s.role == "done" for s in self.table.slots) and self.table.inflight is None
         if not active and ended and finished:
-            self.status = "completed"
+            self.table.status = "completed"
             return 0
         return None
 
     def _spare_died(self, slot: Slot) -> None:
-        m = self.inflight
+        m = self.table.inflight
         if m is None or slot.index not in m.targets.values():
             return
         if m.reason is MigrationReason.UNPLANNED:
-            self._retarget(m, slot)  # another idle spare takes over, or the job fails
+            self.recovery.retarget(m, slot)  # another idle spare takes over, or the job fails
             return
         # The source trains on: the command goes first (no rank reads it again), then the
         # abort that every rank waiting at the handover step is looking for.
         self.store.delete_key(P.cmd_key(m.gen))
         self.store.set(f"m/{m.migration_id}/aborted", "spare died")
-        self._finish(
+        self.finish(
             m, "failed", error="the spare died during the handover; the source kept training"
         )
-        self.inflight = None
+        self.table.inflight = None
 
     def _progress_migration(self) -> None:
-        m = self.inflight
+        m = self.table.inflight
         if m is None:
             return
         base = f"m/{m.migration_id}"
@@ -437,15 +439,15 @@ class Agent(Recovery):
             self.link.progress(m.migration_id, "transferring", step=stop)
         if m.reason is not MigrationReason.UNPLANNED and m.stop is None:
             # Every rank acknowledged the command: S is after the last boundary any passed.
-            m.stop = handover_step(self.store, m.migration_id, range(self.world_size))
+            m.stop = handover_step(self.store, m.migration_id, range(self.table.world_size))
             if m.stop is not None:
                 self.store.set(P.stop_key(m.gen, m.migration_id), str(m.stop))
         for rank, src in m.sources.items():
             if self.store.check([f"{base}/fallback/{rank}"]) and src is not None:
-                self._kill(self.slots[src])  # the spare gave up on it: it must not come back
+                self.kill(self.table.slots[src])  # the spare gave up on it: it must not come back
         if not all(self.store.check([f"{base}/received/{r}"]) for r in m.ranks):
             return
-        others = [r for r in range(self.world_size) if r not in m.ranks]
+        others = [r for r in range(self.table.world_size) if r not in m.ranks]
         if not all(self.store.check([f"{base}/pause/{r}"]) for r in others):
             return
         reports = [
@@ -458,15 +460,15 @@ class Agent(Recovery):
         pauses = [float(self.store.get(f"{base}/pause/{r}")) for r in others]
         pause = max(pauses) if pauses else max(r["joined_s"] for r in reports)
         for rank in m.ranks:
-            target = self.slots[m.targets[rank]]
+            target = self.table.slots[m.targets[rank]]
             target.role = "active"
             source = m.sources.get(rank)
-            if source is not None and self.slots[source].role == "active":
-                self.slots[source].role = "retired"
-            self.roster[rank] = target.index
-        self.gen += 1
-        P.put_json(self.store, P.roster_key(self.gen), self.roster)
-        self._finish(
+            if source is not None and self.table.slots[source].role == "active":
+                self.table.slots[source].role = "retired"
+            self.table.roster[rank] = target.index
+        self.table.gen += 1
+        P.put_json(self.store, P.roster_key(self.table.gen), self.table.roster)
+        self.finish(
             m,
             "completed",
             step=reports[0]["step"],
@@ -478,9 +480,9 @@ class Agent(Recovery):
             if all(r["source"] == "peer" for r in reports) or m.reason is MigrationReason.UNPLANNED
             else "the source failed mid-transfer; rebuilt from a replica",
         )
-        self.inflight = None
-        self._recovery = None
-        self.status = "running"
+        self.table.inflight = None
+        self.recovery.clear()
+        self.table.status = "running"
         if self.cfg.refill_spares and m.reason is not MigrationReason.UNPLANNED:
             for src in m.sources.values():
                 self._refill(src)
@@ -496,18 +498,18 @@ class Agent(Recovery):
         # Never wait for a leaving source under the lock: the ranks need the watch loop.
         for item in list(self._refills):
             freed, deadline = item
-            slot = self.slots[freed]
+            slot = self.table.slots[freed]
             if wait and slot.proc is not None and slot.proc.poll() is None:
                 if time.monotonic() < deadline:
                     continue
-                self._kill(slot)
+                self.kill(slot)
             self._refills.remove(item)
-            self._spawn(len(self.slots), None)
+            self._spawn(len(self.table.slots), None)
             self._register()
 
     # -- reporting --------------------------------------------------------------------------
 
-    def _finish(self, m: _Migration, outcome: str, **fields: Any) -> None:
+    def finish(self, m: Migration, outcome: str, **fields: Any) -> None:
         rank = m.ranks[0]
         src = m.sources.get(rank)
         tgt = m.targets.get(rank)
@@ -516,10 +518,10 @@ class Agent(Recovery):
             job_id=self.cfg.job_id,
             rank=rank,
             outcome=outcome,  # type: ignore[arg-type]
-            source=self.slots[src].placement(self.cfg.node, self.cfg.backend)
+            source=self.table.slots[src].placement(self.cfg.node, self.cfg.backend)
             if src is not None
             else None,
-            target=self.slots[tgt].placement(self.cfg.node, self.cfg.backend)
+            target=self.table.slots[tgt].placement(self.cfg.node, self.cfg.backend)
             if tgt is not None
             else None,
             finished_at=datetime.now(UTC),
@@ -559,23 +561,23 @@ class Agent(Recovery):
             log.warning("could not reach the service at %s: %s", self.cfg.service_url, exc)
 
     def _shutdown(self) -> None:
-        for slot in self.slots:
+        for slot in self.table.slots:
             if slot.role == "spare" and slot.proc and slot.proc.poll() is None:
                 P.put_json(self.store, P.assign_key(slot.index), {"mode": "exit"})
-            elif self.status == "stopped" and slot.proc and slot.proc.poll() is None:
+            elif self.table.status == "stopped" and slot.proc and slot.proc.poll() is None:
                 slot.proc.send_signal(signal.SIGTERM)  # the ranks ignore SIGINT (nodes.spawn)
         deadline = time.monotonic() + 10
-        for slot in self.slots:
+        for slot in self.table.slots:
             if slot.proc is None:
                 continue
             try:
                 slot.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                self._kill(slot)
+                self.kill(slot)
         if self.monitor is not None:  # the other launchers leave with the job
             self.monitor.refresh(force=True)
             live = [n for n, st in self.monitor.nodes.items() if not st["lost"]]
-            say_goodbye(self.store, live, 0 if self.status == "completed" else 1)
+            say_goodbye(self.store, live, 0 if self.table.status == "completed" else 1)
         if self._endpoint is not None:
             self._endpoint.shutdown()
             self._endpoint.server_close()

@@ -1,16 +1,22 @@
 """The three ways a rank changes hands, as run inside each process of the job.
 
-- :meth:`HandoverMixin._handover` — planned or preventive, at the agreed boundary S: the
-  source sends its whole state to the spare point-to-point; the other ranks wait for the spare
-  to confirm, then everyone joins generation g+1 with the spare at the source's rank. If the
+:class:`Handover` is a collaborator of :class:`migrator.job.Job`, built from what it needs —
+the store client, the job's :class:`~migrator.membership.Membership` (rank, generation,
+group), the :class:`~migrator.state.Registry` of the training state, the
+:class:`~migrator.channels.Channels` that open a transport per transfer, and the fault hooks —
+and called by the job's loop at its step boundaries and when a collective fails:
+
+- :meth:`Handover.hand_over` — planned or preventive, at the agreed boundary S: the source
+  sends its whole state to the spare point-to-point; the other ranks wait for the spare to
+  confirm, then everyone joins generation g+1 with the spare at the source's rank. If the
   source dies mid-transfer, the spare says so and the lowest other rank (a healthy replica)
   sends its replica state instead; the source's own state comes from its mirror at S.
-- :meth:`HandoverMixin._recover` — unplanned: a collective failed inside a step. The survivor
+- :meth:`Handover.recover` — unplanned: a collective failed inside a step. The survivor
   reports to the agent and waits for its decision: a spare for each lost rank (the replica
   sends), a pause (no spare left), a refusal (rank-unique state), or "no peer was lost" (the
   error is the script's own and propagates).
-- :meth:`HandoverMixin._serve_as_spare` — a spare waits for its assignment, receives the
-  state in place, restores the rank state and joins the new generation.
+- :meth:`Handover.serve_as_spare` — a spare waits for its assignment, receives the state in
+  place, restores the rank state and joins the new generation.
 
 Store keys of a migration ``id``: ``m/{id}/received/{rank}``, ``m/{id}/fallback/{rank}``,
 ``m/{id}/aborted``, ``m/{id}/failed``, ``m/{id}/pause/{rank}``, ``m/{id}/report/{rank}``.
@@ -21,15 +27,18 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from forewarn.errors import MigrationError, NoSpareAvailable, StateNotReplicated
 from migrator import protocol as P
-from migrator.groups import pair_group
-from migrator.state import peek_step, restore_rank_state
-from migrator.transport import PGTransport
+from migrator.channels import Channels
+from migrator.faults import FaultPlan, Point
+from migrator.membership import Membership
+from migrator.state import Registry, peek_step, restore_rank_state
+from migrator.transport import TransferStats
 
-__all__ = ["HandoverMixin"]
+__all__ = ["FaultHooks", "Handover", "PlanHooks", "mirror_at"]
 
 log = logging.getLogger(__name__)
 
@@ -45,39 +54,107 @@ def _raise_failed(store: Any, key: str) -> None:
     raise cls(info.get("message", "migration failed"), details=info)
 
 
-class HandoverMixin:
-    """Handover procedures of :class:`migrator.job.Job` (kept apart for length)."""
+class FaultHooks(Protocol):
+    """The fault-injection points a handover fires (tests and demos)."""
 
-    group: Any
-    _stop: int | None
-    _cmd: dict[str, Any] | None
+    def due(self, where: Point, rank: int, step: int) -> bool:
+        """Whether a fault is planned at this point."""
+        ...
+
+    def watches(self, where: Point) -> bool:
+        """Whether any fault is planned at this kind of point."""
+        ...
+
+    def fire(self, where: Point, rank: int, step: int) -> None:
+        """Fire what is planned here (each fault once per job)."""
+        ...
+
+
+class PlanHooks:
+    """:class:`FaultHooks` from a :class:`~migrator.faults.FaultPlan`, its firings counted in
+    ``store``; ``target`` is what a ``migrate`` fault asks (the job: ``request_migration``)."""
+
+    def __init__(self, plan: FaultPlan, store: Any, target: Any) -> None:
+        self.plan = plan
+        self.store = store
+        self.target = target
+
+    def due(self, where: Point, rank: int, step: int) -> bool:
+        return bool(self.plan.due(where, rank, step))
+
+    def watches(self, where: Point) -> bool:
+        return any(f.where == where for f in self.plan.faults)
+
+    def fire(self, where: Point, rank: int, step: int) -> None:
+        self.plan.fire(where, rank, step, store=self.store, job=self.target)
+
+
+class Handover:
+    """Planned, preventive and unplanned handovers of one process; see the module docstring.
+
+    Args:
+        store: a client of the agent's store.
+        member: this process's rank, generation and group (shared with the job).
+        registry: the training state (the job fills it when the script registers).
+        channels: opens the transport of each transfer.
+        faults: fault-injection hooks.
+        slot: this process's slot, its identity for the agent.
+        timeout_s: bound on every transfer and wait, in seconds.
+        join_timeout_s: how long a source waits for a spare still starting.
+        note: records an event of this process (``note("retired", rank=..., ...)``).
+    """
+
+    def __init__(
+        self,
+        *,
+        store: Any,
+        member: Membership,
+        registry: Registry,
+        channels: Channels,
+        faults: FaultHooks,
+        slot: int,
+        timeout_s: float,
+        join_timeout_s: float = 300.0,
+        note: Callable[..., None] = lambda event, **fields: None,
+    ) -> None:
+        self.store = store
+        self.member = member
+        self.registry = registry
+        self.channels = channels
+        self.faults = faults
+        self.slot = slot
+        self.timeout_s = timeout_s
+        self.join_timeout_s = join_timeout_s
+        self.note = note
+        self.stop: int | None = None  # the step S of the command this rank agreed on
+        self.cmd: dict[str, Any] | None = None
+
+    @property
+    def _bound(self) -> float:
+        return 4 * self.timeout_s + 30
+
+    def _join(self, gen: int, rank: int, layouts: list[Any] | None) -> None:
+        self.member.join(gen, rank, layouts)
+        self.stop, self.cmd = None, None
 
     # -- sending ----------------------------------------------------------------------------
 
-    def _send(self: Any, prefix: str, *, step: int, rank_state: bytes | None) -> Any:
-        group = pair_group(
-            self.store, prefix, sender=True, backend=self.backend, timeout_s=self.timeout_s
-        )
+    def _send(self, prefix: str, *, step: int, rank_state: bytes | None) -> TransferStats:
+        rank = self.member.rank or 0
         fire = None
-        if self.faults.due("transfer", self.rank or 0, step):
-            rank = self.rank or 0
+        if self.faults.due("transfer", rank, step):
 
             def fire(i: int) -> None:
                 if i == 0:
-                    self.faults.fire("transfer", rank, step, store=self.store, job=self)
+                    self.faults.fire("transfer", rank, step)
 
         meta = self.registry.meta()
-        meta.update(step=step, rank_state=rank_state, layouts=self.layouts())
+        meta.update(step=step, rank_state=rank_state, layouts=self.member.layouts())
         tensors = [t for _, t in self.registry.tensors()]
-        try:
-            return PGTransport(group, on_tensor=fire).send(meta, tensors, timeout_s=self.timeout_s)
-        finally:
-            self._graveyard.bury(group, broken=False)
+        with self.channels.open(prefix, sender=True, on_tensor=fire) as transport:
+            return transport.send(meta, tensors, timeout_s=self.timeout_s)
 
-    def _receive(self: Any, prefix: str, rank: int) -> tuple[dict[str, Any], Any]:
-        group = pair_group(
-            self.store, prefix, sender=False, backend=self.backend, timeout_s=self.timeout_s
-        )
+    def _receive(self, prefix: str, rank: int) -> tuple[dict[str, Any], TransferStats]:
         at: dict[str, int] = {}
 
         def prepare(meta: dict[str, Any]) -> Any:
@@ -86,79 +163,110 @@ class HandoverMixin:
 
         def fire(i: int) -> None:  # a "receive" fault: this spare dies mid-transfer
             if i == 0:
-                self.faults.fire("receive", rank, at["step"], store=self.store, job=self)
+                self.faults.fire("receive", rank, at["step"])
 
-        hook = fire if any(f.where == "receive" for f in self.faults.faults) else None
-        try:
-            return PGTransport(group, on_tensor=hook).recv(prepare, timeout_s=self.timeout_s)
-        finally:
-            self._graveyard.bury(group, broken=True)
+        hook = fire if self.faults.watches("receive") else None
+        with self.channels.open(prefix, sender=False, on_tensor=hook) as transport:
+            return transport.recv(prepare, timeout_s=self.timeout_s)
 
     # -- planned / preventive ---------------------------------------------------------------
 
-    def _handover(self: Any, step: int) -> None:
-        cmd = self._cmd
-        assert cmd is not None and self.rank is not None
+    def await_stop(self, cmd: dict[str, Any], k: int, *, snapshot: bytes) -> bool:
+        """Learn S for ``cmd`` at boundary ``k``; False: no handover (aborted, or a peer was
+        lost meanwhile and this rank took part in the recovery; step ``k`` runs next)."""
+        mid = cmd["migration_id"]
+        commands = self.member.commands
+        while True:
+            got = commands.await_stop(cmd, world_size=self.member.world_size, timeout_s=self._bound)
+            if isinstance(got, int):
+                self.cmd, self.stop = cmd, got
+                return True
+            if got.endswith("/aborted"):
+                commands.abort(mid)
+                return False
+            if got.endswith("/failed"):
+                info = P.get_json(self.store, got)
+                raise MigrationError(info.get("message", "migration failed"), details=info)
+            if got == P.suspect_key(cmd["gen"]):
+                # Standing at a boundary, this rank is in no collective that could fail:
+                # it reports to the agent like a rank whose collective failed.
+                lost = RuntimeError("a peer was lost while the ranks waited for the handover")
+                if self.recover(lost, k, stepped=False, snapshot=snapshot):
+                    return False
+                continue
+
+    def hand_over(self, step: int, *, snapshot: bytes | None, t0: float) -> None:
+        """Run the handover of the agreed command at its step S (this boundary).
+
+        ``snapshot``: this rank's state at S; ``t0``: when this rank reached S (the pause as
+        the ranks see it runs from there to the new generation joined). The source leaves
+        with ``SystemExit(0)`` once the spare has its state.
+        """
+        cmd, member = self.cmd, self.member
+        assert cmd is not None and member.rank is not None
         mid, src, replica = cmd["migration_id"], cmd["rank"], cmd["replica"]
-        # The pause as this rank sees it: from reaching boundary S (waiting for S included)
-        # to the new generation joined.
-        t0 = self._boundary_t or time.perf_counter()
         base = f"m/{mid}"
         outcomes = [f"{base}/received/{src}", f"{base}/fallback/{src}", f"{base}/aborted"]
         outcomes.append(f"{base}/failed")
-        bound = 4 * self.timeout_s + 30
-        if self.rank == src:
+        if member.rank == src:
             try:
                 if "spare" in cmd:  # a spare still starting (importing torch) is waited for
                     ready = [f"slot{cmd['spare']}/ready", f"{base}/aborted"]
                     P.first_present(self.store, ready, timeout_s=self.join_timeout_s, what="spare")
-                self._send(f"x/{mid}/peer", step=step, rank_state=self._snapshot)
+                self._send(f"x/{mid}/peer", step=step, rank_state=snapshot)
             except (RuntimeError, MigrationError) as exc:
                 log.warning("sending rank %d to the spare failed: %s", src, exc)
-            got = P.first_present(self.store, outcomes, timeout_s=bound, what="the spare")
+            got = P.first_present(self.store, outcomes, timeout_s=self._bound, what="the spare")
             if got.endswith("/aborted"):  # the spare died: this rank trains on
-                self.commands.abort(mid)
-                self._stop, self._cmd = None, None
+                member.commands.abort(mid)
+                self.stop, self.cmd = None, None
                 return
-            self.commands.close()
+            member.commands.close()
             self.note("retired", rank=src, step=step, migration=mid)
-            self._graveyard.bury(self.group, broken=False)
-            self.group = None
+            member.leave(broken=False)
             raise SystemExit(0)
-        got = P.first_present(self.store, outcomes, timeout_s=bound, what="the spare")
+        got = P.first_present(self.store, outcomes, timeout_s=self._bound, what="the spare")
         if got.endswith("/aborted"):
-            self.commands.abort(mid)
-            self._stop, self._cmd = None, None
+            member.commands.abort(mid)
+            self.stop, self.cmd = None, None
             return
         if got.endswith("/failed"):
             _raise_failed(self.store, got)
         if "/fallback/" in got:
-            if self.rank == replica:
+            if member.rank == replica:
                 self._send(P.replica_prefix(mid, src), step=step, rank_state=None)
             got = P.first_present(
-                self.store, [outcomes[0], outcomes[3]], timeout_s=bound, what="the spare"
+                self.store, [outcomes[0], outcomes[3]], timeout_s=self._bound, what="the spare"
             )
             if got.endswith("/failed"):
                 _raise_failed(self.store, got)
-        layouts = self.layouts()
-        self._graveyard.bury(self.group, broken=False)
-        self._join(self.gen + 1, self.rank, layouts)
-        self.store.set(f"{base}/pause/{self.rank}", repr(time.perf_counter() - t0))
+        layouts = member.layouts()
+        member.graveyard.bury(member.group, broken=False)
+        self._join(member.gen + 1, member.rank, layouts)
+        self.store.set(f"{base}/pause/{member.rank}", repr(time.perf_counter() - t0))
 
     # -- unplanned --------------------------------------------------------------------------
 
-    def _recover(self: Any, exc: BaseException, step: int) -> bool:
-        """Handle a failed collective at ``step``; True: the step is to be run again."""
-        if self.group is None or self.rank is None:
+    def recover(
+        self, exc: BaseException, step: int, *, stepped: bool, snapshot: bytes | None
+    ) -> bool:
+        """Handle a failed collective at ``step``; True: the step is to be run again.
+
+        ``stepped``: this rank's optimizer stepped in the failed step (the agent refuses to
+        rebuild then); ``snapshot``: this rank's state at the step's boundary, put back
+        before the step runs again.
+        """
+        member = self.member
+        if member.group is None or member.rank is None:
             return False
         t0 = time.perf_counter()
-        gen, rank = self.gen, self.rank
-        report = {"step": step, "stepped": self._stepped, "slot": self.slot, "error": str(exc)}
+        gen, rank = member.gen, member.rank
+        report = {"step": step, "stepped": stepped, "slot": self.slot, "error": str(exc)}
         P.put_json(self.store, P.alive_key(gen, rank), report)
         self.store.add(P.alive_count_key(gen), 1)
         log.warning("rank %d: a collective failed at step %d (%s)", rank, step, exc)
         key = P.recovery_key(gen)
-        P.first_present(self.store, [key], timeout_s=4 * self.timeout_s + 30, what="the agent")
+        P.first_present(self.store, [key], timeout_s=self._bound, what="the agent")
         decision = P.get_json(self.store, key)
         paused_said = False
         while decision["status"] == "paused":
@@ -173,11 +281,10 @@ class HandoverMixin:
             cls = _ERRORS.get(decision.get("code", ""), MigrationError)
             raise cls(decision.get("message", "recovery failed"), details=decision) from exc
         # A spare takes each lost rank; this rank redoes the step from its boundary state.
-        layouts = self.layouts()
-        self._graveyard.bury(self.group, broken=True)
-        self.group = None
-        assert self._snapshot is not None
-        restore_rank_state(self._snapshot, self.registry.data)
+        layouts = member.layouts()
+        member.leave(broken=True)
+        assert snapshot is not None
+        restore_rank_state(snapshot, self.registry.data)
         self.registry.zero_grad()
         mid = decision["migration_id"]
         for lost in decision["replacements"]:
@@ -187,7 +294,7 @@ class HandoverMixin:
         self.note("recovered", rank=rank, step=step, migration=mid)
         return True
 
-    def _await_spare(self: Any, mid: str, lost: int, step: int, *, sender: bool) -> None:
+    def _await_spare(self, mid: str, lost: int, step: int, *, sender: bool) -> None:
         """Wait until a spare holds rank ``lost``; the replica (``sender``) sends it the state.
 
         A spare that dies while it receives is replaced by the agent with another one (a new
@@ -195,7 +302,6 @@ class HandoverMixin:
         """
         base = f"m/{mid}"
         attempt = 0
-        bound = 4 * self.timeout_s + 30
         while True:
             if sender:
                 try:
@@ -204,7 +310,9 @@ class HandoverMixin:
                     log.warning("sending rank %d (attempt %d) failed: %s", lost, attempt, exc)
             keys = [f"{base}/received/{lost}", f"{base}/failed"]
             keys.append(P.attempt_key(mid, lost, attempt + 1))
-            got = P.first_present(self.store, keys, timeout_s=bound, what=f"the spare for {lost}")
+            got = P.first_present(
+                self.store, keys, timeout_s=self._bound, what=f"the spare for {lost}"
+            )
             if got == keys[0]:
                 return
             if got == keys[1]:
@@ -213,22 +321,19 @@ class HandoverMixin:
 
     # -- spare ------------------------------------------------------------------------------
 
-    def _mirror_at(self: Any, rank: int, step: int) -> bytes:
+    def mirror_at(self, rank: int, step: int) -> bytes:
         """Rank ``rank``'s mirrored state at boundary ``step``: the boundary's own mirror, or
         the one written inside the step before (the rank died after that step's last
         collective, before it reached the boundary)."""
-        seen = []
-        for key in (P.mirror_key(rank), P.mirror_ahead_key(rank)):
-            if not self.store.check([key]):
-                continue
-            blob: bytes = self.store.get(key)
-            at = peek_step(blob)
-            if at == step:
-                return blob
-            seen.append(at)
-        raise MigrationError(f"rank {rank}'s mirrors are at steps {seen}, not {step}")
+        return mirror_at(self.store, rank, step)
 
-    def _serve_as_spare(self: Any) -> None:
+    def serve_as_spare(self) -> int:
+        """Wait for an assignment, take the rank over; returns the step to run next.
+
+        Raises:
+            SystemExit: the agent told this spare to leave (the job ended).
+            StateNotReplicated: the rank's state is rank-unique and its source is gone.
+        """
         key = P.assign_key(self.slot)
         self.store.set(f"slot{self.slot}/ready", "1")
         while not self.store.check([key]):
@@ -258,19 +363,38 @@ class HandoverMixin:
             if a["mode"] == "peer":
                 self.store.set(f"{base}/fallback/{rank}", str(exc)[:500])
             meta, stats = self._receive(P.replica_prefix(mid, rank, a.get("attempt", 0)), rank)
-            rank_state = self._mirror_at(rank, meta["step"])
+            rank_state = self.mirror_at(rank, meta["step"])
         self.registry.apply_meta(meta)
         step = restore_rank_state(rank_state, self.registry.data)
         if step != meta["step"]:
             raise MigrationError(f"rank {rank}'s state is at step {step}, not {meta['step']}")
-        self._next = step
         self.store.set(f"{base}/received/{rank}", str(self.slot))
         self._join(a["gen"], rank, meta["layouts"])
         # From the first byte received to the new generation joined: the agent uses it as
         # the pause only when there is no other rank to measure it (a one-rank job).
         joined_s = time.perf_counter() - t0 - stats.wait_s
-        report = {"step": step, "bytes": stats.bytes, "transfer_s": stats.seconds}
+        report: dict[str, Any] = {"step": step, "bytes": stats.bytes}
+        report.update(transfer_s=stats.seconds)
         report.update(joined_s=joined_s)
         report.update(source=source, slot=self.slot)
         self.store.set(f"{base}/report/{rank}", json.dumps(report))
         self.note("took over", rank=rank, migration=mid, **report)
+        return step
+
+
+def mirror_at(store: Any, rank: int, step: int) -> bytes:
+    """Rank ``rank``'s mirrored state at boundary ``step`` (see :meth:`Handover.mirror_at`).
+
+    Raises:
+        MigrationError: neither mirror is at ``step`` (or none was written).
+    """
+    seen = []
+    for key in (P.mirror_key(rank), P.mirror_ahead_key(rank)):
+        if not store.check([key]):
+            continue
+        blob: bytes = store.get(key)
+        at = peek_step(blob)
+        if at == step:
+            return blob
+        seen.append(at)
+    raise MigrationError(f"rank {rank}'s mirrors are at steps {seen}, not {step}")

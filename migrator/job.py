@@ -55,13 +55,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from forewarn.errors import MigrationError
 from migrator import protocol as P
+from migrator.channels import Channels, PairChannels
 from migrator.commands import CommandWatcher
 from migrator.ddp import ElasticDDP
 from migrator.faults import FaultPlan
-from migrator.groups import Graveyard, new_group
-from migrator.handover import HandoverMixin
+from migrator.handover import Handover, PlanHooks
+from migrator.membership import Membership
 from migrator.state import DataPosition, Registry, capture_rank_state, restore_rank_state
 
 __all__ = ["Job", "Step", "is_peer_failure"]
@@ -98,9 +98,7 @@ class Step:
         if exc is None:
             self.ok = True
             if self.job.rank is not None:
-                self.job.faults.fire(
-                    "step_end", self.job.rank, self.index, store=self.job.store, job=self.job
-                )
+                self.job.hooks.fire("step_end", self.job.rank, self.index)
             return False
         if is_peer_failure(exc):
             self.redo = self.job._recover(exc, self.index)
@@ -139,8 +137,14 @@ def is_peer_failure(exc: BaseException) -> bool:
     return any(marker in text for marker in _PEER_MARKERS)
 
 
-class Job(HandoverMixin):
+class Job:
     """One process of a migratable job (an active rank or a warm spare).
+
+    Built from collaborators: a :class:`~migrator.membership.Membership` (rank, generation,
+    process group, DDP wrappers, the command watcher) and a
+    :class:`~migrator.handover.Handover` (the planned, preventive and unplanned procedures),
+    which gets the store client, the membership, the registry, the transfer channels and the
+    fault hooks. Pass ``channels`` to use another transport than the two-rank process groups.
 
     Args:
         store: a client of the agent's rendezvous store.
@@ -158,6 +162,8 @@ class Job(HandoverMixin):
             dead rank from a replica).
         join_timeout_s: how long the ranks wait for each other to start (the launchers of
             a multi-node job do not start at the same moment).
+        channels: opens the transport of each state transfer (default:
+            :class:`~migrator.channels.PairChannels` on ``store``).
     """
 
     def __init__(
@@ -175,6 +181,7 @@ class Job(HandoverMixin):
         device: torch.device | None = None,
         mirror: bool = True,
         join_timeout_s: float = 300.0,
+        channels: Channels | None = None,
     ) -> None:
         self.store = store
         self.slot = slot
@@ -188,22 +195,58 @@ class Job(HandoverMixin):
         self.mirror = mirror
         self.join_timeout_s = join_timeout_s
         self.registry = Registry()
-        self.rank: int | None = initial_rank
-        self.gen = 0
-        self.group: dist.ProcessGroup | None = None
         self.events: list[dict[str, Any]] = []
-        self._ddps: list[ElasticDDP] = []
-        self._graveyard = Graveyard()
+        self.member = Membership(
+            store,
+            world_size=world_size,
+            rank=initial_rank,
+            backend=backend,
+            timeout_s=timeout_s,
+            device=device,
+        )
+        self.hooks = PlanHooks(self.faults, store, self)
+        self.handover = Handover(
+            store=store,
+            member=self.member,
+            registry=self.registry,
+            channels=channels
+            or PairChannels(
+                store, backend=backend, timeout_s=timeout_s, graveyard=self.member.graveyard
+            ),
+            faults=self.hooks,
+            slot=slot,
+            timeout_s=timeout_s,
+            join_timeout_s=join_timeout_s,
+            note=self.note,
+        )
         self._next = 0
         self._current = 0
-        self._stop: int | None = None
-        self._cmd: dict[str, Any] | None = None
         self._snapshot: bytes | None = None
         self._ahead: bytes | None = None
         self._stepped = False
         self._started = False
         self._boundary_t = 0.0
-        self.commands = CommandWatcher(store, lambda: (self.gen, self.rank))
+
+    # The membership's view, as the script reads it.
+
+    @property
+    def rank(self) -> int | None:
+        """This process's rank now (None while it is a spare)."""
+        return self.member.rank
+
+    @property
+    def gen(self) -> int:
+        """The current process-group generation."""
+        return self.member.gen
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        """The current generation's process group (None while a spare)."""
+        return self.member.group
+
+    @property
+    def commands(self) -> CommandWatcher:
+        return self.member.commands
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Job:
@@ -263,14 +306,12 @@ class Job(HandoverMixin):
                 parallel shards). Planned and preventive migrations still work (the rank
                 itself sends it); rebuilding a dead rank from a replica is refused.
         """
-        self.registry = Registry(
-            models=_seq(model, models),
-            optimizers=_seq(optimizer, optimizers),
-            schedulers=_seq(scheduler, schedulers),
-            scaler=scaler,
-            data=data,
-            rank_unique=rank_unique,
-        )
+        # Filled in place: the handover holds this same registry.
+        reg = self.registry
+        reg.models = _seq(model, models)
+        reg.optimizers = _seq(optimizer, optimizers)
+        reg.schedulers = _seq(scheduler, schedulers)
+        reg.scaler, reg.data, reg.rank_unique = scaler, data, rank_unique
         for opt in self.registry.optimizers:
             opt.register_step_post_hook(self._on_optimizer_step)
 
@@ -280,7 +321,7 @@ class Job(HandoverMixin):
     def ddp(self, module: torch.nn.Module, **ddp_kwargs: Any) -> ElasticDDP:
         """Wrap ``module`` in DDP on the job's current process group, whatever it becomes."""
         wrapped = ElasticDDP(module, after_forward=self._mirror_ahead, **ddp_kwargs)
-        self._ddps.append(wrapped)
+        self.member.ddps.append(wrapped)
         if self.group is not None:
             wrapped.rebuild(self.group, None, initial=True)
         return wrapped
@@ -317,10 +358,10 @@ class Job(HandoverMixin):
         if self.registry.rank_unique:
             self.store.set(f"slot{self.slot}/unique", "1")
         if self.rank is None:
-            self._serve_as_spare()
+            self._next = self.handover.serve_as_spare()
         else:
             self._arrive()
-            self._join(0, self.rank, None, initial=True)
+            self.member.join(0, self.rank, None, initial=True)
 
     def _arrive(self) -> None:
         """Wait until every rank of generation 0 started (bounded by ``join_timeout_s``).
@@ -360,20 +401,21 @@ class Job(HandoverMixin):
         assert self.rank is not None
         self.commands.passed = k  # before the flag is read (see migrator.commands)
         self._boundary_t = time.perf_counter()
-        self._snapshot = capture_rank_state(k, self.registry.data)
+        snapshot = self._snapshot = capture_rank_state(k, self.registry.data)
         if self.mirror:
-            self.store.set(P.mirror_key(self.rank), self._snapshot)
-        self.faults.fire("step_start", self.rank, k, store=self.store, job=self)
-        cmd = self.commands.pending(self.gen) if self._stop is None else None
+            self.store.set(P.mirror_key(self.rank), snapshot)
+        self.hooks.fire("step_start", self.rank, k)
+        handover = self.handover
+        cmd = self.commands.pending(self.gen) if handover.stop is None else None
         # A command was flagged (a local read: the watcher thread polls the store): wait
         # here for the step S every rank hands over at (migrator.commands).
-        if cmd is not None and not self._await_stop(cmd, k):
+        if cmd is not None and not handover.await_stop(cmd, k, snapshot=snapshot):
             return
-        if self._stop is not None:
-            if k > self._stop:
-                raise RuntimeError(f"rank {self.rank} passed the handover step {self._stop}")
-            if k == self._stop:
-                self._handover(k)
+        if handover.stop is not None:
+            if k > handover.stop:
+                raise RuntimeError(f"rank {self.rank} passed the handover step {handover.stop}")
+            if k == handover.stop:
+                handover.hand_over(k, snapshot=snapshot, t0=self._boundary_t)
 
     def _mirror_ahead(self) -> None:
         """Mirror this rank's state as boundary ``k+1`` will find it, from inside step ``k``.
@@ -388,52 +430,13 @@ class Job(HandoverMixin):
             self.store.set(P.mirror_ahead_key(self.rank), blob)
             self._ahead = blob
 
-    def _await_stop(self, cmd: dict[str, Any], k: int) -> bool:
-        """Learn S for ``cmd`` at boundary ``k``; False: no handover (aborted, or a peer was
-        lost meanwhile and this rank took part in the recovery; step ``k`` runs next)."""
-        mid = cmd["migration_id"]
-        bound = 4 * self.timeout_s + 30
-        while True:
-            got = self.commands.await_stop(cmd, world_size=self.world_size, timeout_s=bound)
-            if isinstance(got, int):
-                self._cmd, self._stop = cmd, got
-                return True
-            if got.endswith("/aborted"):
-                self.commands.abort(mid)
-                return False
-            if got.endswith("/failed"):
-                info = P.get_json(self.store, got)
-                raise MigrationError(info.get("message", "migration failed"), details=info)
-            if got == P.suspect_key(cmd["gen"]):
-                # Standing at a boundary, this rank is in no collective that could fail:
-                # it reports to the agent like a rank whose collective failed.
-                self._stepped = False
-                lost = RuntimeError("a peer was lost while the ranks waited for the handover")
-                if self._recover(lost, k):
-                    return False
-                continue
-
-    def _join(
-        self, gen: int, rank: int, layouts: list[Any] | None, *, initial: bool = False
-    ) -> None:
-        group = new_group(
-            self.store,
-            f"g{gen}/pg",
-            rank=rank,
-            size=self.world_size,
-            backend=self.backend,
-            timeout_s=self.timeout_s,
-            device=self.device,
-        )
-        for i, wrapped in enumerate(self._ddps):
-            wrapped.rebuild(group, layouts[i] if layouts else None, initial=initial)
-        self.group, self.gen, self.rank = group, gen, rank
-        self._stop, self._cmd = None, None
-        self.commands.clear()
-        self.commands.start()
-
     def layouts(self) -> list[Any]:
-        return [d.layout() for d in self._ddps]
+        """Each DDP wrapper's bucket layout."""
+        return self.member.layouts()
+
+    def _recover(self, exc: BaseException, step: int) -> bool:
+        """A collective failed in ``step``; True: the step is to be run again."""
+        return self.handover.recover(exc, step, stepped=self._stepped, snapshot=self._snapshot)
 
     def _install_fault_hooks(self) -> None:
         points = {f.where for f in self.faults.faults}
@@ -441,7 +444,7 @@ class Job(HandoverMixin):
 
         def fire(where: Any) -> None:
             if self.rank is not None:
-                self.faults.fire(where, self.rank, self._current, store=self.store, job=self)
+                self.hooks.fire(where, self.rank, self._current)
 
         if "forward" in points and reg.models:
             reg.models[0].register_forward_pre_hook(lambda *_: fire("forward"))

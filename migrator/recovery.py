@@ -1,7 +1,10 @@
 """Unplanned failures: a lost or wedged rank replaced by a spare rebuilt from a replica.
 
-The half of the job agent (:class:`migrator.agent.Agent` mixes :class:`Recovery` in) that
-handles what nobody asked for:
+A collaborator of the job agent: :class:`migrator.agent.Agent` builds one :class:`Recovery`
+from its store, the job's :class:`~migrator.table.JobTable` (slots, roster, status), its
+settings and a :class:`Supervisor` (what it may ask of the agent: kill a process, report a
+migration's end), and calls it on every tick of its watch loop. It handles what nobody
+asked for:
 
 - detection: once a rank exits or a survivor reports a failed collective, every rank of the
   generation has ``detect_grace_s`` (default ``timeout_s``) to report its last completed
@@ -14,9 +17,10 @@ handles what nobody asked for:
   reported, nothing is rebuilt), and the same error on the same rank and step after a spare
   took it over is a crash loop (the job stops instead of using up every spare);
 - with too few spares, the pause (said on stderr, on the endpoint and in the store) and the
-  failure after ``pause_timeout_s``; and :meth:`Recovery._fail`, which ends the job.
+  failure after ``pause_timeout_s``; and :meth:`Recovery.fail`, which ends the job.
 
-It holds no state of its own: everything lives on the agent, under its lock.
+Its own state is the recovery in progress (:attr:`Recovery.current`), the pause deadline and
+the script errors seen; the rest is the table's. Call it only with the agent's lock held.
 """
 
 from __future__ import annotations
@@ -24,37 +28,40 @@ from __future__ import annotations
 import logging
 import sys
 import uuid
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any, Protocol
 
 from forewarn.errors import NoSpareAvailable, StateNotReplicated
 from forewarn.wire import MigrationReason
 from migrator import protocol as P
+from migrator.table import JobTable, Migration, Slot
 
-if TYPE_CHECKING:
-    import torch.distributed as dist
-
-    from migrator.agent import AgentConfig, Slot
-
-__all__ = ["Recovery"]
+__all__ = ["Recovery", "RecoverySettings", "Supervisor"]
 
 # The agent's own logger: its records read as one stream, whichever half wrote them.
 log = logging.getLogger("migrator.agent")
 
 
-@dataclass
-class _Migration:
-    """The one migration in flight: planned, preventive or a recovery (slot indices)."""
+class RecoverySettings(Protocol):
+    """The job settings a recovery reads (:class:`migrator.agent.AgentConfig` has them)."""
 
-    migration_id: str
-    reason: MigrationReason
-    ranks: list[int]
-    sources: dict[int, int]
-    targets: dict[int, int]
-    gen: int
-    started: float
-    detail: str | None = None
-    stop: int | None = None  # the handover step S, once the agent fixed it (planned)
+    job_id: str
+    timeout_s: float
+    detect_grace_s: float | None
+    pause_timeout_s: float
+    log_dir: Path | None
+
+
+class Supervisor(Protocol):
+    """What a recovery asks of the agent that runs the job's processes."""
+
+    def kill(self, slot: Slot) -> None:
+        """SIGKILL the slot's process and wait for it."""
+        ...
+
+    def finish(self, m: Migration, outcome: str, **fields: Any) -> None:
+        """Report the end of migration ``m`` (its MigrationReport)."""
+        ...
 
 
 def _same_error(a: dict[str, Any], b: dict[str, Any]) -> bool:
@@ -62,56 +69,66 @@ def _same_error(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 
 class Recovery:
-    """Failure handling of :class:`migrator.agent.Agent`; call only with the agent's lock held."""
+    """Failure handling of the job agent; call only with the agent's lock held.
 
-    if TYPE_CHECKING:
-        cfg: AgentConfig
-        world_size: int
-        store: dist.TCPStore
-        slots: list[Slot]
-        roster: dict[int, int]
-        gen: int
-        status: str
-        message: str
-        inflight: _Migration | None
-        _recovery: dict[str, Any] | None
-        _pause_deadline: float | None
-        _script_errors: list[dict[str, Any]]
+    Args:
+        store: the job's store (the agent hosts it).
+        table: the job's slots, roster and status, shared with the agent.
+        settings: timeouts and names (:class:`RecoverySettings`).
+        supervisor: kills processes and reports migrations for the recovery.
+    """
 
-        def _kill(self, slot: Slot) -> None: ...
+    def __init__(
+        self, store: Any, table: JobTable, settings: RecoverySettings, supervisor: Supervisor
+    ) -> None:
+        self.store = store
+        self.table = table
+        self.cfg = settings
+        self.supervisor = supervisor
+        self.current: dict[str, Any] | None = None
+        """The recovery in progress: generation, detection deadline, the decision once made."""
+        self.pause_deadline: float | None = None
+        self.script_errors: list[dict[str, Any]] = []
 
-        def _finish(self, m: _Migration, outcome: str, **fields: Any) -> None: ...
+    def clear(self) -> None:
+        """The recovery in progress ended (its spares joined the new generation)."""
+        self.current = None
 
     # -- choosing -----------------------------------------------------------------------------
 
-    def _free_spare(self) -> Slot | None:
-        spares = [s for s in self.slots if s.role == "spare" and s.proc and s.proc.poll() is None]
+    def free_spare(self) -> Slot | None:
+        spares = self.table.live_spares()
         # A warm spare (model and optimizer allocated, waiting) first: one still starting
         # would make the ranks wait for it at the handover step.
         spares.sort(key=lambda s: not self.store.check([f"slot{s.index}/ready"]))
         return spares[0] if spares else None
 
-    def _replica_for(self, lost: set[int]) -> int | None:
-        healthy = [r for r in range(self.world_size) if r not in lost]
+    def replica_for(self, lost: set[int]) -> int | None:
+        healthy = [r for r in range(self.table.world_size) if r not in lost]
         return healthy[0] if healthy else None
 
     # -- unplanned --------------------------------------------------------------------------
 
-    def _progress_recovery(self, now: float) -> None:
-        g = self.gen
-        if self._recovery is None:
-            if self.inflight is not None and self.inflight.reason is MigrationReason.UNPLANNED:
+    def progress(self, now: float) -> None:
+        g = self.table.gen
+        if self.current is None:
+            if (
+                self.table.inflight is not None
+                and self.table.inflight.reason is MigrationReason.UNPLANNED
+            ):
                 return
             lost = [
                 s
-                for s in self.slots
-                if s.role == "dead" and s.rank is not None and self.roster.get(s.rank) == s.index
+                for s in self.table.slots
+                if s.role == "dead"
+                and s.rank is not None
+                and self.table.roster.get(s.rank) == s.index
             ]
             reported = int(self.store.add(P.alive_count_key(g), 0))
             if not lost and not reported:
                 return
             grace = self.cfg.detect_grace_s
-            self._recovery = {
+            self.current = {
                 "gen": g,
                 "deadline": now + (self.cfg.timeout_s if grace is None else grace),
                 "decided": False,
@@ -120,25 +137,25 @@ class Recovery:
             log.warning(
                 "generation %d: failure suspected (%d lost, %d reports)", g, len(lost), reported
             )
-        rec = self._recovery
+        rec = self.current
         if rec["decided"]:
-            if self.status == "paused":
+            if self.table.status == "paused":
                 self._retry_paused(now)
             return
         alive: dict[int, dict[str, Any]] = {}
         dead: list[int] = []
-        for rank, index in self.roster.items():
+        for rank, index in self.table.roster.items():
             if self.store.check([P.alive_key(g, rank)]):
                 alive[rank] = P.get_json(self.store, P.alive_key(g, rank))
-            elif self.slots[index].role in ("dead", "retired", "done"):
+            elif self.table.slots[index].role in ("dead", "retired", "done"):
                 dead.append(rank)
-        undecided = [r for r in self.roster if r not in alive and r not in dead]
+        undecided = [r for r in self.table.roster if r not in alive and r not in dead]
         if undecided and now < rec["deadline"]:
             return
         for rank in undecided:  # neither reported nor exited within the bound: wedged
             log.warning("rank %d did not answer within the bound: declared lost", rank)
-            slot = self.slots[self.roster[rank]]
-            self._kill(slot)
+            slot = self.table.slots[self.table.roster[rank]]
+            self.supervisor.kill(slot)
             slot.role = "dead"
             dead.append(rank)
         rec["decided"] = True
@@ -146,28 +163,28 @@ class Recovery:
         rec["alive"] = alive
         errors = self._script_errors_of(dead)
         if dead and not alive:
-            self._fail(self._nobody_left(sorted(dead), errors), code="script_error")
+            self.fail(self._nobody_left(sorted(dead), errors), code="script_error")
             return
         for info in errors:
-            if any(_same_error(info, seen) for seen in self._script_errors):
-                self._fail(
+            if any(_same_error(info, seen) for seen in self.script_errors):
+                self.fail(
                     f"crash loop: rank {info['rank']} raised {info['type']} at step "
                     f"{info['step']} again after a spare took it over; the error is the "
                     f"script's, not the GPU's. Its traceback:\n{info['traceback']}",
                     code="crash_loop",
                 )
                 return
-        self._script_errors.extend(errors)
-        if self.inflight is not None and set(self.inflight.ranks) != set(dead):
-            self._fail("a rank failed during a planned migration of another rank")
+        self.script_errors.extend(errors)
+        if self.table.inflight is not None and set(self.table.inflight.ranks) != set(dead):
+            self.fail("a rank failed during a planned migration of another rank")
             return
         if not dead:
             self.store.delete_key(P.suspect_key(g))
             P.put_json(self.store, P.recovery_key(g), {"status": "none"})
-            self._recovery = None
+            self.current = None
             return
-        if any(self.store.check([f"slot{self.roster[r]}/unique"]) for r in self.roster):
-            self._fail(
+        if any(self.store.check([f"slot{self.table.roster[r]}/unique"]) for r in self.table.roster):
+            self.fail(
                 f"rank(s) {dead} lost; the job registered rank-unique state, which no "
                 "replica holds: restart from a checkpoint",
                 code=StateNotReplicated.code,
@@ -175,7 +192,7 @@ class Recovery:
             return
         steps = {a["step"] for a in alive.values()}
         if len(steps) > 1 or any(a["stepped"] for a in alive.values()):
-            self._fail(
+            self.fail(
                 f"survivors disagree on the last completed step ({sorted(steps)}): "
                 "a collective failed after optimizer.step() on some of them"
             )
@@ -183,13 +200,13 @@ class Recovery:
         self._place_spares(now)
 
     def _place_spares(self, now: float) -> None:
-        rec = self._recovery
+        rec = self.current
         assert rec is not None
         g, dead = rec["gen"], rec["dead"]
-        planned = self.inflight
-        spares = [s for s in self.slots if s.role == "spare" and s.proc and s.proc.poll() is None]
+        planned = self.table.inflight
+        spares = self.table.live_spares()
         if planned is not None:  # the source died before its handover: reuse its spare
-            spares = [self.slots[planned.targets[r]] for r in dead] + spares
+            spares = [self.table.slots[planned.targets[r]] for r in dead] + spares
         if len(spares) < len(dead):
             at = min(a["step"] for a in rec["alive"].values())
             msg = (
@@ -199,17 +216,17 @@ class Recovery:
             )
             msg += "".join(
                 f"; rank {e['rank']} raised {e['type']}: {e['message'][:300]}"
-                for e in self._script_errors
+                for e in self.script_errors
                 if e["rank"] in dead
             )
-            if self.status != "paused":
+            if self.table.status != "paused":
                 print(f"forewarn launch: {msg}", file=sys.stderr, flush=True)
-                self._pause_deadline = now + self.cfg.pause_timeout_s
-            self.status, self.message = "paused", msg
+                self.pause_deadline = now + self.cfg.pause_timeout_s
+            self.table.status, self.table.message = "paused", msg
             P.put_json(self.store, P.recovery_key(g), {"status": "paused", "message": msg})
             return
         mid = planned.migration_id if planned is not None else uuid.uuid4().hex[:12]
-        replica = self._replica_for(set(dead))
+        replica = self.replica_for(set(dead))
         targets = {}
         for rank, spare in zip(dead, spares, strict=False):
             spare.role, spare.rank = "assigned", rank
@@ -231,8 +248,14 @@ class Recovery:
                 "migration_id": mid,
             },
         )
-        self.inflight = _Migration(
-            mid, MigrationReason.UNPLANNED, dead, {r: self.roster[r] for r in dead}, targets, g, now
+        self.table.inflight = Migration(
+            mid,
+            MigrationReason.UNPLANNED,
+            dead,
+            {r: self.table.roster[r] for r in dead},
+            targets,
+            g,
+            now,
         )
         log.warning(
             "recovery %s: rank(s) %s -> slot(s) %s from replica rank %s",
@@ -242,16 +265,16 @@ class Recovery:
             replica,
         )
 
-    def _retarget(self, m: _Migration, dead_spare: Slot) -> None:
+    def retarget(self, m: Migration, dead_spare: Slot) -> None:
         """The spare of an unplanned recovery died: give its rank to another idle spare.
 
         The replica sends again to the new one (a new attempt under
         :func:`protocol.attempt_key`); with no spare left the job fails.
         """
         rank = next(r for r, index in m.targets.items() if index == dead_spare.index)
-        spare = self._free_spare()
+        spare = self.free_spare()
         if spare is None:
-            self._fail(
+            self.fail(
                 f"the spare taking over rank {rank} died and no other spare is left",
                 code=NoSpareAvailable.code,
             )
@@ -277,7 +300,7 @@ class Recovery:
         """The exceptions the scripts of these (dead) ranks reported before they exited."""
         out = []
         for rank in sorted(ranks):
-            key = P.error_key(self.roster[rank])
+            key = P.error_key(self.table.roster[rank])
             if self.store.check([key]):
                 out.append(P.get_json(self.store, key))
         return out
@@ -290,7 +313,7 @@ class Recovery:
                 f"every rank exited at once; rank {first['rank']} raised {first['type']} at "
                 f"step {first['step']}: {first['message']}\n{first['traceback']}"
             )
-        slots = {r: self.slots[self.roster[r]] for r in dead}
+        slots = {r: self.table.slots[self.table.roster[r]] for r in dead}
         said = ", ".join(
             f"rank {r}: " + ("finished" if s.role == "done" else f"exit {s.proc.returncode}")
             for r, s in slots.items()
@@ -298,7 +321,7 @@ class Recovery:
         where = f" (their output: {self.cfg.log_dir})" if self.cfg.log_dir else ""
         tail = ""
         if self.cfg.log_dir is not None:
-            path = self.cfg.log_dir / f"slot{self.roster[dead[0]]}.log"
+            path = self.cfg.log_dir / f"slot{self.table.roster[dead[0]]}.log"
             if path.exists():
                 tail = "\n" + "\n".join(path.read_text(errors="replace").splitlines()[-15:])
         return (
@@ -307,32 +330,32 @@ class Recovery:
         )
 
     def _retry_paused(self, now: float) -> None:
-        assert self._recovery is not None
-        if self._free_spare() is not None:
+        assert self.current is not None
+        if self.free_spare() is not None:
             self._place_spares(now)
-            if self.status != "paused":
-                self.status = "running"
+            if self.table.status != "paused":
+                self.table.status = "running"
             return
-        if self._pause_deadline is not None and now >= self._pause_deadline:
-            self._fail(self.message + " — no spare came", code=NoSpareAvailable.code)
+        if self.pause_deadline is not None and now >= self.pause_deadline:
+            self.fail(self.table.message + " — no spare came", code=NoSpareAvailable.code)
 
-    def _fail(self, message: str, code: str = "migration_error") -> None:
+    def fail(self, message: str, code: str = "migration_error") -> None:
         log.error("%s", message)
         print(
             f"forewarn launch: job {self.cfg.job_id} failed: {message}", file=sys.stderr, flush=True
         )
-        self.status, self.message = "failed", message
-        if self._recovery is not None:
+        self.table.status, self.table.message = "failed", message
+        if self.current is not None:
             P.put_json(
                 self.store,
-                P.recovery_key(self._recovery["gen"]),
+                P.recovery_key(self.current["gen"]),
                 {"status": "failed", "code": code, "message": message},
             )
-        if self.inflight is not None:
+        if self.table.inflight is not None:
             P.put_json(
                 self.store,
-                f"m/{self.inflight.migration_id}/failed",
+                f"m/{self.table.inflight.migration_id}/failed",
                 {"code": code, "message": message},
             )
-            self._finish(self.inflight, "failed", error=message)
-            self.inflight = None
+            self.supervisor.finish(self.table.inflight, "failed", error=message)
+            self.table.inflight = None
