@@ -38,7 +38,16 @@ import numpy as np
 from forewarn.wire import COUNTER_FIELDS
 from predictor.state import COLUMN, EVENT_CHANNELS, LATEST, TAU, WINDOWS, FleetState
 
-__all__ = ["FEATURES", "FEATURE_NAMES", "MONOTONE", "RULES", "Feature", "compute", "rule_hits"]
+__all__ = [
+    "ABSOLUTE_LEVELS",
+    "FEATURES",
+    "FEATURE_NAMES",
+    "MONOTONE",
+    "RULES",
+    "Feature",
+    "compute",
+    "rule_hits",
+]
 
 SINCE_CAP_S = 7 * 86400.0
 _FLOOR_PER_H = 1.0 / 24.0  # one error a day: the floor under every rate ratio
@@ -264,6 +273,17 @@ def _direction(f: Feature) -> int:
         return -1
     return 0
 
+
+ABSOLUTE_LEVELS: tuple[str, ...] = tuple(
+    f.name
+    for f in FEATURES
+    if f.subject in ("temp_gpu_c", "temp_mem_c", "power_w", "sm_clock_mhz", "util_gpu_pct")
+    and f.measure in ("now", "mean")
+)
+"""Absolute levels of readings whose normal value differs from fleet to fleet (inlet air,
+cooling, workload): temperatures, power, clock and utilisation themselves. Training with
+``TrainConfig.ignore_features`` set to these leaves the model only their relative forms
+(against the node, the fleet, the GPU's own day, the slope)."""
 
 MONOTONE: tuple[int, ...] = tuple(_direction(f) for f in FEATURES)
 """Monotone direction of each feature (+1 more is riskier, -1 less is riskier, 0 free)."""

@@ -54,6 +54,8 @@ class Base:
         values = {k: v for k, v in training.items() if k in known and k != "split_seed"}
         if "label_horizons_s" in values:
             values["label_horizons_s"] = tuple(float(h) for h in values["label_horizons_s"])
+        if "ignore_features" in values:
+            values["ignore_features"] = tuple(values["ignore_features"])
         return replace(TrainConfig(**values), **(overrides or {}))
 
     def booster_params(self) -> dict[str, Any]:

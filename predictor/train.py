@@ -73,6 +73,10 @@ class TrainConfig:
     # of ``seed``, ``seed + 1``, ... whose split leaves failures with precursors on both sides
     # (training refuses when none of :data:`SPLIT_TRIES` does).
     split_seed: int | None = None
+    # Features the trees may not split on (their training column is blanked): e.g.
+    # :data:`predictor.features.ABSOLUTE_LEVELS`, so that another fleet's normal temperature
+    # or power does not read as danger; the model keeps their relative forms.
+    ignore_features: tuple[str, ...] = ()
 
 
 def _cols(*names: str) -> list[int]:
@@ -273,6 +277,8 @@ def train(
     w0 = np.concatenate([p["w"] for p in parts])
     until = np.concatenate([p["until_s"] for p in parts])
     del parts
+    for name in cfg.ignore_features:
+        x[:, FEATURE_NAMES.index(name)] = np.nan
     if not len(y) or y.sum() == 0:
         raise InvalidInput("no failure within the horizon on the training side of the split")
     scorers: dict[str, Callable[[np.ndarray], np.ndarray]] = {}

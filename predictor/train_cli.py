@@ -17,6 +17,7 @@ from tqdm import tqdm
 from forewarn.errors import ForewarnError
 from predictor import evaluate, registry
 from predictor.dataset import read_manifest
+from predictor.features import ABSOLUTE_LEVELS
 from predictor.retrain import Base, load_base
 from predictor.train import TrainConfig, train
 
@@ -65,6 +66,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--relative-only",
+        action="store_true",
+        help="the trees may not split on absolute temperature, power, clock and utilisation "
+        "levels, only on their forms relative to the node, the fleet and the GPU's own day",
+    )
+    parser.add_argument(
         "--base",
         metavar="MODEL",
         help="retrain on top of this model: a card, or a directory and its newest model "
@@ -104,6 +111,8 @@ def _from_base(args: argparse.Namespace) -> tuple[TrainConfig, Base]:
     }
     if args.label_horizon_s:
         overrides["label_horizons_s"] = tuple(args.label_horizon_s)
+    if args.relative_only:
+        overrides["ignore_features"] = ABSOLUTE_LEVELS
     print(f"base: {base.card_path} (its settings and hyper-parameters)", file=sys.stderr)
     for path, why in base.missing.items():
         print(f"base data {path}: {why}; left out", file=sys.stderr)
@@ -134,6 +143,7 @@ def run(args: argparse.Namespace) -> int:
         val_from=args.val_from,
         val_node_frac=args.val_node_frac,
         label_horizons_s=tuple(args.label_horizon_s or (args.horizon_s,)),
+        ignore_features=ABSOLUTE_LEVELS if args.relative_only else (),
     )
     base: Base | None = None
     try:
