@@ -94,6 +94,15 @@ class AgentConfig:
     node_timeout_s: float | None = None
     """A node whose launcher is silent this long is lost with its processes (None: the
     smaller of timeout_s and 10 s; launchers beat every 0.2 s)."""
+    checkpoint_dir: Path | None = None
+    """Where the ranks write one consistent checkpoint when the job stops at a step boundary
+    (no spare came, a crash loop, the launcher stopped); None: none (migrator.checkpoint)."""
+    resume_from: Path | None = None
+    """A checkpoint (file, or directory: its latest) the active ranks start from."""
+
+
+class StopRequested(KeyboardInterrupt):
+    """Another node's launcher was stopped: the job stops as if this launcher had been."""
 
 
 class Agent:
@@ -187,6 +196,8 @@ class Agent:
                 "agent_url": self.agent_url or "",
                 "faults": self.cfg.faults.to_json() if self.cfg.faults else "",
                 "join_timeout_s": self.cfg.join_timeout_s,
+                "checkpoint_dir": str(self.cfg.checkpoint_dir or ""),
+                "resume_from": str(self.cfg.resume_from or ""),
             }
             if self.cfg.nnodes > 1:
                 grace = self.cfg.node_timeout_s or min(self.cfg.timeout_s, 10.0)
@@ -345,15 +356,93 @@ class Agent:
             self.link.start(self)
         try:
             code = self._watch()
+            if code != 0 and self.recovery.checkpoint is not None:
+                said = self._await_checkpoint(self.recovery.checkpoint)
+                with self.lock:
+                    self.table.message += said
         except KeyboardInterrupt:  # SIGINT, or SIGTERM (forewarn launch makes it one)
-            with self.lock:
-                self.table.status, self.table.message = "stopped", "stopped by a signal"
             code = 130
+            said = ""
+            try:
+                said = self._stop_at_boundary()
+            except KeyboardInterrupt:  # a second one: stop now
+                said = "; no checkpoint: interrupted again while it was being written"
+            with self.lock:
+                self.table.status = "stopped"
+                self.table.message = "stopped by a signal" + said
         finally:
             if self.link is not None:
                 self.link.stop(self)
             self._shutdown()
         return code
+
+    def _stop_at_boundary(self) -> str:
+        """The launcher was stopped: with a checkpoint directory, the ranks agree on a step
+        boundary (a stop command, agreed on like a planned move's S), write the stop
+        checkpoint there and exit; a job paused for want of a spare writes it from the
+        boundary its survivors stand at. Returns what to add to the job's message."""
+        if self.cfg.checkpoint_dir is None:
+            return ""
+        with self.lock:
+            table = self.table
+            if table.status == "paused" and self.recovery.current is not None:
+                self.recovery.fail(
+                    "stopped by a signal while paused: " + table.message,
+                    code="stopped",
+                    checkpoint=True,
+                )
+                plan = self.recovery.checkpoint
+            elif table.status != "running" or table.inflight or self.recovery.current:
+                why = "a migration was in progress" if table.inflight else f"it was {table.status}"
+                return f"; no checkpoint: {why}"
+            else:
+                live = sorted(table.roster)
+                mid = f"stop-{uuid.uuid4().hex[:8]}"
+                plan = {"id": mid, "writer": live[0], "live": live, "lost": []}
+                plan["reason"] = "stopped"
+                command = {"migration_id": mid, "kind": "stop", "rank": -1, "replica": None}
+                command["checkpoint"] = plan
+                table.status = "stopping"  # no new command replaces this one
+                P.put_json(self.store, P.cmd_key(table.gen), command)
+        if plan is None:
+            return "; no checkpoint: the survivors' state is not consistent"
+        print(
+            f"forewarn launch: job {self.cfg.job_id} stopping: the ranks write a checkpoint "
+            f"at their next step boundary (interrupt again to stop at once)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return self._await_checkpoint(plan)
+
+    def _await_checkpoint(self, plan: dict[str, Any]) -> str:
+        """Wait (bounded) for the stop checkpoint ``plan``; returns what to say about it."""
+        base = P.checkpoint_key(plan["id"])
+        with self.lock:
+            ranks = [self.table.slots[self.table.roster[r]] for r in plan["live"]]
+        deadline = time.monotonic() + 4 * self.cfg.timeout_s + 30
+        gone = False
+        while True:
+            if self.store.check([f"{base}/done"]):
+                done = P.get_json(self.store, f"{base}/done")
+                said = (
+                    f"; a consistent checkpoint of step {done['step']} in "
+                    f"{self.cfg.checkpoint_dir} ({Path(done['path']).name}): restart with "
+                    f"forewarn launch --resume {self.cfg.checkpoint_dir}"
+                )
+                break
+            if self.store.check([f"{base}/failed"]):
+                said = f"; no checkpoint: {self.store.get(f'{base}/failed').decode()}"
+                break
+            if gone:  # looked once more after the last rank had exited
+                said = "; no checkpoint: the ranks exited without writing it"
+                break
+            if time.monotonic() >= deadline:
+                said = "; no checkpoint: it was not written in time"
+                break
+            gone = not any(slot.running() for slot in ranks)
+            time.sleep(0.05)
+        print(f"forewarn launch: job {self.cfg.job_id}{said}", file=sys.stderr, flush=True)
+        return said
 
     def _watch(self) -> int:
         while True:
@@ -395,6 +484,8 @@ class Agent:
             elif slot.role == "active" and exited[slot.index] == 0:
                 # The source of a handover exits 0 once the spare has its state.
                 slot.role = "retired"
+        if self.monitor is not None and self.store.check(["job/stop"]):
+            raise StopRequested("another node's launcher was stopped")
         self._progress_migration()
         self._do_refills()
         self.recovery.progress(now)

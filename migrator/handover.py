@@ -28,7 +28,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 from forewarn.errors import MigrationError, NoSpareAvailable, StateNotReplicated
 from migrator import protocol as P
@@ -38,7 +38,7 @@ from migrator.membership import Membership
 from migrator.state import Registry, peek_step, restore_rank_state
 from migrator.transport import TransferStats
 
-__all__ = ["FaultHooks", "Handover", "PlanHooks", "mirror_at"]
+__all__ = ["Checkpointer", "FaultHooks", "Handover", "PlanHooks", "mirror_at"]
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +89,15 @@ class PlanHooks:
         self.plan.fire(where, rank, step, store=self.store, job=self.target)
 
 
+class Checkpointer(Protocol):
+    """Writes the stop checkpoint (see :mod:`migrator.checkpoint`)."""
+
+    def at_stop(self, plan: dict[str, Any], *, step: int, snapshot: bytes | None) -> str | None:
+        """Take part in checkpoint ``plan`` at boundary ``step`` with this rank's state
+        ``snapshot``; returns the path if this rank wrote it. Never raises."""
+        ...
+
+
 class Handover:
     """Planned, preventive and unplanned handovers of one process; see the module docstring.
 
@@ -102,6 +111,7 @@ class Handover:
         timeout_s: bound on every transfer and wait, in seconds.
         join_timeout_s: how long a source waits for a spare still starting.
         note: records an event of this process (``note("retired", rank=..., ...)``).
+        checkpointer: writes the stop checkpoint (None: the job writes none).
     """
 
     def __init__(
@@ -116,6 +126,7 @@ class Handover:
         timeout_s: float,
         join_timeout_s: float = 300.0,
         note: Callable[..., None] = lambda event, **fields: None,
+        checkpointer: Checkpointer | None = None,
     ) -> None:
         self.store = store
         self.member = member
@@ -126,6 +137,7 @@ class Handover:
         self.timeout_s = timeout_s
         self.join_timeout_s = join_timeout_s
         self.note = note
+        self.checkpointer = checkpointer
         self.stop: int | None = None  # the step S of the command this rank agreed on
         self.cmd: dict[str, Any] | None = None
 
@@ -204,6 +216,8 @@ class Handover:
         """
         cmd, member = self.cmd, self.member
         assert cmd is not None and member.rank is not None
+        if cmd.get("kind") == "stop":
+            self._stop_here(cmd, step, snapshot)
         mid, src, replica = cmd["migration_id"], cmd["rank"], cmd["replica"]
         base = f"m/{mid}"
         outcomes = [f"{base}/received/{src}", f"{base}/fallback/{src}", f"{base}/aborted"]
@@ -245,6 +259,18 @@ class Handover:
         self._join(member.gen + 1, member.rank, layouts)
         self.store.set(f"{base}/pause/{member.rank}", repr(time.perf_counter() - t0))
 
+    def _stop_here(self, cmd: dict[str, Any], step: int, snapshot: bytes | None) -> NoReturn:
+        """The job stops at this boundary (the launcher was stopped): hand this rank's state
+        to the stop checkpoint and leave."""
+        plan = cmd["checkpoint"]
+        if self.checkpointer is not None:
+            self.checkpointer.at_stop(plan, step=step, snapshot=snapshot)
+        elif self.member.rank == plan["writer"]:
+            self.store.set(f"{P.checkpoint_key(plan['id'])}/failed", "no checkpoint directory")
+        self.member.commands.close()
+        self.note("stopped", rank=self.member.rank, step=step)
+        raise SystemExit(0)
+
     # -- unplanned --------------------------------------------------------------------------
 
     def recover(
@@ -278,6 +304,11 @@ class Handover:
         if decision["status"] == "none":
             return False
         if decision["status"] == "failed":
+            plan = decision.get("checkpoint")
+            if plan is not None and self.checkpointer is not None:
+                # Every survivor stands at the boundary of the failed step, whose optimizer
+                # step never ran: its replica state and its snapshot are that boundary's.
+                self.checkpointer.at_stop(plan, step=step, snapshot=snapshot)
             cls = _ERRORS.get(decision.get("code", ""), MigrationError)
             raise cls(decision.get("message", "recovery failed"), details=decision) from exc
         # A spare takes each lost rank; this rank redoes the step from its boundary state.

@@ -40,6 +40,10 @@ at the boundary, and — once a spare has taken the dead rank's place — the lo
 step again. Any other exception — the script's own, an out-of-memory error included —
 propagates unchanged (:func:`is_peer_failure` tells the two apart), after the job has told
 the agent what it was, so the agent can report it and stop a crash loop.
+
+With a checkpoint directory (``checkpoint_dir``, ``FOREWARN_CHECKPOINT_DIR``) a job that
+stops at a step boundary writes one consistent checkpoint there (:mod:`migrator.checkpoint`);
+``resume_from`` starts the active ranks from one, and :meth:`Job.steps` continues at its step.
 """
 
 from __future__ import annotations
@@ -50,13 +54,16 @@ import time
 import traceback
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from migrator import checkpoint
 from migrator import protocol as P
 from migrator.channels import Channels, PairChannels
+from migrator.checkpoint import StopCheckpointer
 from migrator.commands import CommandWatcher
 from migrator.ddp import ElasticDDP
 from migrator.faults import FaultPlan
@@ -164,6 +171,12 @@ class Job:
             a multi-node job do not start at the same moment).
         channels: opens the transport of each state transfer (default:
             :class:`~migrator.channels.PairChannels` on ``store``).
+        checkpoint_dir: where the job writes its checkpoint when it stops at a step
+            boundary (no spare left, a crash loop, the launcher stopped); None: none.
+            See :mod:`migrator.checkpoint`.
+        resume_from: a checkpoint file or directory to start from: an active rank loads
+            the replica state and its own rank state, and :meth:`steps` continues at the
+            checkpoint's step.
     """
 
     def __init__(
@@ -182,6 +195,8 @@ class Job:
         mirror: bool = True,
         join_timeout_s: float = 300.0,
         channels: Channels | None = None,
+        checkpoint_dir: str | Path | None = None,
+        resume_from: str | Path | None = None,
     ) -> None:
         self.store = store
         self.slot = slot
@@ -205,6 +220,17 @@ class Job:
             device=device,
         )
         self.hooks = PlanHooks(self.faults, store, self)
+        self.resume_from = Path(resume_from) if resume_from else None
+        checkpointer = None
+        if checkpoint_dir:
+            checkpointer = StopCheckpointer(
+                store,
+                Path(checkpoint_dir),
+                registry=self.registry,
+                member=self.member,
+                timeout_s=timeout_s + 30,
+                job_id=job_id,
+            )
         self.handover = Handover(
             store=store,
             member=self.member,
@@ -218,6 +244,7 @@ class Job:
             timeout_s=timeout_s,
             join_timeout_s=join_timeout_s,
             note=self.note,
+            checkpointer=checkpointer,
         )
         self._next = 0
         self._current = 0
@@ -269,6 +296,8 @@ class Job:
             "faults": FaultPlan.from_json(env.get("FOREWARN_FAULTS")),
             "agent_url": env.get("FOREWARN_AGENT_URL") or None,
             "join_timeout_s": float(env.get("FOREWARN_JOIN_TIMEOUT_S", "300")),
+            "checkpoint_dir": env.get("FOREWARN_CHECKPOINT_DIR") or None,
+            "resume_from": env.get("FOREWARN_RESUME_FROM") or None,
         }
         if kwargs["backend"] == "nccl":
             local = int(env.get("LOCAL_RANK", env.get("FOREWARN_LOCAL_SLOT", "0")))
@@ -359,9 +388,16 @@ class Job:
             self.store.set(f"slot{self.slot}/unique", "1")
         if self.rank is None:
             self._next = self.handover.serve_as_spare()
-        else:
-            self._arrive()
-            self.member.join(0, self.rank, None, initial=True)
+            return
+        layouts = None
+        if self.resume_from is not None:
+            # A spare gets its state from a rank, never from the checkpoint.
+            payload = checkpoint.load(self.resume_from)
+            self._next = checkpoint.restore(payload, self.registry, self.rank)
+            layouts = payload["layouts"] if self.member.ddps else None
+            self.note("resumed", rank=self.rank, step=self._next, path=str(self.resume_from))
+        self._arrive()
+        self.member.join(0, self.rank, layouts, initial=True)
 
     def _arrive(self) -> None:
         """Wait until every rank of generation 0 started (bounded by ``join_timeout_s``).

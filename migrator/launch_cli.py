@@ -118,6 +118,21 @@ def configure(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="start a new spare on a slot freed by a planned/preventive move",
     )
+    parser.add_argument(
+        "--checkpoint-dir",
+        type=Path,
+        default=env("FOREWARN_CHECKPOINT_DIR") or None,
+        metavar="DIR",
+        help="when the job stops at a step boundary (no spare left, a crash loop, Ctrl-C or "
+        "SIGTERM), write one consistent checkpoint there (default: $FOREWARN_CHECKPOINT_DIR; "
+        "a path every node can reach)",
+    )
+    parser.add_argument(
+        "--resume",
+        type=Path,
+        metavar="DIR",
+        help="start from the checkpoint in DIR (its latest) or from a checkpoint file",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address of the store and endpoint")
     parser.add_argument("--store-port", type=int, default=0, help="0: any free port")
     parser.add_argument("--http-port", type=int, default=0, help="0: any free port")
@@ -138,6 +153,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.nproc is None:
         print("forewarn launch: --nproc-per-node is required", file=sys.stderr)
+        return 2
+    if args.resume is not None and not (
+        args.resume.is_file() or (args.resume / "latest").is_file()
+    ):
+        print(f"forewarn launch: no checkpoint in {args.resume}", file=sys.stderr)
         return 2
     # SIGTERM (a scheduler's stop) ends the job as Ctrl-C does: the launcher terminates the
     # job's processes, which ignore SIGINT (migrator.nodes.spawn), and exits with 130.
@@ -172,6 +192,8 @@ def run(args: argparse.Namespace) -> int:
         nnodes=args.nnodes,
         join_timeout_s=args.join_timeout_s,
         node_timeout_s=args.node_timeout_s,
+        checkpoint_dir=args.checkpoint_dir.resolve() if args.checkpoint_dir else None,
+        resume_from=args.resume.resolve() if args.resume else None,
     )
     if args.node_name:
         cfg.node = args.node_name

@@ -21,6 +21,9 @@ Store keys of the launchers (beside those of :mod:`migrator.protocol`)::
     kill/{s}                 the coordinator wants slot s killed (its launcher does it)
     job/config               JSON: the job as the coordinator runs it (slots, world size ...)
     job/end                  the job's exit code; every launcher leaves when it appears
+    job/stop                 a launcher was stopped (Ctrl-C, SIGTERM) in a job with a
+                             checkpoint directory: the coordinator stops the job at a step
+                             boundary, with its checkpoint, as if it had been stopped itself
 
 A node whose launcher stops beating for ``node_timeout_s`` (its power, its network, or a
 SIGKILL of its process group) is lost: every process it ran counts as killed, and the
@@ -103,6 +106,8 @@ def slot_env(
         "FOREWARN_LOCAL_SLOT": str(spec.local),
         "FOREWARN_NODE_RANK": str(node_rank),
         "FOREWARN_JOIN_TIMEOUT_S": str(config.get("join_timeout_s", 300.0)),
+        "FOREWARN_CHECKPOINT_DIR": config.get("checkpoint_dir") or "",
+        "FOREWARN_RESUME_FROM": config.get("resume_from") or "",
         # torchrun's names, for code that reads them (a spare's RANK is set when it takes one)
         "LOCAL_RANK": str(spec.local),
         "LOCAL_WORLD_SIZE": str(local_world),
@@ -303,11 +308,24 @@ class NodeAgent:
             code = 1
         except KeyboardInterrupt:  # SIGINT or SIGTERM to this launcher
             self.interrupted, code = True, 130
+            if config.get("checkpoint_dir"):
+                self._stop_with_the_job(float(config["timeout_s"]))
         self._end()
         return code
 
-    def _watch(self) -> int:
-        while True:
+    def _stop_with_the_job(self, timeout_s: float) -> None:
+        """Stopped, in a job with a checkpoint directory: ask the coordinator to stop the
+        job at a step boundary (``job/stop``) and keep this node's ranks running, and
+        beating, until the job ends (bounded; a second interrupt stops at once), so that
+        they write their part of the stop checkpoint."""
+        try:
+            self.store.set("job/stop", str(self.node_rank))
+            self._watch(deadline=time.monotonic() + 4 * timeout_s + 60)
+        except (RuntimeError, OSError, KeyboardInterrupt):
+            pass
+
+    def _watch(self, deadline: float | None = None) -> int:
+        while deadline is None or time.monotonic() < deadline:
             self.store.add(f"node/{self.node_rank}/beat", 1)
             changed = False
             for slot, proc in self.procs.items():
@@ -321,6 +339,7 @@ class NodeAgent:
             if self.store.check(["job/end"]):
                 return int(self.store.get("job/end"))
             time.sleep(BEAT_S)
+        return 130
 
     def _end(self) -> None:
         if self.interrupted:

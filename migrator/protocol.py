@@ -27,6 +27,9 @@ Key map (``g`` is a process-group generation, ``r`` a rank, ``s`` a process slot
     rs/{r}/ahead             the same state as the next boundary will find it, written
                              before the step's collectives (a rank that dies after its last
                              collective of step k leaves the survivors at boundary k+1)
+    ckpt/{id}/rs/{r}         rank r's state at the boundary of a stop checkpoint ``id``
+    ckpt/{id}/done           the checkpoint's path, once written (its writer)
+    ckpt/{id}/failed         why no checkpoint was written (its writer)
     m/{id}/...               progress and timings of migration ``id``
     x/{id}/...               point-to-point transfer groups of migration ``id``
     fault/{i}                fault-injection bookkeeping (each fault fires once per job)
@@ -48,6 +51,7 @@ __all__ = [
     "alive_key",
     "assign_key",
     "attempt_key",
+    "checkpoint_key",
     "cmd_key",
     "error_key",
     "first_present",
@@ -102,6 +106,11 @@ def replica_prefix(migration_id: str, rank: int, attempt: int = 0) -> str:
 
 def attempt_key(migration_id: str, rank: int, attempt: int) -> str:
     return f"m/{migration_id}/attempt/{rank}/{attempt}"
+
+
+def checkpoint_key(checkpoint_id: str) -> str:
+    """Prefix of the keys of one stop checkpoint (see :mod:`migrator.checkpoint`)."""
+    return f"ckpt/{checkpoint_id}"
 
 
 def alive_key(gen: int, rank: int) -> str:

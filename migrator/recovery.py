@@ -50,6 +50,7 @@ class RecoverySettings(Protocol):
     detect_grace_s: float | None
     pause_timeout_s: float
     log_dir: Path | None
+    checkpoint_dir: Path | None
 
 
 class Supervisor(Protocol):
@@ -89,6 +90,8 @@ class Recovery:
         """The recovery in progress: generation, detection deadline, the decision once made."""
         self.pause_deadline: float | None = None
         self.script_errors: list[dict[str, Any]] = []
+        self.checkpoint: dict[str, Any] | None = None
+        """The stop checkpoint the survivors were asked to write (see :meth:`fail`)."""
 
     def clear(self) -> None:
         """The recovery in progress ended (its spares joined the new generation)."""
@@ -172,6 +175,7 @@ class Recovery:
                     f"{info['step']} again after a spare took it over; the error is the "
                     f"script's, not the GPU's. Its traceback:\n{info['traceback']}",
                     code="crash_loop",
+                    checkpoint=True,
                 )
                 return
         self.script_errors.extend(errors)
@@ -337,20 +341,67 @@ class Recovery:
                 self.table.status = "running"
             return
         if self.pause_deadline is not None and now >= self.pause_deadline:
-            self.fail(self.table.message + " — no spare came", code=NoSpareAvailable.code)
+            self.fail(
+                self.table.message + " — no spare came",
+                code=NoSpareAvailable.code,
+                checkpoint=True,
+            )
 
-    def fail(self, message: str, code: str = "migration_error") -> None:
+    def _checkpoint_plan(self, reason: str) -> tuple[dict[str, Any] | None, str]:
+        """The stop checkpoint of the recovery in progress, or why there can be none.
+
+        There can be one when every survivor stands at the boundary of the same failed step,
+        none of them stepped its optimizer in it, and no rank registered rank-unique state
+        (a lost rank's share would be in no replica): the lowest survivor writes the replica
+        state, every survivor its own state, and each lost rank's state comes from its
+        mirror.
+        """
+        rec = self.current
+        if self.cfg.checkpoint_dir is None:
+            return None, ""
+        if rec is None or not rec.get("alive"):
+            return None, "no rank survived"
+        alive: dict[int, dict[str, Any]] = rec["alive"]
+        steps = {a["step"] for a in alive.values()}
+        if len(steps) != 1 or any(a["stepped"] for a in alive.values()):
+            return None, "the survivors do not stand at one boundary with their optimizer unstepped"
+        roster = self.table.roster
+        if any(self.store.check([f"slot{roster[r]}/unique"]) for r in roster):
+            return None, "the job registered rank-unique state, which no replica holds"
+        plan = {
+            "id": f"g{rec['gen']}",
+            "step": steps.pop(),
+            "writer": min(alive),
+            "live": sorted(alive),
+            "lost": sorted(rec.get("dead", [])),
+            "reason": reason,
+        }
+        return plan, ""
+
+    def fail(
+        self, message: str, code: str = "migration_error", *, checkpoint: bool = False
+    ) -> None:
+        """End the job with ``message``; the waiting survivors raise the error of ``code``.
+
+        ``checkpoint``: the survivors first write the stop checkpoint (when the job has a
+        checkpoint directory and the survivors' state allows one, :meth:`_checkpoint_plan`);
+        :attr:`checkpoint` holds its plan for the agent to wait on.
+        """
         log.error("%s", message)
         print(
             f"forewarn launch: job {self.cfg.job_id} failed: {message}", file=sys.stderr, flush=True
         )
         self.table.status, self.table.message = "failed", message
         if self.current is not None:
-            P.put_json(
-                self.store,
-                P.recovery_key(self.current["gen"]),
-                {"status": "failed", "code": code, "message": message},
-            )
+            decision: dict[str, Any] = {"status": "failed", "code": code, "message": message}
+            if checkpoint:
+                plan, why = self._checkpoint_plan(code)
+                if plan is not None:
+                    decision["checkpoint"] = self.checkpoint = plan
+                elif why:
+                    message += f"; no checkpoint: {why}"
+                    decision["message"] = self.table.message = message
+            P.put_json(self.store, P.recovery_key(self.current["gen"]), decision)
         if self.table.inflight is not None:
             P.put_json(
                 self.store,

@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -30,9 +31,12 @@ def launch_nodes(
     mode: str = "plain",
     timeout_s: float = 5.0,
     extra: tuple[str, ...] = (),
+    script_args: tuple[str, ...] = (),
+    during: Callable[[list[subprocess.Popen[str]]], None] | None = None,
 ) -> tuple[Run, list[str]]:
     """One launcher per (active ranks, spares) in ``nodes``, each in its own session (a
-    process group a test or a fault may kill whole). Returns the run and each launcher's
+    process group a test or a fault may kill whole). ``during`` is called with the
+    launchers once they started (to signal them). Returns the run and each launcher's
     stderr; the run's ``agent.message`` is the coordinator's stderr."""
     port = free_port()
     env = dict(
@@ -54,7 +58,7 @@ def launch_nodes(
             if plan is not None:
                 cmd += ["--faults", plan.to_json()]
         cmd += ["--", sys.executable, str(SCRIPT), "--out", str(out), "--steps", str(steps)]
-        cmd += ["--mode", mode]
+        cmd += ["--mode", mode, *script_args]
         procs.append(
             subprocess.Popen(
                 cmd,
@@ -67,6 +71,8 @@ def launch_nodes(
         )
     errs = []
     try:
+        if during is not None:
+            during(procs)
         for proc in procs:
             _, err = proc.communicate(timeout=240)
             errs.append(err)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from migrator import checkpoint
 from migrator.faults import FaultPlan
 from tests.migrator.harness import Run, assert_same, launch
 
@@ -56,10 +57,18 @@ def test_script_failing_on_every_rank_reports_its_own_error(tmp_path: Path) -> N
 
 
 def test_user_runtime_error_is_not_a_lost_peer_and_a_crash_loop_stops(tmp_path: Path) -> None:
-    run = launch(tmp_path, spares=2, steps=12, script_args=("--raise-at", "1:4"))
+    ckpt = tmp_path / "ckpt"
+    run = launch(
+        tmp_path, spares=2, steps=12, script_args=("--raise-at", "1:4"), checkpoint_dir=ckpt
+    )
     assert run.code == 1
     msg = run.agent.message
     assert "crash loop" in msg and "RuntimeError" in msg and "user bug on rank 1" in msg
+    # The job stopped at the boundary of step 4 with a checkpoint of it (rank 1's own state
+    # from its mirror there), to restart from once the script is fixed.
+    assert f"checkpoint of step 4 in {ckpt}" in msg
+    payload = checkpoint.load(ckpt)
+    assert (payload["step"], payload["info"]["lost"]) == (4, [1])
     assert "did not answer" not in msg  # the healthy rank 0 was never declared wedged
     # One spare tried the rank once; the other was not burnt.
     assert [s.role for s in run.agent.slots].count("spare") == 1

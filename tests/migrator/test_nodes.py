@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from migrator import checkpoint
 from migrator.faults import FaultPlan
 from migrator.nodes import layout
 from tests.migrator.harness import assert_same, launch
@@ -69,9 +70,15 @@ def test_whole_node_lost_two_ranks_at_once_spares_on_other_nodes(tmp_path: Path)
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_whole_node_lost_without_spares_stops_cleanly(tmp_path: Path) -> None:
+    """No spare left for the lost node's rank: the job fails at the boundary of step 4 and
+    rank 0, on the surviving node, writes the checkpoint of it (rank 1's own state from its
+    mirror; test_checkpoint.py resumes such a checkpoint bitwise equal)."""
     plan = FaultPlan().kill_node_at(1, 4)
-    run, errs = launch_nodes(
-        tmp_path, [(1, 0), (1, 0)], plan=plan, steps=12, extra=("--pause-timeout-s", "2")
-    )
+    ckpt = tmp_path / "ckpt"
+    extra = ("--pause-timeout-s", "2", "--checkpoint-dir", str(ckpt))
+    run, errs = launch_nodes(tmp_path, [(1, 0), (1, 0)], plan=plan, steps=12, extra=extra)
     assert run.code == 1
     assert "paused at step 4" in errs[0] and "no spare came" in errs[0]
+    assert f"checkpoint of step 4 in {ckpt}" in errs[0], errs[0]
+    payload = checkpoint.load(ckpt)
+    assert (payload["step"], payload["info"]["lost"]) == (4, [1])

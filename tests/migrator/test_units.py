@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -125,3 +126,29 @@ def test_fault_plan_json_and_once_per_job() -> None:
     for _ in range(3):
         again.fire("step_start", 0, 2, store=store, job=Job())
     assert calls == [(0, "preventive")]
+
+
+def test_checkpoint_round_trip_is_atomic_and_restores_in_place(tmp_path: Path) -> None:
+    from migrator import checkpoint
+
+    src, dst = _trained(1), _trained(2)
+    dst.optimizers[0].state.clear()
+    data = ShardedIndices(100, 4, rank=1, world_size=2)
+    data.next()
+    states = {0: capture_rank_state(5, None), 1: capture_rank_state(5, data)}
+    path = checkpoint.write(tmp_path, step=5, registry=src, rank_states=states, layouts=[])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", path.name]  # no temp left
+    expect = data.next()
+    weight = dst.models[0][0].weight
+    ptr = weight.data_ptr()
+    dst.data = ShardedIndices(100, 4, rank=0, world_size=2)
+    assert checkpoint.restore(checkpoint.load(tmp_path), dst, 1) == 5
+    assert weight.data_ptr() == ptr
+    for (n, a), (m, b) in zip(src.tensors(), dst.tensors(), strict=True):
+        assert n == m and torch.equal(a, b)
+    assert dst.schedulers[0].state_dict() == src.schedulers[0].state_dict()
+    assert torch.equal(dst.data.next(), expect)
+    with pytest.raises(checkpoint.CheckpointError, match="2 ranks"):
+        checkpoint.restore(checkpoint.load(path), dst, 2)
+    with pytest.raises(checkpoint.CheckpointError, match="at step 5, not 6"):
+        checkpoint.write(tmp_path, step=6, registry=src, rank_states=states, layouts=[])

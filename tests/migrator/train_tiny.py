@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import random
+import time
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +31,7 @@ def main() -> None:
     ap.add_argument("--raise-at", metavar="RANK:STEP", help="RuntimeError there, every time")
     ap.add_argument("--cuda", action="store_true", help="train on the job's GPU (NCCL)")
     ap.add_argument("--crash-all-at", type=int, help="ValueError on every rank at this step")
+    ap.add_argument("--step-sleep", type=float, default=0.0, help="seconds per step, slept")
     args = ap.parse_args()
     raise_at = tuple(int(v) for v in args.raise_at.split(":")) if args.raise_at else None
 
@@ -81,6 +83,8 @@ def main() -> None:
                     p.grad.div_(job.world_size)
             opt.step()
             sched.step()
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
         if step.ok:
             row = {
                 "rank": job.rank,
