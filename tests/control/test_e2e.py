@@ -3,7 +3,8 @@ streaming into it (``forewarn simulate``, the collector's batching pusher), and 
 2 ranks + 1 spare launched with ``--service --token --placement`` onto fleet GPUs. Memory wear
 is injected under rank 1; the risk crosses, the policy requests a preventive migration, the
 agent hands the rank over, the migration completes, and the job ends with the parameters of a
-run without the migration, bit for bit. With dry-run on: no migration, one audit entry.
+run without the migration, bit for bit. It starts in dry-run (one audit entry, nothing moves)
+and is armed mid-episode, as an operator turns Forewarn on.
 
 The shipped model scores a two-minute wear episode low (its precursors are learnt over hours),
 so the test sets the policy's threshold under the episode's risk and above the fleet's.
@@ -165,14 +166,31 @@ def _job_running(scene: Scene) -> bool:
 
 
 # On PostgreSQL: the same path on SQLite is what tests/demo/test_demo.py runs (`forewarn demo`).
+@pytest.mark.parametrize("scene", [True], indirect=True, ids=["dry-run-first"])
 @pytest.mark.parametrize(
     "database_url", [pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True
 )
-def test_risk_crossing_migrates_the_rank_and_the_job_ends_bitwise_equal(
+def test_dry_run_first_then_the_crossing_migrates_the_rank_and_the_job_ends_bitwise_equal(
     scene: Scene, tmp_path: Path
 ) -> None:
+    """How an operator turns Forewarn on: in dry-run the crossing is one audit entry and
+    nothing moves; with dry-run turned off (``PUT /v1/policy``) the same crossing requests
+    the preventive move, the rank is handed over, and the job ends bit for bit equal."""
     out = tmp_path / "migrated"
     job = start_and_inject(scene, out)
+    wait_for("a dry-run decision", lambda: scene.get("/v1/audit", kind="migration")["data"], 120)
+    time.sleep(3)  # a few more ticks: still one entry, nothing moved
+    entries = scene.get("/v1/audit", kind="migration")["data"]
+    assert [(e["action"], e["job_id"], e["data"]["rank"]) for e in entries] == [
+        ("dry_run", "e2e", 1)
+    ]
+    assert scene.get("/v1/migrations")["count"] == 0
+
+    admin = {"Authorization": f"Bearer {scene.service.admin_token}"}
+    armed = httpx.put(
+        scene.service.url + "/v1/policy", json=json.loads(POLICY), headers=admin, timeout=10
+    )
+    assert armed.status_code == 200 and armed.json()["policy"]["dry_run"] is False, armed.text
     done = wait_for(
         "a completed migration",
         lambda: [
@@ -198,26 +216,6 @@ def test_risk_crossing_migrates_the_rank_and_the_job_ends_bitwise_equal(
     assert job.wait(timeout=180) == 0
     base = launch(tmp_path / "baseline", steps=STEPS, timeout_s=20.0)
     assert_same(base, Run(0, out, [], base.agent))
-
-
-@pytest.mark.parametrize("scene", [True], indirect=True, ids=["dry-run"])
-@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
-def test_dry_run_records_one_decision_and_moves_nothing(scene: Scene, tmp_path: Path) -> None:
-    out = tmp_path / "dry"
-    job = start_and_inject(scene, out)
-    entries = wait_for(
-        "a dry-run decision",
-        lambda: scene.get("/v1/audit", kind="migration")["data"],
-        120,
-    )
-    time.sleep(3)  # a few more ticks: still one entry
-    (out / "fast").touch()
-    entries = scene.get("/v1/audit", kind="migration")["data"]
-    assert [(e["action"], e["job_id"], e["data"]["rank"]) for e in entries] == [
-        ("dry_run", "e2e", 1)
-    ]
-    assert job.wait(timeout=180) == 0
-    assert scene.get("/v1/migrations")["count"] == 0
 
 
 @pytest.fixture
@@ -296,8 +294,9 @@ def test_the_service_killed_mid_migration_reconciles_it_and_moves_the_rank_once(
     scene.service = back
     m = wait_for(
         "the migration to end",
-        lambda: (got := scene.get(f"/v1/migrations/{mid}"))["state"] in ("completed", "failed")
-        and got,
+        lambda: (
+            (got := scene.get(f"/v1/migrations/{mid}"))["state"] in ("completed", "failed") and got
+        ),
         120,
     )
     assert m["state"] == "completed", (killed_in, m)
