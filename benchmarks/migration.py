@@ -4,19 +4,23 @@
 
 In one run, on this machine (gloo, CPU, loopback):
 
-(a) point-to-point bandwidth of a two-rank gloo group (the baseline of the pause);
+(a) point-to-point bandwidth of a two-rank gloo group (the baseline of the pause), measured
+    again before each size's cases;
 (b) for states of about 10 MB, 100 MB and 1 GB (``--quick``: 10 and 100 MB), each case
-    ``--repeat`` times (min-max printed), a job of 2 ranks + spares:
+    ``--repeat`` times (min-max printed, with the transfer's own rate), a job of 2 ranks +
+    spares:
     - preventive move, one host and across two launchers (``forewarn launch --nnodes 2``,
       the spare on the other node): the pause as the ranks measure it, against
       bytes/bandwidth; goal: pause <= 2 x bytes/bandwidth + 1 s. No step is lost, so the
       pause is the seconds lost;
-    - unplanned, one host (SIGKILL of a rank) and whole node (SIGKILL of the second
-      launcher's process group, its rank with it): seconds from the kill to the failed step
-      completed on the survivor, the step redone included;
+    - unplanned, one host (SIGKILL of a rank), across nodes (SIGKILL of the rank on node 1,
+      the spare on node 0) and whole node (SIGKILL of the second launcher's process group,
+      its rank with it): seconds from the kill to the failed step completed on the
+      survivor, the step redone included;
     - checkpoint-restart of the same job: checkpoint every K steps, kill, restart all,
       load, recompute: seconds lost for a failure K/2 steps after a checkpoint;
-(c) the per-step cost of ``job.steps()`` + ``with step:`` against the same plain loop.
+(c) the per-step cost of ``job.steps()`` + ``with step:`` against the same plain loop, and
+    of the step-boundary check alone, per round (min-max of 5 rounds).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
 
@@ -107,7 +112,7 @@ def launch(
     steps: int,
     plan: FaultPlan | None,
     spares: int,
-    extra: list[str] = (),
+    extra: Sequence[str] = (),
 ) -> tuple[Agent, int, float, list[dict]]:
     shutil.rmtree(tmp, ignore_errors=True)
     cmd = [
@@ -178,7 +183,9 @@ def bandwidth(nbytes: int = 256 * 2**20, reps: int = 3) -> float:
 # -- (c) wrapper overhead ---------------------------------------------------------------------
 
 
-def overhead(steps: int = 60) -> tuple[float, float, float]:
+def overhead(steps: int = 60, rounds: int = 5) -> tuple[list[float], list[float], list[float]]:
+    """Per round: plain and wrapped seconds per step (interleaved), and the boundary check
+    alone (1000 calls)."""
     from migrator import Job
 
     store = dist.TCPStore(
@@ -199,13 +206,14 @@ def overhead(steps: int = 60) -> tuple[float, float, float]:
         opt.zero_grad(set_to_none=True)
         loss.backward()
         for p in model.parameters():
+            assert p.grad is not None
             job.all_reduce(p.grad)
         opt.step()
 
     for _ in range(20):
         body()
-    plain, wrapped = [], []
-    for _ in range(5):  # interleave to share the machine's noise
+    plain, wrapped, boundary = [], [], []
+    for _ in range(rounds):  # interleave to share the machine's noise
         t = time.perf_counter()
         for _ in range(steps):
             body()
@@ -216,13 +224,12 @@ def overhead(steps: int = 60) -> tuple[float, float, float]:
             with step:
                 body()
         wrapped.append((time.perf_counter() - t) / steps)
-    t = time.perf_counter()
-    for k in range(1000):
-        job._boundary(k)
-    boundary = (time.perf_counter() - t) / 1000
-    plain.sort()
-    wrapped.sort()
-    return plain[len(plain) // 2], wrapped[len(wrapped) // 2], boundary
+        job._next = 0
+        t = time.perf_counter()
+        for k in range(1000):
+            job._boundary(k)
+        boundary.append((time.perf_counter() - t) / 1000)
+    return plain, wrapped, boundary
 
 
 # -- (b) the cases ----------------------------------------------------------------------------
@@ -250,20 +257,27 @@ def _kill_to_done(lines: list[dict], step: int) -> float | None:
     return max(done) - min(kill) if kill and done else None
 
 
-def one_host_pause(tmp: Path, size: int) -> tuple[float | None, int]:
+Result = tuple[float | None, int, float | None]  # seconds, bytes moved, transfer seconds
+
+
+def one_host_pause(tmp: Path, size: int) -> Result:
     agent, code, _, _ = launch(
         tmp, size, steps=STEPS, plan=FaultPlan().migrate_at(0, AT, reason="preventive"), spares=1
     )
     rep = agent.reports[0] if agent.reports and code == 0 else None
-    return (rep.pause_s if rep else None), (rep.bytes_moved or 0) if rep else 0
+    if rep is None:
+        return None, 0, None
+    return rep.pause_s, rep.bytes_moved or 0, rep.transfer_s
 
 
-def one_host_kill(tmp: Path, size: int) -> tuple[float | None, int]:
+def one_host_kill(tmp: Path, size: int) -> Result:
     agent, code, _, lines = launch(
         tmp, size, steps=STEPS, plan=FaultPlan().fail_at(1, AT), spares=1
     )
     rep = agent.reports[0] if agent.reports and code == 0 else None
-    return (_kill_to_done(lines, AT) if rep else None), (rep.bytes_moved or 0) if rep else 0
+    if rep is None:
+        return None, 0, None
+    return _kill_to_done(lines, AT), rep.bytes_moved or 0, rep.transfer_s
 
 
 def launch_nodes(
@@ -310,21 +324,38 @@ def launch_nodes(
     return code, reports, _lines(tmp)
 
 
-def nodes_pause(tmp: Path, size: int) -> tuple[float | None, int]:
+def nodes_pause(tmp: Path, size: int) -> Result:
+    """Rank 0 on node 0 moves to the spare on node 1."""
     plan = FaultPlan().migrate_at(0, AT, reason="preventive")
     code, reports, _ = launch_nodes(tmp, size, [(1, 0), (1, 1)], plan)
     rep = reports[0] if reports and code == 0 else None
-    return (rep["pause_s"] if rep else None), (rep["bytes_moved"] or 0) if rep else 0
+    if rep is None:
+        return None, 0, None
+    return rep["pause_s"], rep["bytes_moved"] or 0, rep["transfer_s"]
 
 
-def nodes_kill(tmp: Path, size: int) -> tuple[float | None, int]:
+def nodes_rank_kill(tmp: Path, size: int) -> Result:
+    """Rank 1 on node 1 killed alone; the spare on node 0 takes it over."""
+    plan = FaultPlan().fail_at(1, AT)
+    code, reports, lines = launch_nodes(tmp, size, [(1, 1), (1, 0)], plan)
+    rep = reports[0] if reports and code == 0 else None
+    if rep is None:
+        return None, 0, None
+    return _kill_to_done(lines, AT), rep["bytes_moved"] or 0, rep["transfer_s"]
+
+
+def nodes_kill(tmp: Path, size: int) -> Result:
+    """Node 1's launcher and everything it started killed at once; the spare on node 0
+    takes rank 1 over."""
     plan = FaultPlan().kill_node_at(1, AT)
     code, reports, lines = launch_nodes(tmp, size, [(1, 1), (1, 0)], plan)
     rep = reports[0] if reports and code == 0 else None
-    return (_kill_to_done(lines, AT) if rep else None), (rep["bytes_moved"] or 0) if rep else 0
+    if rep is None:
+        return None, 0, None
+    return _kill_to_done(lines, AT), rep["bytes_moved"] or 0, rep["transfer_s"]
 
 
-def checkpoint_restart(tmp: Path, size: int) -> tuple[float | None, int]:
+def checkpoint_restart(tmp: Path, size: int) -> Result:
     """Checkpoint every K steps, a rank killed K/2 steps after one, everything restarted
     from it: restart + load + the steps redone (the checkpoint's own cost not counted)."""
     k, fail = 4, 6
@@ -343,9 +374,9 @@ def checkpoint_restart(tmp: Path, size: int) -> tuple[float | None, int]:
     step_s = next((x["step_s"] for x in lines if "step_s" in x), 0.0)
     start_from = next((x["from"] for x in lines if "from" in x), 0)
     if code != 0 or not start_from:
-        return None, 0
+        return None, 0, None
     # Everything until the failed step is done again: the restart, the load, the redo.
-    return wall - (fail + 1 - fail) * step_s, size
+    return wall - (fail + 1 - fail) * step_s, size, None
 
 
 # -- main -------------------------------------------------------------------------------------
@@ -356,6 +387,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="skip the 1 GB case")
     ap.add_argument("--repeat", type=int, default=2, help="runs per case (default 2)")
     ap.add_argument("--sizes", default="10MB,100MB,1GB", help="among 10MB,100MB,1GB")
+    ap.add_argument("--parts", default="b,c", help="b (moves and failures), c (wrapper cost)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--state-bytes", type=int, default=10**7, help=argparse.SUPPRESS)
     ap.add_argument("--steps", type=int, default=8, help=argparse.SUPPRESS)
@@ -368,51 +400,78 @@ def main() -> None:
         return
 
     tmp = Path(tempfile.mkdtemp(prefix="forewarn-bench-"))
-    print("(a) loopback point-to-point bandwidth (gloo, 256 MiB messages)")
-    bw = bandwidth()
-    print(f"    {bw / 1e9:.2f} GB/s\n")
-
     sizes = [x for x in SIZES if x[0] in args.sizes.split(",")]
+    if "b" not in args.parts.split(","):
+        sizes = []
     if args.quick:
         sizes = [x for x in sizes if x[1] < 10**9]
-    print(f"(b) 2 ranks, {args.repeat} run(s) per case (min-max); goal: pause <= 2*bytes/bw + 1 s")
-    head = f"    {'state':>6} {'case':<34} {'bytes':>13} {'goal s':>7} {'seconds':>15}"
-    print(head)
+    print(
+        f"(a)+(b) 2 ranks, {args.repeat} run(s) per case (min-max); loopback bandwidth "
+        "(gloo, 3 x 256 MiB messages) measured before each size's cases;\n"
+        "    goal: pause <= 2 * bytes / bandwidth + 1 s"
+    )
+    head = f"    {'state':>6} {'case':<36} {'bytes':>13} {'goal s':>7} {'seconds':>13}"
+    print(head + f" {'transfer GB/s':>14}")
+    bws: list[float] = []
     for label, size in sizes:
+        bw = bandwidth()
+        bws.append(bw)
         goal = 2 * size / bw + 1
+        print(f"    {label:>6} loopback bandwidth {bw / 1e9:.2f} GB/s")
         cases = {
-            "preventive, one host: pause": lambda t, n=size: one_host_pause(t, n),
-            "preventive, across nodes: pause": lambda t, n=size: nodes_pause(t, n),
-            "unplanned, one host: kill->done": lambda t, n=size: one_host_kill(t, n),
-            "whole node lost: kill->done": lambda t, n=size: nodes_kill(t, n),
-            "checkpoint-restart: seconds lost": lambda t, n=size: checkpoint_restart(t, n),
+            "preventive, one host: pause": one_host_pause,
+            "preventive, across nodes: pause": nodes_pause,
+            "unplanned, one host: kill->done": one_host_kill,
+            "unplanned, across nodes: kill->done": nodes_rank_kill,
+            "whole node lost: kill->done": nodes_kill,
+            "checkpoint-restart: seconds lost": checkpoint_restart,
         }
         for name, case in cases.items():
-            got, nbytes = [], 0
+            got: list[float] = []
+            rates: list[float] = []
+            nbytes = 0
             for i in range(args.repeat):
-                value, nbytes = case(tmp / f"{size}-{len(got)}-{i}")
+                value, moved, transfer_s = case(tmp / f"{size}-{len(got)}-{i}", size)
                 if value is not None:
                     got.append(value)
+                    nbytes = moved
+                if transfer_s:
+                    rates.append(moved / transfer_s / 1e9)
             spread = f"{min(got):.2f}-{max(got):.2f}" if got else "failed"
+            if len(got) < args.repeat:
+                spread += f" ({args.repeat - len(got)} failed)"
+            rate = f"{min(rates):.2f}-{max(rates):.2f}" if rates else "-"
             mark = ""
             if got and "pause" in name:
                 mark = "  met" if max(got) <= goal else "  MISSED"
-            print(f"    {label:>6} {name:<34} {nbytes:>13,} {goal:>7.2f} {spread:>15}{mark}")
+            print(
+                f"    {label:>6} {name:<36} {nbytes:>13,} {goal:>7.2f} {spread:>13} "
+                f"{rate:>14}{mark}",
+                flush=True,
+            )
+    if bws:
+        print(
+            f"    loopback bandwidth over the run: {min(bws) / 1e9:.2f}-{max(bws) / 1e9:.2f} GB/s"
+        )
     print()
 
-    print("(c) per-step cost of the wrapper (1-rank group, 3x1024 MLP, batch 64, Adam)")
-    plain, wrapped, boundary = overhead()
-    print(
-        f"    plain loop {plain * 1e3:.3f} ms/step, wrapped {wrapped * 1e3:.3f} ms/step: "
-        f"measured {100 * (wrapped - plain) / plain:+.2f} % (median of 5 rounds; noisy on a "
-        "shared machine)"
-    )
-    print(
-        f"    boundary alone {boundary * 1e6:.1f} us = {100 * boundary / plain:.2f} % of the "
-        "plain step (goal < 1 %)\n"
-    )
-
     shutil.rmtree(tmp, ignore_errors=True)
+    if "c" not in args.parts.split(","):
+        return
+    print("(c) per-step cost of the wrapper (1-rank group, 3x1024 MLP, batch 64, Adam), 5 rounds")
+    plain, wrapped, boundary = overhead()
+    extra = [100 * (w - p) / p for p, w in zip(plain, wrapped, strict=True)]
+    share = [100 * b / p for p, b in zip(plain, boundary, strict=True)]
+    print(
+        f"    plain loop {min(plain) * 1e3:.3f}-{max(plain) * 1e3:.3f} ms/step, wrapped "
+        f"{min(wrapped) * 1e3:.3f}-{max(wrapped) * 1e3:.3f} ms/step: {min(extra):+.2f} to "
+        f"{max(extra):+.2f} % per round (noisy on a shared machine)"
+    )
+    print(
+        f"    boundary alone {min(boundary) * 1e6:.1f}-{max(boundary) * 1e6:.1f} us = "
+        f"{min(share):.2f}-{max(share):.2f} % of the plain step in the same round (goal < 1 %)\n",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":
