@@ -56,7 +56,7 @@ from forewarn.wire import (
 )
 from store import Store
 from store.tokens import digest
-from store.writes import event_row, sample_row
+from store.writes import SampleColumns, event_row, sample_row
 
 __all__ = ["Prepared", "prepare_batch", "prepare_body", "process_batch", "router"]
 
@@ -227,7 +227,7 @@ def _check_rows(
 class Prepared(NamedTuple):
     """A batch after validation: the rows to store and the rows refused."""
 
-    samples: list[tuple[Any, ...]]
+    samples: list[tuple[Any, ...]] | SampleColumns
     events: list[tuple[Any, ...]]
     agent: tuple[str, dict[str, Any]] | None
     rejected: list[RowError]
@@ -342,7 +342,7 @@ def prepare_batch(payload: Any, *, settings: Settings, now_ms: int | None = None
 def _prepare(
     node: str,
     agent_status: AgentStatus | None,
-    sample_rows: list[tuple[Any, ...]],
+    sample_rows: list[tuple[Any, ...]] | SampleColumns,
     s_idx: list[int],
     event_rows: list[tuple[Any, ...]],
     e_idx: list[int],
@@ -356,7 +356,14 @@ def _prepare(
     lo_ms = now_ms - int(settings.max_sample_age_s * 1000)
     hi_ms = now_ms + int(settings.max_clock_skew_s * 1000)
     checks = {"node": node, "lo_ms": lo_ms, "hi_ms": hi_ms, "errors": errors, "ts_pos": 2}
-    sample_rows = _check_rows(sample_rows, s_idx, kind="sample", **checks)  # type: ignore[arg-type]
+    if isinstance(sample_rows, SampleColumns):
+        # Columns are the batch's node by construction: only time can refuse a row, and
+        # nearly always none is refused; else the rows are checked one by one below.
+        ts = sample_rows.columns[1]
+        if sample_rows.n and not (lo_ms <= min(ts) and max(ts) <= hi_ms):
+            sample_rows = list(sample_rows)
+    if not isinstance(sample_rows, SampleColumns):
+        sample_rows = _check_rows(sample_rows, s_idx, kind="sample", **checks)  # type: ignore[arg-type]
     event_rows = _check_rows(event_rows, e_idx, kind="event", **checks)  # type: ignore[arg-type]
 
     agent = None
@@ -451,7 +458,11 @@ async def _admit_new_gpus(request: Request, prepared: Prepared) -> set[tuple[str
                 return {(r[0], r[1]) for r in rows}
 
         known = state.known_gpus = await asyncio.to_thread(load)
-    new = {(row[0], row[1]) for row in prepared.samples} - known
+    samples = prepared.samples
+    if isinstance(samples, SampleColumns):
+        new = {(samples.node, gpu) for gpu in set(samples.columns[0])} - known
+    else:
+        new = {(row[0], row[1]) for row in samples} - known
     if not new:
         return new
     settings: Settings = state.settings

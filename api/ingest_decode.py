@@ -35,6 +35,7 @@ import msgspec
 
 from forewarn.wire import GpuSample
 from store.schema import SAMPLE_COLUMNS
+from store.writes import SampleColumns
 
 __all__ = [
     "COLUMN_FIELDS",
@@ -129,7 +130,8 @@ class FastBatch(NamedTuple):
     """A body the fast path accepted: the envelope fields and the sample rows."""
 
     node: str
-    samples: list[tuple[Any, ...]]
+    samples: list[tuple[Any, ...]] | SampleColumns
+    """Store rows; a ``sample_columns`` body that decodes whole stays in columns."""
     sample_index: list[int]
     """The index in the body of each row of ``samples``."""
     events: list[Any]
@@ -200,13 +202,13 @@ def _from_column_batch(
     keys += sum(map(len, events)) + _dict_keys(agent)
     if keys != key_count(raw):
         return None
+    unset = [value is _UNSET for value in values]
     ordered = [
-        repeat(_DEFAULTS[name], n) if value is _UNSET else value
-        for name, value in zip(COLUMN_FIELDS[2:], values[2:], strict=True)
+        [_DEFAULTS[name]] if missing else value
+        for name, value, missing in zip(COLUMN_FIELDS, values, unset, strict=True)
     ]
-    node = batch.node
-    samples = list(zip(repeat(node, n), columns.gpu, columns.ts_ms, *ordered, strict=False))
-    return FastBatch(node, samples, list(range(n)), events, agent, [])
+    samples = SampleColumns(batch.node, ordered, n, unset)
+    return FastBatch(batch.node, samples, list(range(n)), events, agent, [])
 
 
 def _from_untyped(raw: bytes, *, max_rows: int, node_ok: Callable[[str], bool]) -> FastBatch | None:

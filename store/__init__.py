@@ -14,7 +14,7 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -36,11 +36,13 @@ class Store:
 
     def __init__(self, engine: Engine, *, writer_process: bool = False) -> None:
         self.engine = engine
-        # SQLite allows one writer at a time: writes go through one group-committing thread.
-        # PostgreSQL takes concurrent writers: a small pool, as large as the connection pool.
-        # With ``writer_process`` (the service), either goes through a child process instead,
+        # Writes are group-committed: whatever has queued up while a transaction commits goes
+        # into the next one, so concurrent callers share commits (and PostgreSQL's WAL
+        # flushes) instead of paying one each. SQLite allows one writer at a time: one
+        # thread. PostgreSQL: two, so that one group is sent while the other commits.
+        # With ``writer_process`` (the service), writes go through a child process instead,
         # which inserts on its own core while this interpreter validates the next batches.
-        self._writer: GroupWriter | ProcessWriter | None = None
+        self._writer: GroupWriter | ProcessWriter
         database = engine.url.database
         sqlite = engine.dialect.name == "sqlite"
         on_file = not sqlite or bool(database and database != ":memory:")
@@ -48,9 +50,8 @@ class Store:
         if writer_process and on_file:
             url = engine.url.render_as_string(hide_password=False)
             self._writer = ProcessWriter(url, lock_path=lock)
-        elif engine.dialect.name == "sqlite":
-            self._writer = GroupWriter(engine, lock_path=lock)
-        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="store-write")
+        else:
+            self._writer = GroupWriter(engine, lock_path=lock, threads=1 if sqlite else 2)
 
     @classmethod
     def open(cls, url: str, *, migrate: bool = True, writer_process: bool = False) -> Store:
@@ -85,9 +86,7 @@ class Store:
             yield connection
 
     def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-        self._pool.shutdown(wait=True)
+        self._writer.close()
         self.engine.dispose()
 
     # Writes -------------------------------------------------------------------------------
@@ -95,7 +94,7 @@ class Store:
     def submit(
         self,
         *,
-        samples: Sequence[writes.SampleRow] = (),
+        samples: Sequence[writes.SampleRow] | writes.SampleColumns = (),
         events: Sequence[writes.EventRow] = (),
         agent: tuple[str, dict[str, Any]] | None = None,
     ) -> Future[tuple[int, int]]:
@@ -104,14 +103,12 @@ class Store:
         The future resolves to (new samples, new events) once committed — the rest were
         already stored — or raises what the database raised.
         """
-        if self._writer is not None:
-            return self._writer.submit(samples, events, agent)
-        return self._pool.submit(self._write_now, samples, events, agent)
+        return self._writer.submit(samples, events, agent)
 
     def write(
         self,
         *,
-        samples: Sequence[writes.SampleRow] = (),
+        samples: Sequence[writes.SampleRow] | writes.SampleColumns = (),
         events: Sequence[writes.EventRow] = (),
         agent: tuple[str, dict[str, Any]] | None = None,
         timeout_s: float = 60.0,
@@ -129,19 +126,6 @@ class Store:
             return future.result(timeout=timeout_s)
         except TimeoutError:
             raise StoreUnavailable(f"database write not committed in {timeout_s} s") from None
-
-    def _write_now(
-        self,
-        samples: Sequence[writes.SampleRow],
-        events: Sequence[writes.EventRow],
-        agent: tuple[str, dict[str, Any]] | None,
-    ) -> tuple[int, int]:
-        with self.engine.begin() as tx:
-            stored_samples = writes.insert_samples(tx, samples)
-            stored_events = writes.insert_events(tx, events)
-            if agent is not None:
-                writes.upsert_agent(tx, node=agent[0], status=agent[1])
-        return stored_samples, stored_events
 
     def delete_before(self, cutoff_ms: int) -> dict[str, int]:
         with self.engine.begin() as tx:

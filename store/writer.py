@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import gc
 import os
 import queue
 import struct
@@ -61,18 +62,30 @@ class GroupWriter:
     Args:
         engine: the database.
         max_rows: stop adding queued writes to a transaction once it holds this many rows.
+        lock_path: an ``flock`` file serialising writers of one SQLite file across processes.
+        threads: writer threads, each committing its own groups. One for SQLite (one writer
+            at a time); PostgreSQL takes two, so one group is sent while the other commits.
     """
 
     def __init__(
-        self, engine: Engine, *, max_rows: int = 50_000, lock_path: Path | None = None
+        self,
+        engine: Engine,
+        *,
+        max_rows: int = 50_000,
+        lock_path: Path | None = None,
+        threads: int = 1,
     ) -> None:
         self._engine = engine
         self._lock = _FileLock(lock_path) if lock_path else contextlib.nullcontext()
         self._max_rows = max_rows
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="store-writer", daemon=True)
+        self._threads = [
+            threading.Thread(target=self._run, name=f"store-writer-{i}", daemon=True)
+            for i in range(threads)
+        ]
         self._closed = False
-        self._thread.start()
+        for thread in self._threads:
+            thread.start()
 
     def submit(
         self,
@@ -91,8 +104,10 @@ class GroupWriter:
         """Finish what is queued, then stop the thread."""
         if not self._closed:
             self._closed = True
-            self._queue.put(None)
-            self._thread.join(timeout_s)
+            for _ in self._threads:
+                self._queue.put(None)
+            for thread in self._threads:
+                thread.join(timeout_s)
 
     def _run(self) -> None:
         while True:
@@ -118,12 +133,12 @@ class GroupWriter:
         try:
             results = []
             with self._lock, self._engine.begin() as tx:
-                for job in group:
-                    stored = writes.insert_samples(tx, job.samples)
+                stored = writes.insert_sample_groups(tx, [job.samples for job in group])
+                for job, new in zip(group, stored, strict=True):
                     stored_events = writes.insert_events(tx, job.events)
                     if job.agent is not None:
                         writes.upsert_agent(tx, node=job.agent[0], status=job.agent[1])
-                    results.append((stored, stored_events))
+                    results.append((new, stored_events))
         except BaseException as exc:  # every caller of the failed transaction learns why
             if isinstance(exc, Exception) and _error_kind(exc) == "unavailable":
                 wrapped = WriterUnavailable(f"database write failed: {type(exc).__name__}: {exc}")
@@ -145,13 +160,20 @@ class GroupWriter:
 # are a 4-byte little-endian length and a msgpack array:
 #
 #   request:  [id, samples, events, agent]            (agent: [node, status] or nil)
+#             samples: a list of rows, or {"c": SampleColumns.to_wire()} (columns)
 #   reply:    [id, new samples, new events, error]    (error: nil or [kind, message])
+#
+# The child's first frame is a nil: it has imported what it needs and opened the database.
+# The service's first writer waits for it (up to ``ready_timeout_s``), so that its start-up
+# is not mistaken for a slow first write; a child started again after a crash is not waited
+# for (writes queue in its pipe meanwhile).
 #
 # A reply is written only after its transaction commits, so an acknowledged batch is a stored
 # batch even if the service is killed the next instant; a child whose parent died reads EOF,
 # finishes what it had read, and exits.
 
 _HEADER = struct.Struct("<I")
+_HELLO = _HEADER.pack(1) + b"\xc0"  # one frame holding msgpack nil: the child is ready
 
 
 class WriterUnavailable(StoreUnavailable):
@@ -207,7 +229,17 @@ def serve_writes(url: str, lock_path: str | None, max_rows: int, fd_in: int, fd_
 
     engine = make_engine(url)
     lock = _FileLock(Path(lock_path)) if lock_path else contextlib.nullcontext()
-    decode, encode = msgspec.msgpack.decode, msgspec.msgpack.encode
+    encode = msgspec.msgpack.encode
+    from_wire = writes.SampleColumns.from_wire
+
+    def decode(frame: bytes) -> Any:
+        request = msgspec.msgpack.decode(frame)
+        if isinstance(request[1], dict):
+            request[1] = from_wire(request[1]["c"])
+        return request
+
+    gc.freeze()  # what is loaded now lives as long as the process: the collector skips it
+    _write_all(fd_out, _HELLO)  # ready: imports done, the parent may stop waiting
     buffer = bytearray()
     pending: list[Any] = []
     eof = False
@@ -259,6 +291,7 @@ class _Child(NamedTuple):
     process: subprocess.Popen[bytes]
     outbox: queue.SimpleQueue[tuple[int, Any] | None]
     pending: dict[int, Future[tuple[int, int]]]
+    ready: threading.Event
 
 
 class ProcessWriter:
@@ -272,9 +305,17 @@ class ProcessWriter:
         url: the database URL (the child opens its own engine).
         lock_path: an ``flock`` file serialising writers of one SQLite file across processes.
         max_rows: stop adding queued writes to a transaction once it holds this many rows.
+        ready_timeout_s: how long to wait for the first child to say it is ready.
     """
 
-    def __init__(self, url: str, *, lock_path: Path | None = None, max_rows: int = 50_000) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        lock_path: Path | None = None,
+        max_rows: int = 50_000,
+        ready_timeout_s: float = 60.0,
+    ) -> None:
         import msgspec
 
         self._url = url
@@ -286,7 +327,7 @@ class ProcessWriter:
         self._next_id = 0
         self._closed = False
         self._child: _Child | None = None
-        self._start()
+        self._start().ready.wait(ready_timeout_s)
 
     @property
     def pid(self) -> int | None:
@@ -308,7 +349,7 @@ class ProcessWriter:
             bufsize=0,
             env={**os.environ, "PYTHONPATH": path},
         )
-        self._child = child = _Child(process, queue.SimpleQueue(), {})
+        self._child = child = _Child(process, queue.SimpleQueue(), {}, threading.Event())
         threading.Thread(
             target=self._send, args=(child,), name="store-writer-send", daemon=True
         ).start()
@@ -358,6 +399,8 @@ class ProcessWriter:
         try:
             while (item := child.outbox.get()) is not None:
                 job_id, (samples, events, agent) = item
+                if isinstance(samples, writes.SampleColumns):
+                    samples = {"c": samples.to_wire()}
                 body = self._encode([job_id, samples, events, agent])
                 _write_all(fd, _HEADER.pack(len(body)) + body)
         except OSError:
@@ -373,7 +416,11 @@ class ProcessWriter:
         while chunk := os.read(fd, 1 << 16):
             buffer += chunk
             for frame in _read_frames(buffer):
-                job_id, stored, stored_events, error = self._decode(frame)
+                reply = self._decode(frame)
+                if reply is None:
+                    child.ready.set()
+                    continue
+                job_id, stored, stored_events, error = reply
                 with self._mutex:
                     future = child.pending.pop(job_id, None)
                 if future is None:
@@ -386,6 +433,7 @@ class ProcessWriter:
                     future.set_exception(RuntimeError(f"database write failed: {error[1]}"))
         process.stdout.close()
         process.wait()
+        child.ready.set()  # nobody waits for a child that is gone
         with self._mutex:
             if self._child is child:
                 self._child = None

@@ -12,7 +12,8 @@ then one ``INSERT ... SELECT ... ON CONFLICT DO NOTHING``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from itertools import repeat
 from operator import itemgetter
 from typing import Any
 
@@ -25,6 +26,7 @@ from store.schema import NO_GPU, NO_XID, SAMPLE_COLUMNS, agents, events
 
 __all__ = [
     "EventRow",
+    "SampleColumns",
     "SampleRow",
     "delete_before",
     "event_row",
@@ -40,6 +42,50 @@ SampleRow = tuple[Any, ...]
 
 EventRow = tuple[str, int | None, int, str, int | None, str | None, str | None]
 """(node, gpu, ts_ms, kind, xid, message, source)."""
+
+
+class SampleColumns:
+    """One node's samples as columns: what ingest's columnar fast path hands to the writer.
+
+    ``columns`` holds one list per :data:`store.schema.SAMPLE_COLUMNS` after ``node`` (gpu,
+    ts_ms, uuid, …), each of length ``n``, except where ``constant`` is true: there the list
+    holds one value, the same in every row. Iterating yields the store rows one at a time,
+    so a batch reaches the database without a tuple per row ever being kept (on the ingest
+    path those tuples were what kept the garbage collector busy). It sizes and iterates like
+    a list of rows, so every writer takes either.
+    """
+
+    __slots__ = ("columns", "constant", "n", "node")
+
+    def __init__(
+        self, node: str, columns: Sequence[Sequence[Any]], n: int, constant: Sequence[bool]
+    ) -> None:
+        self.node = node
+        self.columns = columns
+        self.n = n
+        self.constant = constant
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self) -> Iterator[SampleRow]:
+        n = self.n
+        columns = [
+            repeat(c[0], n) if k else c for c, k in zip(self.columns, self.constant, strict=True)
+        ]
+        return zip(repeat(self.node, n), *columns, strict=False)
+
+    def __repr__(self) -> str:
+        return f"SampleColumns(node={self.node!r}, n={self.n})"
+
+    def to_wire(self) -> list[Any]:
+        """A msgpack-able form, for a writer process (:meth:`from_wire` reads it back)."""
+        return [self.node, self.n, self.columns, self.constant]
+
+    @classmethod
+    def from_wire(cls, wire: list[Any]) -> SampleColumns:
+        return cls(wire[0], wire[2], wire[1], wire[3])
+
 
 _COLS = ", ".join(SAMPLE_COLUMNS)
 _SQLITE_INSERT = (
@@ -70,21 +116,30 @@ _GPU_UPSERT = {
 }
 
 
-def _gpu_spans(rows: Sequence[SampleRow]) -> list[tuple[Any, ...]]:
-    """One (node, gpu, uuid, vendor, first_ms, last_ms) per GPU present in ``rows``."""
+def _gpu_spans(groups: Sequence[Sequence[SampleRow] | SampleColumns]) -> list[tuple[Any, ...]]:
+    """One (node, gpu, uuid, vendor, first_ms, last_ms) per GPU present in ``groups``."""
     spans: dict[tuple[str, int], list[Any]] = {}
-    for row in rows:
-        key = (row[0], row[1])
-        span = spans.get(key)
-        if span is None:
-            spans[key] = [row[0], row[1], row[3], row[4], row[2], row[2]]
+    for rows in groups:
+        if isinstance(rows, SampleColumns):
+            # Only the key, time and identity columns, not whole rows.
+            head = SampleColumns(rows.node, rows.columns[:4], rows.n, rows.constant[:4])
+            keyed: Any = head
         else:
-            span[4] = min(span[4], row[2])
-            span[5] = max(span[5], row[2])
+            keyed = rows
+        for row in keyed:
+            key = (row[0], row[1])
+            span = spans.get(key)
+            if span is None:
+                spans[key] = [row[0], row[1], row[3], row[4], row[2], row[2]]
+            else:
+                if row[2] < span[4]:
+                    span[4] = row[2]
+                if row[2] > span[5]:
+                    span[5] = row[2]
     return [tuple(s) for s in sorted(spans.values(), key=lambda s: (s[0], s[1]))]
 
 
-def insert_samples(connection: Connection, rows: Sequence[SampleRow]) -> int:
+def insert_samples(connection: Connection, rows: Sequence[SampleRow] | SampleColumns) -> int:
     """Store ``rows`` inside the caller's transaction; returns how many were new.
 
     Also moves each GPU's ``last_seen_ms`` forward in the ``gpus`` registry.
@@ -93,7 +148,7 @@ def insert_samples(connection: Connection, rows: Sequence[SampleRow]) -> int:
 
 
 def insert_sample_groups(
-    connection: Connection, groups: Sequence[Sequence[SampleRow]]
+    connection: Connection, groups: Sequence[Sequence[SampleRow] | SampleColumns]
 ) -> list[int]:
     """Store several callers' rows in the caller's transaction; how many of each were new.
 
@@ -105,6 +160,7 @@ def insert_sample_groups(
     dialect = connection.dialect.name
     driver = connection.connection.driver_connection
     cursor = driver.cursor()  # type: ignore[union-attr]
+    spans = _gpu_spans(groups)
     try:
         if dialect == "sqlite":
             stored = []
@@ -114,11 +170,18 @@ def insert_sample_groups(
                     stored.append(int(cursor.rowcount))
                 else:
                     stored.append(0)
+            cursor.executemany(_GPU_UPSERT[dialect], spans)
         elif dialect == "postgresql":
-            stored = _pg_copy(driver, cursor, groups)
+            # The registry first: it also opens the transaction, so that the COPY below runs
+            # in a savepoint of it rather than in a transaction of its own.
+            cursor.executemany(_GPU_UPSERT[dialect], spans)
+            info = connection.connection.info
+            types = info.get("samples_types")
+            if types is None:
+                types = info["samples_types"] = _pg_types(cursor)
+            stored = _pg_copy(driver, cursor, types, groups)
         else:  # pragma: no cover - guarded by make_engine
             raise ValueError(f"unsupported database: {dialect}")
-        cursor.executemany(_GPU_UPSERT[dialect], _gpu_spans([r for g in groups for r in g]))
     finally:
         cursor.close()
     return stored
@@ -134,10 +197,14 @@ def _pg_types(cursor: Any) -> list[str]:
     return [types[c] for c in SAMPLE_COLUMNS]
 
 
-def _pg_copy(driver: Any, cursor: Any, groups: Sequence[Sequence[SampleRow]]) -> list[int]:
-    types = _pg_types(cursor)  # also opens the transaction, so the block below is a savepoint
+def _pg_copy(
+    driver: Any,
+    cursor: Any,
+    types: list[str],
+    groups: Sequence[Sequence[SampleRow] | SampleColumns],
+) -> list[int]:
     try:
-        with driver.transaction():  # a row already stored undoes only this attempt
+        with driver.transaction():  # a savepoint: a row already stored undoes only this attempt
             _copy_rows(cursor, "samples", types, (r for g in groups for r in g))
         return [len(g) for g in groups]
     except _unique_violation():

@@ -42,7 +42,7 @@ def rows(draw: Any) -> dict[str, Any]:
 
 
 def _same(a: Any, b: Any) -> None:
-    assert a.samples == b.samples
+    assert list(a.samples) == list(b.samples)
     assert [(e.kind, e.index) for e in a.rejected] == [(e.kind, e.index) for e in b.rejected]
 
 
