@@ -64,10 +64,12 @@ class Settings(BaseSettings):
     max_gpus_per_token: int = Field(default=65_536, gt=0)
     """Most new GPUs one token may add while this process runs (the same guard, per token)."""
 
-    writer_process: bool = False
-    """Insert through a child process (its own GIL) rather than a thread. Off by default: on a
-    shared 2-core machine the extra process and its pipe cost more than the GIL they spare
-    (``benchmarks/ingest.py``); worth trying where the service has cores to itself."""
+    writer_process: bool = True
+    """Insert through a child process (its own GIL) rather than a thread of the service, so
+    that validation and the database insert run on two cores instead of taking turns on one:
+    per ``sample_columns`` batch the service spends about as much CPU either way, split about
+    evenly between the two processes (``benchmarks/ingest.py``, ``us/sample``). Applies to a
+    database on file or a server; an in-memory SQLite database is written by a thread."""
 
     max_clock_skew_s: float = Field(default=300.0, ge=0)
     """Samples stamped further than this into the future are rejected."""
