@@ -1,16 +1,28 @@
 """Load: a fleet's collectors and some readers against one service (or two replicas) at once.
 
-Every node (8 GPUs) posts one batch a second of its GPUs' samples (the ``sample_columns``
-shape ``IngestClient(columns=True)`` sends); ``--readers`` clients meanwhile read what the
-dashboard and API users read (a page of ``/v1/gpus``, one GPU's samples). After
-``--duration`` seconds it prints the samples/s sustained, p50/p99 latency of ingest and of
-reads, the errors, and a count check: every acknowledged sample must be in the store.
+Every node (8 GPUs) posts what a collector sends by default (``forewarn collect``:
+``BatchingPusher`` with ``--batch-max-delay-s 1``, ``IngestClient`` rows, gzip level 5): one
+batch a second of its GPUs' samples, on its own keep-alive connection, waiting for each
+answer before the next batch (a node that falls behind sends its next batch at once, as a
+collector drains its buffer). ``--batch-s N`` sends N seconds of samples every N seconds
+instead (a collector with a longer ``--batch-max-delay-s``); ``--shape columns`` sends
+``sample_columns`` (``IngestClient(columns=True)``).
+
+The collectors are ``--generators`` processes of their own. Each encodes and gzips every
+request it will send before the clock starts, and sends them with a thin HTTP/1.1 client, so
+that sending costs little and the limit measured is the service's. Meanwhile ``--readers``
+clients in this process read what dashboard and API users read, each every
+``--read-interval`` seconds: a page of ``/v1/gpus`` and one GPU's samples, alternately.
+
+After ``--duration`` seconds it prints the samples/s sustained (acknowledged samples over
+the duration) against those offered, p50/p99 latency of ingest and of reads, the errors, the
+service's CPU use, and a count check: every acknowledged sample must be in the store.
 
     .venv/bin/python benchmarks/load.py [--backend sqlite|postgres] [--replicas 2] \\
-        [--gpus 16384] [--duration 60] [--readers 4]
+        [--gpus 16384] [--duration 60] [--readers 4] [--repeat 3]
 
-Two replicas need PostgreSQL (they share it); nodes are spread over them. Collectors and
-readers run in this process: on a small machine they take their share of its cores.
+Two replicas need PostgreSQL (they share it); nodes are spread over them. The service runs
+as ``forewarn serve`` does by default (control loop and webhook dispatcher on).
 """
 
 from __future__ import annotations
@@ -18,33 +30,226 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gzip
+import multiprocessing as mp
+import os
 import statistics
 import tempfile
 import time
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import orjson
-from _common import Service, postgres_url, reset_postgres
+from _common import Service, cpu_seconds, postgres_url, reset_postgres
 
+from forewarn.wire import sample_columns
 from store import Store
 
+TOKEN = "bench-token"
+GPUS_PER_NODE = 8
 
-def _columns(node: int, gpus: int, ts_ms: int) -> bytes:
-    body = {
-        "node": f"load-{node:05d}",
-        "sample_columns": {
-            "gpu": list(range(gpus)),
-            "ts_ms": [ts_ms] * gpus,
-            "temp_gpu_c": [60.0 + g for g in range(gpus)],
-            "power_w": [650.0] * gpus,
-            "util_gpu_pct": [98.0] * gpus,
-            "ecc_sbe_volatile": [node % 3] * gpus,
-            "remap_pending": [False] * gpus,
-        },
-    }
-    return gzip.compress(orjson.dumps(body), 1)
+
+def _rows(node: int, gpus: int, start_ms: int, seconds: int) -> list[dict[str, Any]]:
+    """``seconds`` ticks of one node's samples, as a collector reads them from NVML."""
+    name = f"load-{node:05d}"
+    rows = []
+    for t in range(seconds):
+        ts = datetime.fromtimestamp((start_ms + t * 1000) / 1000, UTC).isoformat()
+        for g in range(gpus):
+            rows.append(
+                {
+                    "node": name,
+                    "gpu": g,
+                    "ts": ts,
+                    "uuid": f"GPU-{node:05d}-{g}",
+                    "vendor": "nvidia",
+                    "temp_gpu_c": 60.0 + g,
+                    "temp_mem_c": 71.0,
+                    "power_w": 650.0 + t % 7,
+                    "sm_clock_mhz": 1980.0,
+                    "mem_clock_mhz": 2619.0,
+                    "throttle_reasons": 0,
+                    "util_gpu_pct": 98.0,
+                    "util_mem_pct": 40.0,
+                    "mem_used_mib": 71000.0,
+                    "mem_total_mib": 81559.0,
+                    "ecc_sbe_volatile": node % 3,
+                    "ecc_dbe_volatile": 0,
+                    "ecc_sbe_aggregate": 12,
+                    "ecc_dbe_aggregate": 0,
+                    "remap_correctable": 0,
+                    "remap_uncorrectable": 0,
+                    "remap_pending": False,
+                    "remap_failure": False,
+                    "nvlink_crc_flit": 0,
+                    "nvlink_crc_data": 0,
+                    "nvlink_replay": 0,
+                    "nvlink_recovery": 0,
+                    "pcie_replay": 0,
+                    "pcie_link_width": 16,
+                    "pcie_link_width_max": 16,
+                    "pcie_link_gen": 5,
+                }
+            )
+    return rows
+
+
+def _request(url: str, node: int, rows: list[dict[str, Any]], shape: str) -> bytes:
+    name = f"load-{node:05d}"
+    if shape == "columns":
+        body: dict[str, Any] = {"node": name, "sample_columns": sample_columns(rows, name)}
+    else:
+        body = {"node": name, "samples": rows}
+    data = gzip.compress(orjson.dumps(body), compresslevel=5)
+    head = (
+        f"POST /v1/ingest HTTP/1.1\r\nHost: {urlsplit(url).netloc}\r\n"
+        f"Authorization: Bearer {TOKEN}\r\nContent-Type: application/json\r\n"
+        f"Content-Encoding: gzip\r\nContent-Length: {len(data)}\r\n\r\n"
+    )
+    return head.encode() + data
+
+
+async def _response(reader: asyncio.StreamReader) -> int:
+    status = await reader.readline()
+    length = 0
+    while (line := await reader.readline()) not in (b"\r\n", b""):
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            length = int(value)
+    await reader.readexactly(length)
+    parts = status.split()
+    return int(parts[1]) if len(parts) > 1 else 0
+
+
+async def _node(
+    url: str, requests: list[bytes], rows: int, period_s: float, first_at: float, until: float
+) -> dict[str, Any]:
+    """One collector: a batch every ``period_s`` from ``first_at``, each answer waited for."""
+    out: dict[str, Any] = {"acked": 0, "errors": 0, "latency_s": []}
+    parts = urlsplit(url)
+    connection: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+    due = first_at
+    for request in requests:
+        delay = due - time.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        if time.time() >= until:
+            break
+        due += period_s
+        start = time.perf_counter()
+        try:
+            if connection is None:
+                connection = await asyncio.open_connection(parts.hostname, parts.port)
+            connection[1].write(request)
+            status = await asyncio.wait_for(_response(connection[0]), 60)
+        except (OSError, asyncio.IncompleteReadError, TimeoutError):
+            status = 0
+            if connection is not None:
+                connection[1].close()
+            connection = None
+        out["latency_s"].append(time.perf_counter() - start)
+        if status == 200:
+            out["acked"] += rows
+        else:
+            out["errors"] += 1
+    if connection is not None:
+        connection[1].close()
+    return out
+
+
+def _generator(
+    urls: list[str],
+    nodes: list[int],
+    args: argparse.Namespace,
+    start: Any,
+    results: Any,
+) -> None:
+    """A process of collectors: encode every request first, then send them on the clock."""
+    period = args.batch_s
+    batches = int(args.duration // period) + 1
+    base_ms = int(time.time()) * 1000
+    plan = []
+    for node in nodes:
+        url = urls[node % len(urls)]
+        requests = [
+            _request(
+                url,
+                node,
+                _rows(node, GPUS_PER_NODE, base_ms + k * period * 1000, period),
+                args.shape,
+            )
+            for k in range(batches)
+        ]
+        plan.append((node, url, requests))
+    results.put(("ready", os.getpid()))
+    begin, until = start.get()
+
+    async def run() -> list[dict[str, Any]]:
+        # Collectors start spread over the first period, as a real fleet's clocks are.
+        return await asyncio.gather(
+            *(
+                _node(
+                    url,
+                    requests,
+                    GPUS_PER_NODE * period,
+                    period,
+                    begin + (node * 0.618034 % 1) * period,
+                    until,
+                )
+                for node, url, requests in plan
+            )
+        )
+
+    outs = asyncio.run(run())
+    results.put(
+        (
+            "done",
+            {
+                "acked": sum(o["acked"] for o in outs),
+                "errors": sum(o["errors"] for o in outs),
+                "latency_s": [x for o in outs for x in o["latency_s"]],
+            },
+        )
+    )
+
+
+async def _reader(
+    http: httpx.AsyncClient, urls: list[str], nodes: int, every_s: float, until: float, out: dict
+) -> None:
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    i = 0
+    due = time.time()
+    while time.time() < until:
+        url = urls[i % len(urls)]
+        if i % 2 == 0:
+            path = "/v1/gpus?limit=1000"
+        else:
+            path = f"/v1/gpus/load-{(i * 7919) % nodes:05d}/{i % GPUS_PER_NODE}/samples"
+        start = time.perf_counter()
+        try:
+            r = await http.get(url + path, headers=headers)
+            ok = r.status_code in (200, 404)  # 404: a GPU whose first batch is not in yet
+        except httpx.HTTPError:
+            ok = False
+        out["read_s"].append(time.perf_counter() - start)
+        out["read_errors"] += 0 if ok else 1
+        i += 1
+        due += every_s
+        await asyncio.sleep(max(0.0, due - time.time()))
+
+
+async def _read(urls: list[str], nodes: int, args: argparse.Namespace, until: float) -> dict:
+    out: dict = {"read_s": [], "read_errors": 0}
+    async with httpx.AsyncClient(timeout=60) as http:
+        await asyncio.gather(
+            *(
+                _reader(http, urls, nodes, args.read_interval, until, out)
+                for _ in range(args.readers)
+            )
+        )
+    return out
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -54,67 +259,8 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def _collector(
-    http: httpx.AsyncClient, url: str, node: int, gpus: int, until: float, out: dict
-) -> None:
-    headers = {"Authorization": "Bearer bench-token", "Content-Encoding": "gzip"}
-    tick = time.time()
-    while tick < until:
-        ts_ms = int(tick * 1000)
-        start = time.perf_counter()
-        try:
-            r = await http.post(
-                f"{url}/v1/ingest", content=_columns(node, gpus, ts_ms), headers=headers
-            )
-            ok = r.status_code == 200
-        except httpx.HTTPError:
-            ok = False
-        out["ingest_s"].append(time.perf_counter() - start)
-        if ok:
-            out["acked"] += gpus
-        else:
-            out["ingest_errors"] += 1
-        tick += 1.0
-        await asyncio.sleep(max(0.0, tick - time.time()))
-
-
-async def _reader(http: httpx.AsyncClient, urls: list[str], until: float, out: dict) -> None:
-    headers = {"Authorization": "Bearer bench-token"}
-    i = 0
-    while time.time() < until:
-        url = urls[i % len(urls)]
-        path = "/v1/gpus?limit=1000" if i % 2 == 0 else f"/v1/gpus/load-{i % 97:05d}/0/samples"
-        start = time.perf_counter()
-        try:
-            r = await http.get(url + path, headers=headers)
-            ok = r.status_code in (200, 404)
-        except httpx.HTTPError:
-            ok = False
-        out["read_s"].append(time.perf_counter() - start)
-        out["read_errors"] += 0 if ok else 1
-        i += 1
-
-
-async def _run(urls: list[str], nodes: int, gpus: int, duration_s: float, readers: int) -> dict:
-    out: dict = {"ingest_s": [], "read_s": [], "acked": 0, "ingest_errors": 0, "read_errors": 0}
-    until = time.time() + duration_s
-    limits = httpx.Limits(max_connections=512, max_keepalive_connections=512)
-    async with httpx.AsyncClient(timeout=30, limits=limits) as http:
-        tasks = [_collector(http, urls[n % len(urls)], n, gpus, until, out) for n in range(nodes)]
-        tasks += [_reader(http, urls, until, out) for _ in range(readers)]
-        await asyncio.gather(*tasks)
-    return out
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backend", choices=["sqlite", "postgres"], default="sqlite")
-    parser.add_argument("--replicas", type=int, default=1)
-    parser.add_argument("--gpus", type=int, default=16384)
-    parser.add_argument("--duration", type=float, default=60.0)
-    parser.add_argument("--readers", type=int, default=4)
-    args = parser.parse_args()
-    nodes = args.gpus // 8
+def run_once(args: argparse.Namespace) -> dict[str, Any]:
+    nodes = args.gpus // GPUS_PER_NODE
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         if args.backend == "postgres":
@@ -129,43 +275,96 @@ def main() -> None:
         Store.open(url).close()  # migrate once, before the replicas start
         services = [Service(url, work / f"service{i}.log") for i in range(args.replicas)]
         try:
-            started = time.time()
-            out = asyncio.run(
-                _run([s.url for s in services], nodes, 8, args.duration, args.readers)
-            )
-            elapsed = time.time() - started
+            urls = [s.url for s in services]
+            ctx = mp.get_context("fork")
+            start, results = ctx.Queue(), ctx.Queue()
+            shares = [list(range(nodes))[i :: args.generators] for i in range(args.generators)]
+            procs = [
+                ctx.Process(target=_generator, args=(urls, share, args, start, results))
+                for share in shares
+            ]
+            for p in procs:
+                p.start()
+            for _ in procs:
+                kind, _pid = results.get(timeout=600)
+                assert kind == "ready"
+            cpu = [cpu_seconds(s.process.pid) for s in services]
+            begin = time.time() + 0.5
+            until = begin + args.duration
+            for _ in procs:
+                start.put((begin, until))
+            reads = asyncio.run(_read(urls, nodes, args, until))
+            outs = [results.get(timeout=args.duration + 120)[1] for _ in procs]
+            for p in procs:
+                p.join(30)
+            elapsed = time.time() - begin
+            cpu = [cpu_seconds(s.process.pid) - c for s, c in zip(services, cpu, strict=True)]
         finally:
             for service in services:
                 service.stop()
         store = Store.open(url, migrate=False)
         try:
-            frame = store.fleet_window(since_ms=0, fields=["gpu"])
+            with store.engine.connect() as connection:
+                from sqlalchemy import text
+
+                stored = connection.execute(text("SELECT count(*) FROM samples")).scalar_one()
         finally:
             store.close()
-    stored = len(frame)
-    when = datetime.now(UTC).isoformat(timespec="seconds")
+    acked = sum(o["acked"] for o in outs)
+    ingest = [x for o in outs for x in o["latency_s"]]
+    return {
+        "rate": acked / args.duration,
+        "elapsed": elapsed,
+        "ingest_p50": _pct(ingest, 0.5),
+        "ingest_p99": _pct(ingest, 0.99),
+        "batches": len(ingest),
+        "read_p50": _pct(reads["read_s"], 0.5),
+        "read_p99": _pct(reads["read_s"], 0.99),
+        "reads": len(reads["read_s"]),
+        "read_mean": statistics.fmean(reads["read_s"]) if reads["read_s"] else float("nan"),
+        "ingest_errors": sum(o["errors"] for o in outs),
+        "read_errors": reads["read_errors"],
+        "acked": acked,
+        "stored": stored,
+        "cpu": sum(cpu) / args.duration,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", choices=["sqlite", "postgres"], default="sqlite")
+    parser.add_argument("--replicas", type=int, default=1)
+    parser.add_argument("--gpus", type=int, default=16384)
+    parser.add_argument("--duration", type=float, default=60.0)
+    parser.add_argument("--batch-s", type=int, default=1, help="seconds of samples per batch")
+    parser.add_argument("--shape", choices=["rows", "columns"], default="rows")
+    parser.add_argument("--readers", type=int, default=4)
+    parser.add_argument("--read-interval", type=float, default=1.0, help="seconds between reads")
+    parser.add_argument("--generators", type=int, default=2, help="collector processes")
+    parser.add_argument("--repeat", type=int, default=1)
+    args = parser.parse_args()
     print(
-        f"{when} {args.backend} x{args.replicas}: {args.gpus} GPUs at 1 Hz, {args.readers} "
-        f"readers, {args.duration:.0f} s"
+        f"{datetime.now(UTC).isoformat(timespec='seconds')} {args.backend} x{args.replicas}: "
+        f"{args.gpus} GPUs at 1 Hz ({args.gpus // GPUS_PER_NODE} nodes, a batch of "
+        f"{args.batch_s} s each as {args.shape}), {args.readers} readers every "
+        f"{args.read_interval:g} s, {args.duration:.0f} s",
+        flush=True,
     )
-    print(f"  samples/s sustained  {out['acked'] / elapsed:,.0f} (offered {args.gpus:,})")
-    ingest, reads = out["ingest_s"], out["read_s"]
-    print(
-        f"  ingest latency       p50 {_pct(ingest, 0.5) * 1000:.0f} ms, "
-        f"p99 {_pct(ingest, 0.99) * 1000:.0f} ms ({len(ingest)} batches)"
-    )
-    print(
-        f"  read latency         p50 {_pct(reads, 0.5) * 1000:.0f} ms, "
-        f"p99 {_pct(reads, 0.99) * 1000:.0f} ms ({len(reads)} reads, "
-        f"mean {statistics.fmean(reads) * 1000 if reads else 0:.0f} ms)"
-    )
-    print(f"  errors               ingest {out['ingest_errors']}, reads {out['read_errors']}")
-    lost = out["acked"] - stored
-    print(
-        f"  count check          acknowledged {out['acked']:,}, stored {stored:,}, "
-        f"lost {max(lost, 0)}"
-    )
-    if lost > 0:
+    lost_any = False
+    for _ in range(args.repeat):
+        r = run_once(args)
+        lost = r["acked"] - r["stored"]
+        lost_any |= lost > 0
+        print(
+            f"  samples/s {r['rate']:>8,.0f} of {args.gpus:,} offered | ingest p50 "
+            f"{r['ingest_p50'] * 1000:.0f} ms p99 {r['ingest_p99'] * 1000:.0f} ms "
+            f"({r['batches']} batches) | read p50 {r['read_p50'] * 1000:.0f} ms p99 "
+            f"{r['read_p99'] * 1000:.0f} ms ({r['reads']} reads) | errors ingest "
+            f"{r['ingest_errors']} reads {r['read_errors']} | service CPU {r['cpu']:.2f} cores | "
+            f"acknowledged {r['acked']:,} stored {r['stored']:,} lost {max(lost, 0)}",
+            flush=True,
+        )
+    if lost_any:
         raise SystemExit("acknowledged samples are missing from the store")
 
 
