@@ -206,6 +206,9 @@ class StopCheckpointer:
         if rank != plan["writer"]:
             return None
         try:
+            if self.registry.rank_unique:
+                # One replica's tensors would stand for every rank's own shard.
+                raise CheckpointError("the job registered rank-unique state (not built)")
             states: dict[int, bytes] = {}
             for r in plan["live"]:
                 key = f"{base}/rs/{r}"
