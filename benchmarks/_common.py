@@ -15,7 +15,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-DEFAULT_PG = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+DEFAULT_PG = "postgresql+psycopg://postgres@127.0.0.1:5432/forewarn_bench"
+"""A database of the benchmarks' own (created when missing): each run empties it, so it must
+not be one that tests or a service use at the same time."""
 
 
 def free_port() -> int:
@@ -27,11 +29,25 @@ def free_port() -> int:
 def postgres_url() -> str | None:
     """The benchmark database on PostgreSQL, or None when none answers."""
     from sqlalchemy import create_engine, text
+    from sqlalchemy.engine import make_url
 
-    url = os.environ.get("FOREWARN_BENCH_POSTGRES_URL") or os.environ.get(
-        "FOREWARN_TEST_POSTGRES_URL", DEFAULT_PG
-    )
+    url = os.environ.get("FOREWARN_BENCH_POSTGRES_URL", DEFAULT_PG)
     try:
+        parsed = make_url(url)
+        admin = create_engine(
+            parsed.set(database="postgres"),
+            isolation_level="AUTOCOMMIT",
+            connect_args={"connect_timeout": 3},
+        )
+        try:
+            with admin.connect() as c:
+                found = c.execute(
+                    text("SELECT 1 FROM pg_database WHERE datname = :n"), {"n": parsed.database}
+                )
+                if found.first() is None:
+                    c.execute(text(f'CREATE DATABASE "{parsed.database}"'))
+        finally:
+            admin.dispose()
         engine = create_engine(url, connect_args={"connect_timeout": 3})
         with engine.connect() as connection:
             connection.execute(text("SELECT 1"))
