@@ -51,6 +51,7 @@ from migrator.nodes import (
     wait_for_nodes,
 )
 from migrator.recovery import Recovery
+from migrator.stopping import Stopper, StopRequested
 from migrator.table import JobTable, Migration, Slot
 
 __all__ = ["Agent", "AgentConfig", "Slot"]
@@ -101,17 +102,13 @@ class AgentConfig:
     """A checkpoint (file, or directory: its latest) the active ranks start from."""
 
 
-class StopRequested(KeyboardInterrupt):
-    """Another node's launcher was stopped: the job stops as if this launcher had been."""
-
-
 class Agent:
     """Run a job; see the module docstring. Use :meth:`run` (blocks until the job ends).
 
     Built from collaborators: the job's :class:`~migrator.table.JobTable` (slots, roster,
     status), a :class:`~migrator.recovery.Recovery` for unplanned failures (it gets the store,
-    the table, the config and this agent as its :class:`~migrator.recovery.Supervisor`), and
-    the service ``link``.
+    the table, the config and this agent as its :class:`~migrator.recovery.Supervisor`), a
+    :class:`~migrator.stopping.Stopper` for the stop checkpoint, and the service ``link``.
     """
 
     def __init__(self, config: AgentConfig, link: Any = None) -> None:
@@ -130,9 +127,9 @@ class Agent:
         )
         self.store_address = f"{config.host}:{self.store.port}"
         self.lock = threading.RLock()
-        # all nodes' active ranks, once they joined
-        self.table = JobTable(world_size=config.nproc)
+        self.table = JobTable(world_size=config.nproc)  # all nodes' ranks, once they joined
         self.recovery = Recovery(self.store, self.table, config, self)
+        self.stopper = Stopper(self.store, self.table, self.recovery, config, self.lock)
         self.reports: list[MigrationReport] = []
         self.agent_url: str | None = None
         self._refills: list[tuple[int, float]] = []  # (freed slot, kill it after)
@@ -145,14 +142,6 @@ class Agent:
     @property
     def slots(self) -> list[Slot]:
         return self.table.slots
-
-    @property
-    def roster(self) -> dict[int, int]:
-        return self.table.roster
-
-    @property
-    def world_size(self) -> int:
-        return self.table.world_size
 
     @property
     def gen(self) -> int:
@@ -357,14 +346,14 @@ class Agent:
         try:
             code = self._watch()
             if code != 0 and self.recovery.checkpoint is not None:
-                said = self._await_checkpoint(self.recovery.checkpoint)
+                said = self.stopper.await_checkpoint(self.recovery.checkpoint)
                 with self.lock:
                     self.table.message += said
         except KeyboardInterrupt:  # SIGINT, or SIGTERM (forewarn launch makes it one)
             code = 130
             said = ""
             try:
-                said = self._stop_at_boundary()
+                said = self.stopper.stop()
             except KeyboardInterrupt:  # a second one: stop now
                 said = "; no checkpoint: interrupted again while it was being written"
             with self.lock:
@@ -375,74 +364,6 @@ class Agent:
                 self.link.stop(self)
             self._shutdown()
         return code
-
-    def _stop_at_boundary(self) -> str:
-        """The launcher was stopped: with a checkpoint directory, the ranks agree on a step
-        boundary (a stop command, agreed on like a planned move's S), write the stop
-        checkpoint there and exit; a job paused for want of a spare writes it from the
-        boundary its survivors stand at. Returns what to add to the job's message."""
-        if self.cfg.checkpoint_dir is None:
-            return ""
-        with self.lock:
-            table = self.table
-            if table.status == "paused" and self.recovery.current is not None:
-                self.recovery.fail(
-                    "stopped by a signal while paused: " + table.message,
-                    code="stopped",
-                    checkpoint=True,
-                )
-                plan = self.recovery.checkpoint
-            elif table.status != "running" or table.inflight or self.recovery.current:
-                why = "a migration was in progress" if table.inflight else f"it was {table.status}"
-                return f"; no checkpoint: {why}"
-            else:
-                live = sorted(table.roster)
-                mid = f"stop-{uuid.uuid4().hex[:8]}"
-                plan = {"id": mid, "writer": live[0], "live": live, "lost": []}
-                plan["reason"] = "stopped"
-                command = {"migration_id": mid, "kind": "stop", "rank": -1, "replica": None}
-                command["checkpoint"] = plan
-                table.status = "stopping"  # no new command replaces this one
-                P.put_json(self.store, P.cmd_key(table.gen), command)
-        if plan is None:
-            return "; no checkpoint: the survivors' state is not consistent"
-        print(
-            f"forewarn launch: job {self.cfg.job_id} stopping: the ranks write a checkpoint "
-            f"at their next step boundary (interrupt again to stop at once)",
-            file=sys.stderr,
-            flush=True,
-        )
-        return self._await_checkpoint(plan)
-
-    def _await_checkpoint(self, plan: dict[str, Any]) -> str:
-        """Wait (bounded) for the stop checkpoint ``plan``; returns what to say about it."""
-        base = P.checkpoint_key(plan["id"])
-        with self.lock:
-            ranks = [self.table.slots[self.table.roster[r]] for r in plan["live"]]
-        deadline = time.monotonic() + 4 * self.cfg.timeout_s + 30
-        gone = False
-        while True:
-            if self.store.check([f"{base}/done"]):
-                done = P.get_json(self.store, f"{base}/done")
-                said = (
-                    f"; a consistent checkpoint of step {done['step']} in "
-                    f"{self.cfg.checkpoint_dir} ({Path(done['path']).name}): restart with "
-                    f"forewarn launch --resume {self.cfg.checkpoint_dir}"
-                )
-                break
-            if self.store.check([f"{base}/failed"]):
-                said = f"; no checkpoint: {self.store.get(f'{base}/failed').decode()}"
-                break
-            if gone:  # looked once more after the last rank had exited
-                said = "; no checkpoint: the ranks exited without writing it"
-                break
-            if time.monotonic() >= deadline:
-                said = "; no checkpoint: it was not written in time"
-                break
-            gone = not any(slot.running() for slot in ranks)
-            time.sleep(0.05)
-        print(f"forewarn launch: job {self.cfg.job_id}{said}", file=sys.stderr, flush=True)
-        return said
 
     def _watch(self) -> int:
         while True:
