@@ -214,6 +214,40 @@ class AlarmBudget:
             "fallback": self.fallback,
         }
 
+    # -- keeping it across restarts ----------------------------------------------------------
+
+    def state(self) -> dict[str, Any]:
+        """What a restarted service needs to keep this fleet's threshold: the confirmed
+        healthy-time histogram (its non-empty bins) and the time its weights refer to. Blocks
+        not yet confirmed are left out, so a restart forgets at most ``confirm_s`` of healthy
+        time. The histogram does not depend on the budget: a new budget can start from it."""
+        bins = np.flatnonzero(self._hist)
+        return {
+            "version": 1,
+            "block_ms": self.block_ms,
+            "hist_ms": self._hist_ms,
+            "bins": bins.tolist(),
+            "weights": self._hist[bins].tolist(),
+        }
+
+    def restore(self, state: dict[str, Any]) -> bool:
+        """Start from :meth:`state`'s histogram; False (and nothing changed) when it was kept
+        with another block length or in a format this version does not read."""
+        if state.get("version") != 1 or state.get("block_ms") != self.block_ms:
+            return False
+        bins = np.asarray(state.get("bins", []), dtype=np.int64)
+        weights = np.asarray(state.get("weights", []), dtype=np.float64)
+        if len(bins) != len(weights) or (
+            len(bins) and not 0 <= bins.min() <= bins.max() < len(_CENTRES)
+        ):
+            return False
+        hist = np.zeros(len(_CENTRES))
+        hist[bins] = weights
+        self._hist = hist
+        self._hist_ms = None if state.get("hist_ms") is None else int(state["hist_ms"])
+        self._threshold = None
+        return True
+
 
 def replay(
     budget: AlarmBudget,

@@ -23,6 +23,7 @@ a crossing nor announces it twice.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections import deque
@@ -48,6 +49,9 @@ __all__ = ["ArrivalCursor", "ControlLoop", "GpuState"]
 log = logging.getLogger("forewarn.control")
 
 REFRESH_MS = 30_000
+BUDGET_KEY = "alarm_budget"
+"""``control_state`` key of the alarm budget's confirmed healthy time (JSON)."""
+BUDGET_KEEP_EVERY_MS = 60_000
 """A GPU's stored score is rewritten at least this often even when nothing in it changed."""
 
 FATAL_EVENT_KINDS = frozenset({"gpu_lost", "power_loss", "thermal_shutdown"})
@@ -149,6 +153,7 @@ class ControlLoop:
         self.threshold_in_force: float | None = None
         self.budget: AlarmBudget | None = None
         self._budget_slots: dict[tuple[str, int], int] = {}
+        self._budget_kept: tuple[float, int | None] = (0.0, None)  # (blocks, when) last written
         self.last_phases: dict[str, float] = {}
         self.tick_hist = self.leader_gauge = None
         self._latest: tuple[list[str], list[int], list[float]] = ([], [], [])
@@ -196,7 +201,9 @@ class ControlLoop:
         return True
 
     def take_over(self) -> None:
-        """Warm the scorer from the store's window and reload each GPU's flags."""
+        """Warm the scorer from the store's window and reload each GPU's flags (and, at the
+        next tick, the alarm budget's healthy time another leader may have kept since)."""
+        self.budget = None
         with self.store.begin() as c:
             db.ensure_arrival(c)
         now_ms = int(time.time() * 1000)
@@ -273,7 +280,7 @@ class ControlLoop:
         score_done = time.perf_counter()
         with self.store.begin() as c:
             policy = self.policy(c)
-            threshold = self._threshold(policy, scores, now_ms)
+            threshold = self._threshold(c, policy, scores, now_ms)
             self._apply_scores(c, scores, events, policy, threshold, now_ms)
             if self.scorer is not None:  # reasons for GPUs above half the threshold in force
                 self.scorer.reason_floor = threshold / 2
@@ -298,7 +305,7 @@ class ControlLoop:
         if self.tick_hist is not None:
             self.tick_hist.observe(self.last_tick_s)
 
-    def _threshold(self, policy: Policy, scores: pd.DataFrame | None, now_ms: int) -> float:
+    def _threshold(self, c: Any, policy: Policy, scores: pd.DataFrame | None, now_ms: int) -> float:
         """The threshold in force this tick: the policy's, else the alarm budget's (judged by
         what it knew before this tick; then this tick's risks are folded in), else the card's."""
         card = float(self.model.threshold) if self.model is not None else 1.0
@@ -307,8 +314,7 @@ class ControlLoop:
             self.threshold_in_force = card if policy.threshold is None else policy.threshold
             return self.threshold_in_force
         if self.budget is None or self.budget.budget != policy.alarm_budget:
-            self.budget = AlarmBudget(policy.alarm_budget, fallback=card)
-            self._budget_slots = {}
+            self.budget = self._open_budget(c, policy.alarm_budget, card)
         threshold = self.budget.threshold
         if scores is not None and len(scores):
             slots = self._budget_slots
@@ -326,8 +332,40 @@ class ControlLoop:
                 if st.failed and key in slots:
                     healthy[slots[key]] = False
             self.budget.observe(risk, now_ms=now_ms, healthy=healthy)
+            self._keep_budget(c, now_ms)
         self.threshold_in_force = threshold
         return threshold
+
+    def _open_budget(self, c: Any, per_1000_gpu_days: float, card: float) -> AlarmBudget:
+        """A budget that starts from the fleet's healthy time confirmed so far: the one in
+        force (the operator changed the budget, not the fleet), else the one kept in the
+        store by this or an earlier leader (a restart or a new leader does not fall back to
+        the card's threshold for another ``min_blocks`` of GPU-time)."""
+        budget = AlarmBudget(per_1000_gpu_days, fallback=card)
+        kept = self.budget.state() if self.budget is not None else None
+        if kept is None:
+            text = db.get_state(c, BUDGET_KEY)
+            try:
+                kept = json.loads(text) if text else None
+            except ValueError:
+                log.warning("the kept alarm-budget state is unreadable; starting afresh")
+        if isinstance(kept, dict) and not budget.restore(kept):
+            log.warning("the kept alarm-budget state does not fit this version; starting afresh")
+        self._budget_slots = {}
+        self._budget_kept = (budget.healthy_blocks, None)
+        return budget
+
+    def _keep_budget(self, c: Any, now_ms: int) -> None:
+        """Write the budget's confirmed healthy time to the store when it grew (blocks are
+        confirmed once an hour per GPU), at most once a minute."""
+        assert self.budget is not None
+        blocks, at_ms = self._budget_kept
+        if self.budget.healthy_blocks == blocks:
+            return
+        if at_ms is not None and now_ms - at_ms < BUDGET_KEEP_EVERY_MS:
+            return
+        db.set_state(c, BUDGET_KEY, json.dumps(self.budget.state()))
+        self._budget_kept = (self.budget.healthy_blocks, now_ms)
 
     def _apply_scores(
         self,

@@ -162,3 +162,43 @@ def test_an_alarm_budget_sets_the_threshold_from_the_fleets_own_risks(registered
         db.write_policy(c, data=Policy(threshold=0.9, alarm_budget=2.0).model_dump(), ts_ms=NOW)
     loop.tick(NOW + 9 * hour)
     assert loop.threshold_in_force == 0.9 and loop.budget is None
+
+
+def test_the_alarm_budget_survives_a_restart_of_the_service(registered: Store) -> None:
+    """The budget's confirmed healthy time is kept in the store: a restarted (or new) leader
+    meets the same threshold at its first tick, not the card's until hundreds of GPU-hours
+    are seen again; a budget the operator changes starts from the same healthy time."""
+    import numpy as np
+
+    loop, scorer = make_loop(registered, hysteresis=1, alarm_budget=2.0)
+    rng = np.random.default_rng(1)
+    hour = 3_600_000
+    for k in range(16):  # 16 hours of 200 healthy GPUs: the first 3 hours are confirmed
+        for g in range(200):
+            scorer.risk[(f"h{g // 8}", g % 8)] = float(rng.uniform(0.01, 0.05))
+        loop.tick(NOW + k * hour)
+    assert loop.budget is not None and loop.budget.warm, loop.budget.summary()
+    warm = loop.budget.threshold
+    assert 0.04 < warm < 0.2, warm
+    loop.leadership.release()  # the service stops
+
+    again, scorer2 = make_loop(registered, hysteresis=1, alarm_budget=2.0)
+    scorer2.risk.update(scorer.risk)
+    again.tick(NOW + 16 * hour)
+    assert again.budget is not None and again.budget.warm
+    assert again.threshold_in_force == warm  # met before this tick's risks are folded in
+
+    with registered.begin() as c:  # a stricter budget: a higher threshold on the same time
+        db.write_policy(c, data=Policy(alarm_budget=0.5, hysteresis=1).model_dump(), ts_ms=NOW)
+    again.tick(NOW + 17 * hour)
+    assert again.budget is not None and again.budget.warm
+    assert again.budget.threshold > warm
+
+    with registered.begin() as c:  # unreadable state: a fresh start, not a crash
+        db.set_state(c, "alarm_budget", "{not json")
+    again.leadership.release()
+    fresh, _ = make_loop(registered, hysteresis=1, alarm_budget=2.0)
+    fresh.tick(NOW + 18 * hour)
+    assert fresh.budget is not None and not fresh.budget.warm
+    assert fresh.threshold_in_force == fresh.budget.fallback  # until the fleet is seen again
+    fresh.leadership.release()
