@@ -413,6 +413,7 @@ def main() -> None:
     head = f"    {'state':>6} {'case':<36} {'bytes':>13} {'goal s':>7} {'seconds':>13}"
     print(head + f" {'transfer GB/s':>14}")
     bws: list[float] = []
+    failed: list[Path] = []  # the logs of failed runs are kept
     for label, size in sizes:
         bw = bandwidth()
         bws.append(bw)
@@ -426,15 +427,19 @@ def main() -> None:
             "whole node lost: kill->done": nodes_kill,
             "checkpoint-restart: seconds lost": checkpoint_restart,
         }
-        for name, case in cases.items():
+        for k, (name, case) in enumerate(cases.items()):
             got: list[float] = []
             rates: list[float] = []
             nbytes = 0
             for i in range(args.repeat):
-                value, moved, transfer_s = case(tmp / f"{size}-{len(got)}-{i}", size)
+                run_dir = tmp / f"{label}-case{k}-run{i}"
+                value, moved, transfer_s = case(run_dir, size)
                 if value is not None:
                     got.append(value)
                     nbytes = moved
+                    shutil.rmtree(run_dir, ignore_errors=True)
+                else:
+                    failed.append(run_dir)
                 if transfer_s:
                     rates.append(moved / transfer_s / 1e9)
             spread = f"{min(got):.2f}-{max(got):.2f}" if got else "failed"
@@ -453,9 +458,11 @@ def main() -> None:
         print(
             f"    loopback bandwidth over the run: {min(bws) / 1e9:.2f}-{max(bws) / 1e9:.2f} GB/s"
         )
+    if failed:
+        print("    logs of the failed runs: " + " ".join(str(d) for d in failed))
+    else:
+        shutil.rmtree(tmp, ignore_errors=True)
     print()
-
-    shutil.rmtree(tmp, ignore_errors=True)
     if "c" not in args.parts.split(","):
         return
     print("(c) per-step cost of the wrapper (1-rank group, 3x1024 MLP, batch 64, Adam), 5 rounds")
