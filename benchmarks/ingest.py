@@ -35,6 +35,7 @@ from concurrent.futures import Future
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import httpx
 import orjson
 from _common import Service, cpu_seconds, post_raw, postgres_url, ratio, reset_postgres
 
@@ -139,6 +140,7 @@ def end_to_end_rate(
     """(samples/s, the service's CPU microseconds per sample, its writer process included)."""
     service = Service(url, work / "service.log", env=INGEST_ONLY)
     try:
+        _warm_up(service)
         cpu = cpu_seconds(service.process.pid)
         start = time.perf_counter()
         stored = _post_all(service.url, service.token, bodies, concurrency)
@@ -149,6 +151,19 @@ def end_to_end_rate(
     if stored != expected:
         raise SystemExit(f"stored {stored} of {expected} samples")
     return expected / elapsed, cpu / expected * 1e6
+
+
+def _warm_up(service: Service) -> None:
+    """One small batch, answered only once the service's writer process has started."""
+    now = datetime.now(UTC).isoformat()
+    body = {"node": "warm-up", "samples": [{"node": "warm-up", "gpu": 0, "ts": now}]}
+    response = httpx.post(
+        f"{service.url}/v1/ingest",
+        json=body,
+        headers={"Authorization": f"Bearer {service.token}"},
+        timeout=120,
+    )
+    response.raise_for_status()
 
 
 INGEST_ONLY = {"FOREWARN_CONTROL_ENABLED": "false", "FOREWARN_WEBHOOK_DISPATCH": "false"}

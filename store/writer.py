@@ -163,17 +163,11 @@ class GroupWriter:
 #             samples: a list of rows, or {"c": SampleColumns.to_wire()} (columns)
 #   reply:    [id, new samples, new events, error]    (error: nil or [kind, message])
 #
-# The child's first frame is a nil: it has imported what it needs and opened the database.
-# The service's first writer waits for it (up to ``ready_timeout_s``), so that its start-up
-# is not mistaken for a slow first write; a child started again after a crash is not waited
-# for (writes queue in its pipe meanwhile).
-#
 # A reply is written only after its transaction commits, so an acknowledged batch is a stored
 # batch even if the service is killed the next instant; a child whose parent died reads EOF,
 # finishes what it had read, and exits.
 
 _HEADER = struct.Struct("<I")
-_HELLO = _HEADER.pack(1) + b"\xc0"  # one frame holding msgpack nil: the child is ready
 
 
 class WriterUnavailable(StoreUnavailable):
@@ -239,7 +233,6 @@ def serve_writes(url: str, lock_path: str | None, max_rows: int, fd_in: int, fd_
         return request
 
     gc.freeze()  # what is loaded now lives as long as the process: the collector skips it
-    _write_all(fd_out, _HELLO)  # ready: imports done, the parent may stop waiting
     buffer = bytearray()
     pending: list[Any] = []
     eof = False
@@ -291,7 +284,6 @@ class _Child(NamedTuple):
     process: subprocess.Popen[bytes]
     outbox: queue.SimpleQueue[tuple[int, Any] | None]
     pending: dict[int, Future[tuple[int, int]]]
-    ready: threading.Event
 
 
 class ProcessWriter:
@@ -305,17 +297,9 @@ class ProcessWriter:
         url: the database URL (the child opens its own engine).
         lock_path: an ``flock`` file serialising writers of one SQLite file across processes.
         max_rows: stop adding queued writes to a transaction once it holds this many rows.
-        ready_timeout_s: how long to wait for the first child to say it is ready.
     """
 
-    def __init__(
-        self,
-        url: str,
-        *,
-        lock_path: Path | None = None,
-        max_rows: int = 50_000,
-        ready_timeout_s: float = 60.0,
-    ) -> None:
+    def __init__(self, url: str, *, lock_path: Path | None = None, max_rows: int = 50_000) -> None:
         import msgspec
 
         self._url = url
@@ -327,7 +311,7 @@ class ProcessWriter:
         self._next_id = 0
         self._closed = False
         self._child: _Child | None = None
-        self._start().ready.wait(ready_timeout_s)
+        self._start()
 
     @property
     def pid(self) -> int | None:
@@ -349,7 +333,7 @@ class ProcessWriter:
             bufsize=0,
             env={**os.environ, "PYTHONPATH": path},
         )
-        self._child = child = _Child(process, queue.SimpleQueue(), {}, threading.Event())
+        self._child = child = _Child(process, queue.SimpleQueue(), {})
         threading.Thread(
             target=self._send, args=(child,), name="store-writer-send", daemon=True
         ).start()
@@ -416,11 +400,7 @@ class ProcessWriter:
         while chunk := os.read(fd, 1 << 16):
             buffer += chunk
             for frame in _read_frames(buffer):
-                reply = self._decode(frame)
-                if reply is None:
-                    child.ready.set()
-                    continue
-                job_id, stored, stored_events, error = reply
+                job_id, stored, stored_events, error = self._decode(frame)
                 with self._mutex:
                     future = child.pending.pop(job_id, None)
                 if future is None:
@@ -433,7 +413,6 @@ class ProcessWriter:
                     future.set_exception(RuntimeError(f"database write failed: {error[1]}"))
         process.stdout.close()
         process.wait()
-        child.ready.set()  # nobody waits for a child that is gone
         with self._mutex:
             if self._child is child:
                 self._child = None
