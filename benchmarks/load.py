@@ -24,7 +24,8 @@ out may have been stored all the same, and is then counted as stored, not acknow
         [--gpus 16384] [--duration 60] [--readers 4] [--repeat 3]
 
 Two replicas need PostgreSQL (they share it); nodes are spread over them. The service runs
-as ``forewarn serve`` does by default (control loop and webhook dispatcher on).
+as ``forewarn serve`` does by default (control loop and webhook dispatcher on; ``--no-control``
+turns the control loop off, to see what scoring the fleet costs).
 """
 
 from __future__ import annotations
@@ -277,7 +278,8 @@ def run_once(args: argparse.Namespace) -> dict[str, Any]:
                 raise SystemExit("several replicas share PostgreSQL; use --backend postgres")
             url = f"sqlite:///{work / 'load.db'}"
         Store.open(url).close()  # migrate once, before the replicas start
-        services = [Service(url, work / f"service{i}.log") for i in range(args.replicas)]
+        env = {"FOREWARN_CONTROL_ENABLED": "false"} if args.no_control else None
+        services = [Service(url, work / f"service{i}.log", env=env) for i in range(args.replicas)]
         try:
             urls = [s.url for s in services]
             ctx = mp.get_context("fork")
@@ -347,12 +349,16 @@ def main() -> None:
     parser.add_argument("--read-interval", type=float, default=1.0, help="seconds between reads")
     parser.add_argument("--generators", type=int, default=2, help="collector processes")
     parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument(
+        "--no-control", action="store_true", help="the control loop off (it scores the fleet)"
+    )
     args = parser.parse_args()
     print(
         f"{datetime.now(UTC).isoformat(timespec='seconds')} {args.backend} x{args.replicas}: "
         f"{args.gpus} GPUs at 1 Hz ({args.gpus // GPUS_PER_NODE} nodes, a batch of "
         f"{args.batch_s} s each as {args.shape}), {args.readers} readers every "
-        f"{args.read_interval:g} s, {args.duration:.0f} s",
+        f"{args.read_interval:g} s, {args.duration:.0f} s"
+        f"{', control loop off' if args.no_control else ''}",
         flush=True,
     )
     lost_any = False
