@@ -144,9 +144,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    # torch is imported here, not at module level: ``forewarn launch --help`` stays fast.
-    from migrator.agent import Agent, AgentConfig
-
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         print("forewarn launch: no training command (put it after --)", file=sys.stderr)
@@ -173,30 +170,6 @@ def run(args: argparse.Namespace) -> int:
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
-    cfg = AgentConfig(
-        command=command,
-        nproc=args.nproc,
-        spares=args.spares,
-        job_id=args.job_id,
-        backend=args.backend,
-        timeout_s=args.timeout_s,
-        pause_timeout_s=args.pause_timeout_s,
-        refill_spares=args.refill_spares,
-        host=args.host,
-        store_port=args.store_port,
-        http_port=args.http_port,
-        service_url=args.service,
-        faults=FaultPlan.from_json(args.faults) if args.faults else None,
-        log_dir=args.log_dir,
-        report_path=args.report,
-        nnodes=args.nnodes,
-        join_timeout_s=args.join_timeout_s,
-        node_timeout_s=args.node_timeout_s,
-        checkpoint_dir=args.checkpoint_dir.resolve() if args.checkpoint_dir else None,
-        resume_from=args.resume.resolve() if args.resume else None,
-    )
-    if args.node_name:
-        cfg.node = args.node_name
     link = None
     if args.service:
         from migrator.service_link import ServiceLink, parse_placement
@@ -222,6 +195,34 @@ def run(args: argparse.Namespace) -> int:
                 token=args.token,
                 job_id=args.job_id,
             )
+    # torch comes with the agent: imported only now, so ``--help`` and a refused token or a
+    # bad option answer at once instead of after torch's import.
+    from migrator.agent import Agent, AgentConfig
+
+    cfg = AgentConfig(
+        command=command,
+        nproc=args.nproc,
+        spares=args.spares,
+        job_id=args.job_id,
+        backend=args.backend,
+        timeout_s=args.timeout_s,
+        pause_timeout_s=args.pause_timeout_s,
+        refill_spares=args.refill_spares,
+        host=args.host,
+        store_port=args.store_port,
+        http_port=args.http_port,
+        service_url=args.service,
+        faults=FaultPlan.from_json(args.faults) if args.faults else None,
+        log_dir=args.log_dir,
+        report_path=args.report,
+        nnodes=args.nnodes,
+        join_timeout_s=args.join_timeout_s,
+        node_timeout_s=args.node_timeout_s,
+        checkpoint_dir=args.checkpoint_dir.resolve() if args.checkpoint_dir else None,
+        resume_from=args.resume.resolve() if args.resume else None,
+    )
+    if args.node_name:
+        cfg.node = args.node_name
     agent = Agent(cfg, link=link)
     original = agent._register
 
