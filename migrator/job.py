@@ -69,7 +69,13 @@ from migrator.ddp import ElasticDDP
 from migrator.faults import FaultPlan
 from migrator.handover import Handover, PlanHooks
 from migrator.membership import Membership
-from migrator.state import DataPosition, Registry, capture_rank_state, restore_rank_state
+from migrator.state import (
+    DataPosition,
+    Registry,
+    capture_rank_state,
+    refuse_bound_sharding,
+    restore_rank_state,
+)
 
 __all__ = ["Job", "Step", "is_peer_failure"]
 
@@ -331,10 +337,16 @@ class Job:
             scaler: a ``torch.amp.GradScaler``.
             data: the data position: ``state_dict()``/``load_state_dict()`` covering all
                 that is rank-specific (shard, offset, epoch, shuffle seed).
-            rank_unique: the model or optimizer state differs between ranks (FSDP, tensor
-                parallel shards). Planned and preventive migrations still work (the rank
-                itself sends it); rebuilding a dead rank from a replica is refused.
+            rank_unique: the model or optimizer state differs between ranks (a hand-sharded
+                optimizer, tensor-parallel shards kept as plain tensors). Planned and
+                preventive migrations still work (the rank itself sends it); rebuilding a
+                dead rank from a replica is refused.
+
+        Raises:
+            MigrationError: a module sharded by FSDP, FSDP2 or DTensor (bound to the group
+                it was wrapped on; see :func:`migrator.state.refuse_bound_sharding`).
         """
+        refuse_bound_sharding(_seq(model, models))
         # Filled in place: the handover holds this same registry.
         reg = self.registry
         reg.models = _seq(model, models)

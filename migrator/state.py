@@ -35,8 +35,39 @@ __all__ = [
     "Registry",
     "capture_rank_state",
     "peek_step",
+    "refuse_bound_sharding",
     "restore_rank_state",
 ]
+
+
+def refuse_bound_sharding(models: Sequence[torch.nn.Module]) -> None:
+    """Refuse modules whose sharding is bound to a process group at wrapping time: FSDP
+    (``FullyShardedDataParallel``), FSDP2 (``fully_shard``) and DTensor tensor parallelism.
+    A migration moves the job to a new process group (generation g+1), and such a module
+    cannot be rebound to it (docs/migration.md, "What each layout is guaranteed")."""
+    from torch.distributed import fsdp
+    from torch.distributed.tensor import DTensor
+
+    # FSDP2's class (torch >= 2.6); before it, fully_shard's parameters are DTensors all the same
+    wrappers = tuple(
+        c for c in (fsdp.FullyShardedDataParallel, getattr(fsdp, "FSDPModule", None)) if c
+    )
+    for i, model in enumerate(models):
+        for name, module in model.named_modules():
+            if isinstance(module, wrappers):
+                what = f"an FSDP-wrapped module ({name or 'the model'})"
+                break
+        else:
+            name = next((n for n, p in model.named_parameters() if isinstance(p, DTensor)), "")
+            if not name:
+                continue
+            what = f"a DTensor parameter ({name})"
+        raise MigrationError(
+            f"model {i} holds {what}: its sharding is bound to the process group it was "
+            "wrapped on, and a migration moves the job to a new group. Supported: replicated "
+            "modules (job.ddp) and plain tensors declared rank_unique=True",
+            details={"model": i, "found": what},
+        )
 
 
 class DataPosition(Protocol):

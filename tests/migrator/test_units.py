@@ -152,3 +152,23 @@ def test_checkpoint_round_trip_is_atomic_and_restores_in_place(tmp_path: Path) -
         checkpoint.restore(checkpoint.load(path), dst, 2)
     with pytest.raises(checkpoint.CheckpointError, match="at step 5, not 6"):
         checkpoint.write(tmp_path, step=6, registry=src, rank_states=states, layouts=[])
+
+
+def test_modules_sharded_on_their_group_are_refused_at_registration() -> None:
+    """FSDP2 (``fully_shard``) parameters are DTensors bound to the mesh they were wrapped on;
+    the migrator says so at registration instead of failing at the first move."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from migrator.state import refuse_bound_sharding
+
+    refuse_bound_sharding([torch.nn.Linear(4, 2)])  # replicated: accepted
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        sharded = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+        fully_shard(sharded, mesh=init_device_mesh("cpu", (1,)))
+        with pytest.raises(MigrationError, match="FSDP-wrapped module") as err:
+            refuse_bound_sharding([torch.nn.Linear(2, 2), sharded])
+        assert err.value.details["model"] == 1
+    finally:
+        dist.destroy_process_group()
