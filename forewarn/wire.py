@@ -327,7 +327,7 @@ class JobHeartbeat(_Wire):
     """A job agent's periodic sign of life."""
 
     status: str = Field(
-        max_length=32, description="starting, running, paused, completed, failed, stopped"
+        max_length=32, description="starting, running, paused, stopping, completed, failed, stopped"
     )
     generation: int = Field(default=0, ge=0, le=MAX_INT)
     message: str | None = Field(default=None, max_length=2000)
