@@ -29,3 +29,9 @@ def test_table_and_card_section(tiny, tiny_model) -> None:
     fold = section["folds"][0]
     assert fold["model_at_budget"]["failures"] == report.summary["model"]["failures"]
     assert set(fold["baseline"]["by_kind"]) == set(report.summary["baseline"]["by_kind"])
+    # the union alarms wherever the remap rule does: it catches at least what that rule catches
+    union = report.summary["union"]
+    assert union["rules"] == ["remap"] and fold["union_rules"] == ["remap"]
+    for kind, caught in report.summary["rule_settings"]["rule remap"]["by_kind"].items():
+        assert union["by_kind"][kind]["caught"] >= caught
+    assert len(table.splitlines()[-1].split(" | ")) == 9
