@@ -116,6 +116,8 @@ def _request(url: str, node: int, rows: list[dict[str, Any]], shape: str) -> byt
 
 async def _response(reader: asyncio.StreamReader) -> int:
     status = await reader.readline()
+    if not status:
+        raise ConnectionResetError("the service closed the connection")
     length = 0
     while (line := await reader.readline()) not in (b"\r\n", b""):
         name, _, value = line.partition(b":")
@@ -130,7 +132,7 @@ async def _node(
     url: str, requests: list[bytes], rows: int, period_s: float, first_at: float, until: float
 ) -> dict[str, Any]:
     """One collector: a batch every ``period_s`` from ``first_at``, each answer waited for."""
-    out: dict[str, Any] = {"acked": 0, "errors": 0, "latency_s": []}
+    out: dict[str, Any] = {"acked": 0, "errors": 0, "latency_s": [], "statuses": {}}
     parts = urlsplit(url)
     connection: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
     due = first_at
@@ -142,21 +144,29 @@ async def _node(
             break
         due += period_s
         start = time.perf_counter()
-        try:
-            if connection is None:
-                connection = await asyncio.open_connection(parts.hostname, parts.port)
-            connection[1].write(request)
-            status = await asyncio.wait_for(_response(connection[0]), 60)
-        except (OSError, asyncio.IncompleteReadError, TimeoutError):
-            status = 0
-            if connection is not None:
-                connection[1].close()
-            connection = None
+        status = 0
+        # A keep-alive connection the service closed while idle (uvicorn: after 5 s) is opened
+        # again and the batch sent once more at once, as an HTTP client's pool does.
+        for attempt in range(2):
+            reused = connection is not None
+            try:
+                if connection is None:
+                    connection = await asyncio.open_connection(parts.hostname, parts.port)
+                connection[1].write(request)
+                status = await asyncio.wait_for(_response(connection[0]), 60)
+                break
+            except (OSError, asyncio.IncompleteReadError, TimeoutError) as exc:
+                if connection is not None:
+                    connection[1].close()
+                connection = None
+                if not reused or attempt or isinstance(exc, TimeoutError):
+                    break
         out["latency_s"].append(time.perf_counter() - start)
         if status == 200:
             out["acked"] += rows
         else:
             out["errors"] += 1
+            out["statuses"][status] = out["statuses"].get(status, 0) + 1
     if connection is not None:
         connection[1].close()
     return out
@@ -215,9 +225,18 @@ def _generator(
                 "acked": sum(o["acked"] for o in outs),
                 "errors": sum(o["errors"] for o in outs),
                 "latency_s": [x for o in outs for x in o["latency_s"]],
+                "statuses": _merged([o["statuses"] for o in outs]),
             },
         )
     )
+
+
+def _merged(counts: list[dict[int, int]]) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for c in counts:
+        for k, v in c.items():
+            out[k] = out.get(k, 0) + v
+    return out
 
 
 async def _reader(
@@ -329,6 +348,7 @@ def run_once(args: argparse.Namespace) -> dict[str, Any]:
         "reads": len(reads["read_s"]),
         "read_mean": statistics.fmean(reads["read_s"]) if reads["read_s"] else float("nan"),
         "ingest_errors": sum(o["errors"] for o in outs),
+        "statuses": _merged([o["statuses"] for o in outs]),
         "read_errors": reads["read_errors"],
         "acked": acked,
         "stored": stored,
@@ -371,7 +391,8 @@ def main() -> None:
             f"{r['ingest_p50'] * 1000:.0f} ms p99 {r['ingest_p99'] * 1000:.0f} ms "
             f"({r['batches']} batches) | read p50 {r['read_p50'] * 1000:.0f} ms p99 "
             f"{r['read_p99'] * 1000:.0f} ms ({r['reads']} reads) | errors ingest "
-            f"{r['ingest_errors']} reads {r['read_errors']} | CPU service {r['cpu']:.2f} cores, "
+            f"{r['ingest_errors']} {r['statuses'] or ''} (status: count; 0: no answer) reads "
+            f"{r['read_errors']} | CPU service {r['cpu']:.2f} cores, "
             f"collectors {r['generator_cpu']:.2f} | "
             f"acknowledged {r['acked']:,} stored {r['stored']:,} lost {max(lost, 0)}",
             flush=True,
