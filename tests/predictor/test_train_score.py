@@ -126,3 +126,20 @@ def test_card_keeps_the_best_validation_candidate(tiny_model) -> None:
     best = max(tuple(float(cands[c][k] or 0.0) for k in key) for c in cands)
     assert tuple(float(cands[kept][k] or 0.0) for k in key) == best
     assert tiny_model.card["raw_threshold"] == cands[kept]["raw_threshold"]
+
+
+def test_ignored_features_are_never_split_on(tiny_dir) -> None:
+    from dataclasses import replace
+
+    from predictor.features import ABSOLUTE_LEVELS
+    from predictor.train import train
+    from tests.predictor.conftest import TINY_CONFIG
+
+    cfg = replace(TINY_CONFIG, ignore_features=ABSOLUTE_LEVELS, label_horizons_s=(1800.0,))
+    model = train([tiny_dir], cfg)
+    splits = dict(
+        zip(model.booster.feature_name(), model.booster.feature_importance("split"), strict=True)
+    )
+    assert all(splits[n] == 0 for n in ABSOLUTE_LEVELS)
+    assert sum(splits.values()) > 0
+    assert list(model.card["training"]["ignore_features"]) == list(ABSOLUTE_LEVELS)
