@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import socket
 import subprocess
 import sys
@@ -29,6 +28,7 @@ from collector.dcgm_exporter import parse_metrics
 from predictor.dataset import load_dataset
 from predictor.registry import SHIPPED_DIR
 from sim.schema import FAILURE_COLUMNS, SAMPLE_COLUMNS, sample_dtypes
+from tests.sim.exporter import served_exporter, stop
 
 PROMETHEUS = Path("/usr/bin/prometheus")
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
@@ -81,17 +81,6 @@ class Served:
         self._thread.join(5.0)
 
 
-def _stop(proc: subprocess.Popen[str]) -> None:
-    proc.terminate()
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(5)
-    if proc.stdout is not None:
-        proc.stdout.close()
-
-
 @pytest.fixture
 def control_url() -> str:
     return f"http://127.0.0.1:{_free_port()}"
@@ -99,22 +88,10 @@ def control_url() -> str:
 
 @pytest.fixture
 def simulated_exporter(control_url: str) -> Iterator[str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "forewarn", "simulate", "--gpus", "16", "--seed", "5",
-         "--speed", "60", "--interval", "1", "--serve-dcgm-exporter", "0",
-         "--control-port", control_url.rsplit(":", 1)[1], "--duration", "90"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )  # fmt: skip
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        url = re.search(r"http://\S+/metrics", line)
-        assert url, f"simulate printed {line!r}"
-        yield url[0]
-    finally:
-        _stop(proc)
+    port = control_url.rsplit(":", 1)[1]
+    args = ("--gpus", "16", "--seed", "5", "--speed", "60", "--interval", "1")
+    with served_exporter(*args, "--control-port", port, "--duration", "90") as url:
+        yield url
 
 
 @pytest.fixture
@@ -154,7 +131,7 @@ def prometheus(tmp_path: Path, simulated_exporter: str) -> Iterator[str]:
                 time.sleep(0.2)
         yield url
     finally:
-        _stop(proc)
+        stop(proc)
         log.close()
 
 

@@ -4,8 +4,6 @@ readings, and ``forewarn simulate --serve-dcgm-exporter`` serves it over HTTP.""
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 import time
 from datetime import UTC, datetime
 
@@ -16,6 +14,7 @@ from collector.dcgm_exporter import DCGM_FIELDS, parse_metrics, to_readings
 from forewarn.wire import Event, EventKind, GpuSample
 from sim.exposition import EXPORTED, DcgmExposition, ExporterServer
 from sim.source import SimulatedSource
+from tests.sim.exporter import served_exporter
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -89,27 +88,10 @@ def test_server_serves_metrics_and_404_elsewhere() -> None:
 
 @pytest.mark.slow
 def test_simulate_serves_dcgm_exporter_without_a_service() -> None:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "forewarn", "simulate", "--gpus", "8", "--speed", "100",
-         "--serve-dcgm-exporter", "0", "--control-port", "0", "--interval", "0.2",
-         "--duration", "30"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )  # fmt: skip
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        url = re.search(r"http://\S+/metrics", line)
-        assert url, line
-        with httpx.Client(timeout=5.0) as http:
-            first = http.get(url[0]).text
-            time.sleep(0.6)
-            second = http.get(url[0]).text
-        assert first.count("DCGM_FI_DEV_POWER_USAGE{") == 8
-        assert first != second  # the fleet advances in real time
-    finally:
-        proc.terminate()
-        proc.wait(10)
-        if proc.stdout is not None:
-            proc.stdout.close()
+    args = ("--gpus", "8", "--speed", "100", "--control-port", "0", "--interval", "0.2")
+    with served_exporter(*args, "--duration", "30") as url, httpx.Client(timeout=5.0) as http:
+        first = http.get(url).text
+        time.sleep(0.6)
+        second = http.get(url).text
+    assert first.count("DCGM_FI_DEV_POWER_USAGE{") == 8
+    assert first != second  # the fleet advances in real time
