@@ -88,6 +88,12 @@ def assert_same(
     for key in r:
         assert b[key]["loss"] == r[key]["loss"], f"loss differs at rank/step {key}"
         assert b[key]["samples"] == r[key]["samples"], f"samples differ at {key}"
+    assert_same_final(base, run, nproc=nproc)
+
+
+def assert_same_final(base: Run, run: Run, *, nproc: int = 2) -> None:
+    """Every rank's final parameters and optimizer state torch.equal, hyper-parameters and
+    scheduler state equal."""
     for rank in range(nproc):
         fb, fr = base.final(rank), run.final(rank)
         for name, t in fb["model"].items():

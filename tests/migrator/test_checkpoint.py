@@ -18,7 +18,7 @@ import pytest
 
 from migrator import checkpoint
 from migrator.faults import FaultPlan
-from tests.migrator.harness import Run, launch
+from tests.migrator.harness import Run, assert_same_final, launch
 from tests.migrator.nodes_harness import launch_nodes
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -44,17 +44,7 @@ def assert_resumed_equal(base: Run, stopped: Path, resumed: Run, *, at: int) -> 
     assert set(first) | set(second) == set(rows)
     for key, row in {**first, **second}.items():
         assert (row["loss"], row["samples"]) == (rows[key]["loss"], rows[key]["samples"]), key
-    import torch
-
-    for rank in range(2):
-        fb, fr = base.final(rank), resumed.final(rank)
-        for name, t in fb["model"].items():
-            assert torch.equal(t, fr["model"][name]), f"rank {rank} {name} differs"
-        for pid, st in fb["opt"]["state"].items():
-            for k, v in st.items():
-                assert torch.equal(v, fr["opt"]["state"][pid][k]), f"opt {pid}.{k} differs"
-        assert fb["opt"]["param_groups"] == fr["opt"]["param_groups"]
-        assert fb["sched"] == fr["sched"]
+    assert_same_final(base, resumed, nproc=2)
 
 
 def test_no_spare_left_stops_with_a_checkpoint_and_resumes_bitwise_equal(
