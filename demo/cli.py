@@ -43,6 +43,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--steps", type=int, default=600, help="training steps of the job")
     parser.add_argument(
+        "--wear-lead-s",
+        type=float,
+        default=90.0,
+        help="wall seconds from the start of the memory wear to the GPU's failure (the fleet "
+        "lives this times --speed of it: raise both together to keep the same physics)",
+    )
+    parser.add_argument(
         "--threshold", type=float, default=None, help="policy risk threshold (default: model's)"
     )
     parser.add_argument(
@@ -91,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
         gpus=args.gpus,
         speed=args.speed,
         steps=args.steps,
+        wear_lead_s=args.wear_lead_s,
         threshold=args.threshold,
     )
     story = Story(config, say=lambda line: print(line, flush=True))

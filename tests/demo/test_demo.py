@@ -25,6 +25,8 @@ def test_the_demo_tells_the_whole_story(tmp_path: Path) -> None:
             sys.executable, "-m", "forewarn", "demo", "--port", str(port),
             "--gpus", "64", "--steps", "500", "--data-dir", str(tmp_path / "var"),
             "--duration", "0", "--json", str(summary_path),
+            # the same fleet physics as the default, lived twice as fast: half the wall time
+            "--speed", "60", "--wear-lead-s", "45",
         ],
         capture_output=True,
         text=True,
