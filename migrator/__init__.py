@@ -22,15 +22,17 @@ if TYPE_CHECKING:
     from migrator.data import ShardedIndices
     from migrator.ddp import ElasticDDP
     from migrator.faults import Fault, FaultPlan
+    from migrator.fsdp import ElasticFSDP
     from migrator.job import Job, Step
 
-__all__ = ["ElasticDDP", "Fault", "FaultPlan", "Job", "ShardedIndices", "Step"]
+__all__ = ["ElasticDDP", "ElasticFSDP", "Fault", "FaultPlan", "Job", "ShardedIndices", "Step"]
 
 # Imported on first use: ``forewarn migrate``, ``forewarn launch --help`` and the service's
 # wire/client parts must not pay for (or need) torch.
 _LAZY = {
     "ShardedIndices": "migrator.data",
     "ElasticDDP": "migrator.ddp",
+    "ElasticFSDP": "migrator.fsdp",
     "Fault": "migrator.faults",
     "FaultPlan": "migrator.faults",
     "Job": "migrator.job",

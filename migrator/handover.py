@@ -377,6 +377,8 @@ class Handover:
         mid, rank = a["migration_id"], a["rank"]
         base = f"m/{mid}"
         source = "peer"
+        for sharded in self.member.fsdps:  # a rank's shards depend on its rank
+            sharded.shard(rank, self.member.world_size, None, self.registry.optimizers)
         try:
             if a["mode"] != "peer":
                 raise MigrationError("rebuilding from a replica")

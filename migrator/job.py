@@ -60,6 +60,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from forewarn.errors import MigrationError
 from migrator import checkpoint
 from migrator import protocol as P
 from migrator.channels import Channels, PairChannels
@@ -67,10 +68,13 @@ from migrator.checkpoint import StopCheckpointer
 from migrator.commands import CommandWatcher
 from migrator.ddp import ElasticDDP
 from migrator.faults import FaultPlan
+from migrator.fsdp import ElasticFSDP
 from migrator.handover import Handover, PlanHooks
 from migrator.membership import Membership
 from migrator.state import (
+    LAYOUTS,
     DataPosition,
+    Layout,
     Registry,
     capture_rank_state,
     refuse_bound_sharding,
@@ -326,7 +330,7 @@ class Job:
         scaler: Any = None,
         data: DataPosition | None = None,
         rank_unique: bool = False,
-    ) -> None:
+    ) -> Layout:
         """Say what the training state is. Call once, before :meth:`steps`.
 
         Args:
@@ -340,21 +344,35 @@ class Job:
             rank_unique: the model or optimizer state differs between ranks (a hand-sharded
                 optimizer, tensor-parallel shards kept as plain tensors). Planned and
                 preventive migrations still work (the rank itself sends it); rebuilding a
-                dead rank from a replica is refused.
+                dead rank from a replica is refused. Implied by a module of :meth:`fsdp`.
+
+        Returns:
+            The guarantees the layout allows (also logged and noted as ``registered``):
+            replicated, rank-unique or FSDP2 (docs/migration.md, "What each layout is
+            guaranteed").
 
         Raises:
-            MigrationError: a module sharded by FSDP, FSDP2 or DTensor (bound to the group
-                it was wrapped on; see :func:`migrator.state.refuse_bound_sharding`).
+            MigrationError: a module sharded by FSDP1, by FSDP2 other than through
+                :meth:`fsdp`, or by DTensor tensor parallelism (bound to the group it was
+                wrapped on; see :func:`migrator.state.refuse_bound_sharding`).
         """
-        refuse_bound_sharding(_seq(model, models))
+        sharded = [f.module for f in self.member.fsdps]
+        refuse_bound_sharding(_seq(model, models), sharded)
         # Filled in place: the handover holds this same registry.
         reg = self.registry
         reg.models = _seq(model, models)
         reg.optimizers = _seq(optimizer, optimizers)
         reg.schedulers = _seq(scheduler, schedulers)
-        reg.scaler, reg.data, reg.rank_unique = scaler, data, rank_unique
+        reg.scaler, reg.data = scaler, data
+        reg.rank_unique = rank_unique or bool(sharded)
         for opt in self.registry.optimizers:
             opt.register_step_post_hook(self._on_optimizer_step)
+        layout = LAYOUTS["fsdp2" if sharded else "rank_unique" if rank_unique else "replicated"]
+        log.info("%s", layout)
+        self.note(
+            "registered", layout=layout.kind, planned=layout.planned, unplanned=layout.unplanned
+        )
+        return layout
 
     def _on_optimizer_step(self, *_: Any) -> None:
         self._stepped = True
@@ -366,6 +384,41 @@ class Job:
         if self.group is not None:
             wrapped.rebuild(self.group, None, initial=True)
         return wrapped
+
+    def fsdp(
+        self, module: torch.nn.Module, *, layers: Sequence[torch.nn.Module] = (), **kwargs: Any
+    ) -> torch.nn.Module:
+        """Shard ``module`` with FSDP2's ``fully_shard`` on the job's group, whatever it
+        becomes; returns ``module`` (sharded in place). Call before building the optimizer
+        and before :meth:`register`.
+
+        ``layers`` are sharded first, each its own unit (e.g. the transformer blocks);
+        ``kwargs`` go to every ``fully_shard`` call (not ``mesh``: the job's). On a spare the
+        module is sharded when the spare is given its rank (a rank's shards depend on it),
+        and the registered optimizers are then pointed at the sharded parameters.
+
+        The shards are this rank's own: planned and preventive moves carry them, bit for
+        bit; a rank lost without warning cannot be rebuilt (``state_not_replicated``).
+
+        Raises:
+            MigrationError: the module already holds DTensor parameters (tensor
+                parallelism; not supported) or this torch lacks what rebinding needs.
+        """
+        from torch.distributed.tensor import DTensor
+
+        if self.registry.models:
+            raise RuntimeError("call job.fsdp(module) before job.register(...)")
+        if any(isinstance(p, DTensor) for p in module.parameters()):
+            raise MigrationError(
+                "job.fsdp: the module already holds DTensor parameters (tensor parallelism "
+                "or fully_shard applied before): not supported"
+            )
+        device_type = self.device.type if self.device is not None else "cpu"
+        sharded = ElasticFSDP(module, layers=layers, device_type=device_type, **kwargs)
+        if self.rank is not None:
+            sharded.shard(self.rank, self.world_size, self.group, self.registry.optimizers)
+        self.member.fsdps.append(sharded)
+        return module
 
     # -- collectives ------------------------------------------------------------------------
 

@@ -2,10 +2,11 @@
 
 A :class:`Membership` is the one owner of what changes when ranks change hands: the rank this
 process holds (None for a spare), the process-group generation ``g`` and its group, the
-``ElasticDDP`` wrappers rebuilt on each new group, the :class:`~migrator.groups.Graveyard`
-that keeps left groups referenced, and the :class:`~migrator.commands.CommandWatcher` that
-looks for the generation's commands. The job's loop and its handover procedures
-(:class:`migrator.handover.Handover`) both hold the same membership; neither owns the other.
+``ElasticDDP`` wrappers rebuilt and the ``ElasticFSDP`` modules rebound on each new group,
+the :class:`~migrator.groups.Graveyard` that keeps left groups referenced, and the
+:class:`~migrator.commands.CommandWatcher` that looks for the generation's commands. The
+job's loop and its handover procedures (:class:`migrator.handover.Handover`) both hold the
+same membership; neither owns the other.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch.distributed as dist
 
 from migrator.commands import CommandWatcher
 from migrator.ddp import ElasticDDP
+from migrator.fsdp import ElasticFSDP
 from migrator.groups import Graveyard, new_group
 
 __all__ = ["Membership"]
@@ -57,6 +59,7 @@ class Membership:
         self.gen = 0
         self.group: dist.ProcessGroup | None = None
         self.ddps: list[ElasticDDP] = []
+        self.fsdps: list[ElasticFSDP] = []
         self.graveyard = graveyard or Graveyard()
         self.commands = commands or CommandWatcher(store, lambda: (self.gen, self.rank))
 
@@ -65,7 +68,7 @@ class Membership:
     ) -> None:
         """Build generation ``gen``'s group at ``rank`` (blocks until every rank joined),
         rebuild DDP on it with ``layouts`` (the bucket layouts to keep; None: DDP's own),
-        and watch for the new generation's commands."""
+        rebind the FSDP modules to it, and watch for the new generation's commands."""
         group = new_group(
             self.store,
             f"g{gen}/pg",
@@ -77,6 +80,8 @@ class Membership:
         )
         for i, wrapped in enumerate(self.ddps):
             wrapped.rebuild(group, layouts[i] if layouts else None, initial=initial)
+        for sharded in self.fsdps:
+            sharded.bind(group)
         self.group, self.gen, self.rank = group, gen, rank
         self.commands.clear()
         self.commands.start()

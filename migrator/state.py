@@ -10,6 +10,10 @@ The state of a data-parallel rank has two parts:
   step boundary and mirrored to the agent's store, so that a dead rank's share can be
   rebuilt from a replica without the rank itself.
 
+An FSDP2 module's parameters and optimizer state are DTensors (:mod:`migrator.fsdp`): each
+is listed, sent and received as this rank's local shard (``DTensor.to_local()``, a view of
+its storage), and the job's state is then rank-unique, not replicated.
+
 Tensors travel in a fixed order described by a *manifest* (name, shape, dtype) sent ahead of
 them, so the receiver checks that its model matches and allocates the optimizer state it
 does not have yet before receiving each tensor in place. Everything that is not a tensor
@@ -21,6 +25,7 @@ from __future__ import annotations
 import array
 import pickle
 import random
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -31,7 +36,9 @@ import torch
 from forewarn.errors import MigrationError
 
 __all__ = [
+    "LAYOUTS",
     "DataPosition",
+    "Layout",
     "Registry",
     "capture_rank_state",
     "peek_step",
@@ -40,34 +47,96 @@ __all__ = [
 ]
 
 
-def refuse_bound_sharding(models: Sequence[torch.nn.Module]) -> None:
-    """Refuse modules whose sharding is bound to a process group at wrapping time: FSDP
-    (``FullyShardedDataParallel``), FSDP2 (``fully_shard``) and DTensor tensor parallelism.
-    A migration moves the job to a new process group (generation g+1), and such a module
-    cannot be rebound to it (docs/migration.md, "What each layout is guaranteed")."""
-    from torch.distributed import fsdp
+def refuse_bound_sharding(
+    models: Sequence[torch.nn.Module], fsdp: Sequence[torch.nn.Module] = ()
+) -> None:
+    """Refuse modules whose sharding is bound to a process group the job cannot move:
+    FSDP1 (``FullyShardedDataParallel``), FSDP2 (``fully_shard``) applied by the script
+    itself rather than through ``job.fsdp``, and DTensor tensor parallelism. A migration
+    moves the job to a new process group (generation g+1); only the modules in ``fsdp``
+    (sharded by ``job.fsdp``) are rebound to it (docs/migration.md, "What each layout is
+    guaranteed")."""
+    from torch.distributed import fsdp as torch_fsdp
     from torch.distributed.tensor import DTensor
 
-    # FSDP2's class (torch >= 2.6); before it, fully_shard's parameters are DTensors all the same
-    wrappers = tuple(
-        c for c in (fsdp.FullyShardedDataParallel, getattr(fsdp, "FSDPModule", None)) if c
-    )
+    ours = {id(u) for m in fsdp for u in m.modules()}
+    ours_params = {id(p) for m in fsdp for p in m.parameters()}
+    fsdp2 = getattr(torch_fsdp, "FSDPModule", None)  # torch >= 2.6
     for i, model in enumerate(models):
+        what, hint = "", ""
         for name, module in model.named_modules():
-            if isinstance(module, wrappers):
-                what = f"an FSDP-wrapped module ({name or 'the model'})"
+            if isinstance(module, torch_fsdp.FullyShardedDataParallel):
+                what = f"an FSDP1 FullyShardedDataParallel module ({name or 'the model'})"
+                hint = "FSDP1 is not supported: shard with FSDP2 through job.fsdp(module)"
+                break
+            if fsdp2 is not None and isinstance(module, fsdp2) and id(module) not in ours:
+                what = f"an FSDP2 module not sharded by job.fsdp ({name or 'the model'})"
+                hint = "shard it with job.fsdp(module, **fully_shard_kwargs) instead"
                 break
         else:
-            name = next((n for n, p in model.named_parameters() if isinstance(p, DTensor)), "")
-            if not name:
-                continue
-            what = f"a DTensor parameter ({name})"
+            for name, p in model.named_parameters():
+                if isinstance(p, DTensor) and id(p) not in ours_params:
+                    what = f"a DTensor parameter ({name})"
+                    hint = "DTensor tensor parallelism is not supported"
+                    break
+        if not what:
+            continue
         raise MigrationError(
             f"model {i} holds {what}: its sharding is bound to the process group it was "
-            "wrapped on, and a migration moves the job to a new group. Supported: replicated "
-            "modules (job.ddp) and plain tensors declared rank_unique=True",
+            f"wrapped on, and a migration moves the job to a new group. {hint}. Supported: "
+            "replicated modules (job.ddp), FSDP2 through job.fsdp, and plain tensors "
+            "declared rank_unique=True",
             details={"model": i, "found": what},
         )
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What a job's registered state allows, stated at registration (``job.register``
+    returns it and logs it; docs/migration.md, "What each layout is guaranteed")."""
+
+    kind: str  # "replicated", "rank_unique" or "fsdp2"
+    planned: str  # planned and preventive moves
+    unplanned: str  # a rank lost without warning
+
+    def __str__(self) -> str:
+        return (
+            f"layout {self.kind}: planned/preventive: {self.planned}; unplanned: {self.unplanned}"
+        )
+
+
+_REFUSED = (
+    "refused (state_not_replicated): no other rank holds this rank's {what}; "
+    "restart from a checkpoint"
+)
+LAYOUTS = {
+    "replicated": Layout(
+        "replicated",
+        "bitwise equal, 0 steps lost",
+        "bitwise equal, 1 step lost, rebuilt from any healthy replica",
+    ),
+    "rank_unique": Layout(
+        "rank_unique",
+        "bitwise equal, 0 steps lost: the rank sends its own tensors",
+        _REFUSED.format(what="state"),
+    ),
+    "fsdp2": Layout(
+        "fsdp2",
+        "bitwise equal, 0 steps lost: the rank sends its own shards",
+        _REFUSED.format(what="shards (no replica group)"),
+    ),
+}
+
+
+def _is_dtensor(t: Any) -> bool:
+    # No DTensor exists before its module is imported: a job without one never imports it.
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The part of ``t`` this rank holds: a DTensor's local shard (a view of its storage)."""
+    return t.to_local() if _is_dtensor(t) else t  # type: ignore[attr-defined]
 
 
 class DataPosition(Protocol):
@@ -98,7 +167,7 @@ class Registry:
         out = []
         for i, model in enumerate(self.models):
             for name, tensor in model.state_dict(keep_vars=False).items():
-                out.append((f"model{i}.{name}", tensor))
+                out.append((f"model{i}.{name}", _local(tensor)))
         return out
 
     def _optimizer_slots(self) -> list[tuple[str, torch.optim.Optimizer, torch.Tensor, str]]:
@@ -115,9 +184,9 @@ class Registry:
         return out
 
     def tensors(self) -> list[tuple[str, torch.Tensor]]:
-        """Every tensor of the replica state, in transfer order."""
+        """Every tensor of the replica state (a DTensor's local shard), in transfer order."""
         out = self._model_tensors()
-        out += [(name, opt.state[p][key]) for name, opt, p, key in self._optimizer_slots()]
+        out += [(name, _local(opt.state[p][key])) for name, opt, p, key in self._optimizer_slots()]
         return out
 
     def manifest(self) -> Manifest:
@@ -165,10 +234,15 @@ class Registry:
                 p = params[int(head[3:])][int(pj[1:])]
                 state = opt.state.setdefault(p, {})
                 t = state.get(key)
-                if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
-                    device = torch.device("cpu") if key == "step" else p.device
-                    t = torch.empty(shape, dtype=getattr(torch, dtype[6:]), device=device)
+                if not isinstance(t, torch.Tensor) or tuple(_local(t).shape) != shape:
+                    kind = getattr(torch, dtype[6:])
+                    if key != "step" and _is_dtensor(p):
+                        t = torch.empty_like(p, dtype=kind)  # sharded like its parameter
+                    else:
+                        device = torch.device("cpu") if key == "step" else p.device
+                        t = torch.empty(shape, dtype=kind, device=device)
                     state[key] = t
+                t = _local(t)
             else:
                 t = mine.get(name)
                 if t is None:

@@ -155,20 +155,38 @@ def test_checkpoint_round_trip_is_atomic_and_restores_in_place(tmp_path: Path) -
 
 
 def test_modules_sharded_on_their_group_are_refused_at_registration() -> None:
-    """FSDP2 (``fully_shard``) parameters are DTensors bound to the mesh they were wrapped on;
-    the migrator says so at registration instead of failing at the first move."""
+    """FSDP1, FSDP2 applied by the script itself (not through ``job.fsdp``) and DTensor
+    tensor parallelism are bound to the group they were wrapped on: the migrator says so at
+    registration instead of failing at the first move. ``job.fsdp`` modules are accepted
+    (tests/migrator/test_fsdp.py)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy, fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
 
     from migrator.state import refuse_bound_sharding
 
     refuse_bound_sharding([torch.nn.Linear(4, 2)])  # replicated: accepted
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
+        mesh = init_device_mesh("cpu", (1,))
         sharded = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
-        fully_shard(sharded, mesh=init_device_mesh("cpu", (1,)))
-        with pytest.raises(MigrationError, match="FSDP-wrapped module") as err:
+        fully_shard(sharded, mesh=mesh)
+        with pytest.raises(MigrationError, match=r"FSDP2 module not sharded by job\.fsdp") as err:
             refuse_bound_sharding([torch.nn.Linear(2, 2), sharded])
         assert err.value.details["model"] == 1
+        assert "job.fsdp(module" in str(err.value)
+        refuse_bound_sharding([sharded], fsdp=[sharded])  # sharded by job.fsdp: accepted
+        fsdp1 = FullyShardedDataParallel(
+            torch.nn.Linear(4, 2),
+            device_id=torch.device("cpu"),
+            sharding_strategy=ShardingStrategy.NO_SHARD,  # what one rank gets anyway
+        )
+        with pytest.raises(MigrationError, match="FSDP1 FullyShardedDataParallel"):
+            refuse_bound_sharding([fsdp1])
+        tp = torch.nn.Linear(4, 2)
+        tp.weight = torch.nn.Parameter(distribute_tensor(tp.weight.detach(), mesh, [Shard(0)]))
+        with pytest.raises(MigrationError, match=r"DTensor parameter \(weight\)") as err:
+            refuse_bound_sharding([tp])
+        assert "tensor parallelism is not supported" in str(err.value)
     finally:
         dist.destroy_process_group()

@@ -1,6 +1,7 @@
 """A tiny migratable training job for the migrator tests (run by the agent, not by pytest).
 
-Uses every RNG a script may use (dropout: torch; noise: NumPy; a random scale: Python),
+``--mode fsdp`` shards the model with FSDP2 through ``job.fsdp`` (each rank saves its own
+shards). Uses every RNG a script may use (dropout: torch; noise: NumPy; a random scale: Python),
 an Adam optimizer, a StepLR scheduler and a sharded data position, so a handover that
 forgets any of them shows up as a different loss. Writes one JSON line per finished step to
 ``OUT/log.slot<slot>.jsonl`` and the final state of each rank to ``OUT/final.rank<r>.pt``.
@@ -25,7 +26,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--mode", choices=["ddp", "plain"], default="ddp")
+    ap.add_argument("--mode", choices=["ddp", "plain", "fsdp"], default="ddp")
     ap.add_argument("--width", type=int, default=32)
     ap.add_argument("--unique", action="store_true", help="declare rank-unique state")
     ap.add_argument("--raise-at", metavar="RANK:STEP", help="RuntimeError there, every time")
@@ -56,6 +57,8 @@ def main() -> None:
     device = job.device if args.cuda and job.device is not None else torch.device("cpu")
     model.to(device)
     x_all, y_all = x_all.to(device), y_all.to(device)
+    if args.mode == "fsdp":  # FSDP2: the first layer its own unit, the rest the root's
+        job.fsdp(model, layers=[model[0]])
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.7)
     batches = ShardedIndices(512, 8, rank=rank, world_size=job.world_size, seed=5)
@@ -95,10 +98,19 @@ def main() -> None:
             }
             log.write(json.dumps(row) + "\n")
             log.flush()
-    torch.save(
-        {"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()},
-        args.out / f"final.rank{job.rank}.pt",
-    )
+    final = {"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()}
+    torch.save(_local(final), args.out / f"final.rank{job.rank}.pt")
+
+
+def _local(obj: object) -> object:
+    """``obj`` with each DTensor (FSDP2's parameters and optimizer state) as this rank's shard."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(obj, dict):
+        return {k: _local(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_local(v) for v in obj]
+    return obj.to_local() if isinstance(obj, DTensor) else obj
 
 
 if __name__ == "__main__":
