@@ -106,6 +106,11 @@ CASES: dict[str, Case] = {
         why="the whole story with --duration and --json is tests/demo/test_demo.py",
     ),
     "forewarn demo --no-story": Case("make run", mode="same"),
+    "forewarn demo --speed 60 --wear-lead-s 45": Case(
+        "forewarn demo --help",
+        expect=("--speed", "--wear-lead-s"),
+        why="the whole story at --speed 60 --wear-lead-s 45 is tests/demo/test_demo.py",
+    ),
     "forewarn serve --host 0.0.0.0 --port 8765": Case(
         "exec forewarn serve --host 127.0.0.1 --port @port@ --data-dir serve-var", mode="serve"
     ),
