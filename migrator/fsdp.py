@@ -160,6 +160,7 @@ class ElasticFSDP:
         self.device_type = device_type
         self.kwargs = fully_shard_kwargs
         self.sharded = False
+        self.rank: int | None = None
         self._placeholder: dist.ProcessGroup | None = None
 
     def shard(
@@ -175,6 +176,12 @@ class ElasticFSDP:
         from torch.distributed.fsdp import fully_shard
 
         if self.sharded:
+            if rank != self.rank:  # a spare's shards fit the rank it was first given
+                raise MigrationError(
+                    f"this spare's FSDP module is sharded as rank {self.rank}; it cannot "
+                    f"take rank {rank}",
+                    details={"sharded_as": self.rank, "asked": rank},
+                )
             return
         before = {id(p): name for name, p in self.module.named_parameters()}
         if group is None:  # c10d's registry holds groups weakly: keep it referenced
@@ -184,7 +191,7 @@ class ElasticFSDP:
         for layer in self.layers:
             fully_shard(layer, mesh=mesh, **self.kwargs)
         fully_shard(self.module, mesh=mesh, **self.kwargs)
-        self.sharded = True
+        self.sharded, self.rank = True, rank
         after = dict(self.module.named_parameters())
         for opt in optimizers:
             for param_group in opt.param_groups:

@@ -149,3 +149,16 @@ def test_fsdp_rank_lost_without_warning_is_refused(tmp_path: Path) -> None:
     # The survivor raises the error of that code (and exits with it); no spare took rank 1.
     assert "StateNotReplicated" in run.log(0)
     assert run.reports == []
+
+
+def test_a_spare_sharded_as_one_rank_refuses_another() -> None:
+    """A spare shards when it is given a rank (uneven shards differ by rank); asked later for
+    another rank (an earlier handover of it aborted), it refuses instead of receiving a
+    shard of the wrong rows."""
+    from migrator.fsdp import ElasticFSDP
+
+    sharded = ElasticFSDP(_model())
+    sharded.shard(1, 2, None)
+    sharded.shard(1, 2, None)  # the same rank again: nothing to do
+    with pytest.raises(MigrationError, match="sharded as rank 1"):
+        sharded.shard(0, 2, None)
