@@ -51,8 +51,11 @@ def test_service_outage_loses_nothing_and_stores_nothing_twice(
         assert agent.pusher.stats.spooled > 0
         port = int(service.url.rsplit(":", 1)[1])
         back = start_service(service.database_url, tmp_path / "service.log", port=port)
-        try:
-            time.sleep(1.0)
+        try:  # the spool drains once the service answers again (slower on a loaded machine)
+            deadline = time.monotonic() + 60
+            while agent.pusher.stats.spooled and time.monotonic() < deadline:
+                time.sleep(0.2)
+            time.sleep(0.5)  # and what was taken meanwhile goes out too
         finally:
             agent.stop()
             runner.join(timeout=30)
