@@ -159,8 +159,8 @@ class ElasticFSDP:
         self.layers = list(layers)
         self.device_type = device_type
         self.kwargs = fully_shard_kwargs
-        self.sharded = False
         self.rank: int | None = None
+        """The rank the module is sharded as; None until it is sharded."""
         self._placeholder: dist.ProcessGroup | None = None
 
     def shard(
@@ -175,7 +175,7 @@ class ElasticFSDP:
         (they were built on the unsharded ones)."""
         from torch.distributed.fsdp import fully_shard
 
-        if self.sharded:
+        if self.rank is not None:
             if rank != self.rank:  # a spare's shards fit the rank it was first given
                 raise MigrationError(
                     f"this spare's FSDP module is sharded as rank {self.rank}; it cannot "
@@ -191,7 +191,7 @@ class ElasticFSDP:
         for layer in self.layers:
             fully_shard(layer, mesh=mesh, **self.kwargs)
         fully_shard(self.module, mesh=mesh, **self.kwargs)
-        self.sharded, self.rank = True, rank
+        self.rank = rank
         after = dict(self.module.named_parameters())
         for opt in optimizers:
             for param_group in opt.param_groups:
@@ -206,6 +206,6 @@ class ElasticFSDP:
 
     def bind(self, group: dist.ProcessGroup) -> None:
         """Point the module's mesh at ``group`` (the new generation's)."""
-        if self.sharded:
+        if self.rank is not None:
             rebind(group, [self.module])
             self._placeholder = None
