@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import time
 import traceback
 from collections.abc import Iterator, Mapping, Sequence
@@ -262,6 +263,7 @@ class Job:
         self._ahead: bytes | None = None
         self._stepped = False
         self._started = False
+        self._published = False  # the manifest, for the spares (see _publish_manifest)
         self._boundary_t = 0.0
 
     # The membership's view, as the script reads it.
@@ -506,6 +508,9 @@ class Job:
         if self.mirror:
             self.store.set(P.mirror_key(self.rank), snapshot)
         self.hooks.fire("step_start", self.rank, k)
+        self.member.settle()
+        if not self._published and self.rank == 0:
+            self._publish_manifest()
         handover = self.handover
         cmd = self.commands.pending(self.gen) if handover.stop is None else None
         # A command was flagged (a local read: the watcher thread polls the store): wait
@@ -517,6 +522,18 @@ class Job:
                 raise RuntimeError(f"rank {self.rank} passed the handover step {handover.stop}")
             if k == handover.stop:
                 handover.hand_over(k, snapshot=snapshot, t0=self._boundary_t)
+
+    def _publish_manifest(self) -> None:
+        """Publish the replica state's manifest once the optimizers have their state, for
+        the spares to allocate it ahead (:meth:`Registry.preallocate`). Once per process:
+        state that appears later is allocated by the spare when it arrives."""
+        optimizers = self.registry.optimizers
+        if self.member.fsdps or not optimizers:
+            self._published = True
+        elif any(opt.state for opt in optimizers):
+            manifest = self.registry.manifest()
+            self.store.set(P.MANIFEST_KEY, pickle.dumps(manifest, protocol=pickle.HIGHEST_PROTOCOL))
+            self._published = True
 
     def _mirror_ahead(self) -> None:
         """Mirror this rank's state as boundary ``k+1`` will find it, from inside step ``k``.

@@ -91,6 +91,12 @@ class Membership:
         self.graveyard.bury(self.group, broken=broken)
         self.group = None
 
+    def settle(self) -> None:
+        """Keep each DDP wrapper's bucket layout once DDP settled it (at step boundaries;
+        see :meth:`ElasticDDP.settle`)."""
+        for wrapped in self.ddps:
+            wrapped.settle()
+
     def layouts(self) -> list[Any]:
         """Each DDP wrapper's bucket layout (a spare receives them; survivors keep them)."""
         return [d.layout() for d in self.ddps]

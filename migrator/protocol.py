@@ -24,6 +24,9 @@ Key map (``g`` is a process-group generation, ``r`` a rank, ``s`` a process slot
                              type, message, traceback), written before the process exits
     rs/{r}                   mirror of rank r's own state (RNG, data position) at its last
                              step boundary, for rebuilding it from a replica
+    manifest                 the replica state's manifest (pickled), published by rank 0
+                             once its optimizer state exists: a waiting spare allocates that
+                             state ahead of its assignment (see Registry.preallocate)
     rs/{r}/ahead             the same state as the next boundary will find it, written
                              before the step's collectives (a rank that dies after its last
                              collective of step k leaves the survivors at boundary k+1)
@@ -46,6 +49,7 @@ from typing import Any
 from forewarn.errors import MigrationError
 
 __all__ = [
+    "MANIFEST_KEY",
     "HandoverTimeout",
     "alive_count_key",
     "alive_key",
@@ -127,6 +131,9 @@ def recovery_key(gen: int) -> str:
 
 def assign_key(slot: int) -> str:
     return f"slot{slot}/assign"
+
+
+MANIFEST_KEY = "manifest"
 
 
 def mirror_key(rank: int) -> str:

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from forewarn.errors import MigrationError
 from migrator.data import ShardedIndices
 from migrator.faults import FaultPlan
-from migrator.groups import pair_group
+from migrator.groups import new_group, pair_group
 from migrator.state import Registry, capture_rank_state, restore_rank_state
 from migrator.transport import PGTransport
 
@@ -72,6 +72,118 @@ def test_mismatched_model_is_refused() -> None:
     other = Registry(models=[torch.nn.Linear(4, 7)])
     with pytest.raises(MigrationError, match="sender has"):
         other.prepare(src.manifest())
+
+
+def test_state_allocated_ahead_is_what_the_transfer_lands_in() -> None:
+    src, dst = _trained(1), _trained(2)
+    dst.optimizers[0].state.clear()  # a spare's optimizer has no state yet
+    manifest = src.manifest()
+    opt_bytes = sum(t.numel() * t.element_size() for n, t in src.tensors() if n.startswith("opt"))
+    assert dst.preallocate(manifest) == opt_bytes
+    assert not dst.optimizers[0].state, "allocated aside, not into the optimizer"
+    ahead = {name: t.data_ptr() for name, t in dst.ahead.items()}
+    dsts = dst.prepare(manifest)
+    assert not dst.ahead, "prepare takes what was set aside"
+    landed = {n: t.data_ptr() for (n, _, _), t in zip(manifest, dsts, strict=True)}
+    assert ahead and all(landed[n] == ptr for n, ptr in ahead.items())
+
+    # A manifest that changed since (another shape) gets fresh state, not the stale one.
+    dst.optimizers[0].state.clear()
+    stale = [(n, (1,) if n.endswith("exp_avg") else s, d) for n, s, d in manifest]
+    dst.preallocate(stale)
+    dsts = dst.prepare(manifest)
+    for (n, shape, _), t in zip(manifest, dsts, strict=True):
+        assert tuple(t.shape) == shape, n
+
+    # A manifest of another optimizer is refused with the names, not an IndexError.
+    with pytest.raises(MigrationError, match="no optimizer 1"):
+        Registry(models=dst.models, optimizers=dst.optimizers).preallocate(
+            [("opt1.p0.exp_avg", (6, 4), "torch.float32")]
+        )
+
+
+def test_a_waiting_spare_allocates_the_published_state_and_receives_into_it() -> None:
+    """Rank 0 publishes its manifest once Adam has state; a spare waiting for its assignment
+    allocates that state then, and the handover's transfer lands in that very memory."""
+    from migrator import Job
+    from migrator import protocol as P
+
+    store = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=20)
+    )
+
+    def client() -> dist.TCPStore:
+        return dist.TCPStore(
+            "127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=20)
+        )
+
+    def job(slot: int, rank: int | None) -> tuple[Job, torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 2))
+        opt = torch.optim.Adam(model.parameters(), lr=0.1)
+        j = Job(store=client(), slot=slot, world_size=1, initial_rank=rank, timeout_s=10)
+        j.register(model=model, optimizer=opt)
+        return j, model, opt
+
+    src, model, opt = job(0, 0)
+    for step in src.steps(2):  # the manifest is published at boundary 1, after Adam's first step
+        with step:
+            model(torch.randn(3, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    assert store.check([P.MANIFEST_KEY])
+
+    spare, _, spare_opt = job(1, None)
+    got: dict[str, object] = {}
+    waiting = threading.Thread(target=lambda: got.update(step=spare.handover.serve_as_spare()))
+    waiting.start()
+    for _ in range(500):
+        if spare.handover.ahead_bytes:
+            break
+        threading.Event().wait(0.01)
+    adam_bytes = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values())
+    assert spare.handover.ahead_bytes == adam_bytes
+    ahead = {name: t.data_ptr() for name, t in spare.registry.ahead.items()}
+
+    P.put_json(store, P.assign_key(1), {"mode": "peer", "migration_id": "m", "rank": 0, "gen": 1})
+    src.handover._send("x/m/peer", step=2, rank_state=capture_rank_state(2, None))
+    waiting.join(timeout=30)
+    assert got == {"step": 2}
+    landed = dict(spare.registry.tensors())
+    assert {n: landed[n].data_ptr() for n in ahead} == ahead, (
+        "received into the state allocated ahead"
+    )
+    for (n, a), (m, b) in zip(src.registry.tensors(), spare.registry.tensors(), strict=True):
+        assert n == m and torch.equal(a, b), n
+    assert spare_opt.state_dict()["state"][0]["step"] == opt.state_dict()["state"][0]["step"]
+    src.commands.close()
+    spare.commands.close()
+
+
+def test_ddp_bucket_layout_is_kept_once_ddp_settled_it() -> None:
+    from migrator.ddp import ElasticDDP
+
+    store = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=20)
+    )
+    group = new_group(store, "ddp", rank=0, size=1, backend="gloo", timeout_s=10)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    wrapped = ElasticDDP(model, bucket_cap_mb=0.0001)
+    wrapped.rebuild(group, None, initial=True)
+    wrapped.settle()
+    assert wrapped._layout is None, "not before DDP rebuilt its buckets"
+    first = wrapped.layout()
+    for _ in range(2):  # DDP rebuilds its buckets in the forward after the first backward
+        wrapped(torch.randn(2, 8)).sum().backward()
+    wrapped.settle()
+    assert wrapped._layout is not None
+    assert wrapped.layout() == wrapped._read_layout()
+    assert sorted(i for b in wrapped.layout() or [] for i in b) == sorted(
+        i for b in first or [] for i in b
+    )
+    wrapped.rebuild(group, wrapped.layout())
+    assert wrapped._layout is None, "a rebuilt DDP is read afresh"
 
 
 def test_rank_state_round_trip_restores_every_rng() -> None:
