@@ -32,6 +32,22 @@ def leads(service: LiveService) -> bool:
     return "forewarn_control_leader 1.0" in text
 
 
+def ticks(service: LiveService) -> int:
+    """Control-loop ticks this replica ran (the tick histogram's count; 0 while it follows)."""
+    text = httpx.get(service.url + "/metrics", timeout=5).text
+    for line in text.splitlines():
+        if line.startswith("forewarn_scorer_tick_seconds_count"):
+            return int(float(line.split()[-1]))
+    return 0
+
+
+def wait_ticks(service: LiveService, n: int, timeout_s: float = 60) -> None:
+    """Wait until ``service`` ran ``n`` more ticks: a count of ticks, not a fixed sleep, so
+    that what the test then asserts was decided by that many ticks on a loaded machine too."""
+    start = ticks(service)
+    wait_for(f"{n} ticks", lambda: ticks(service) >= start + n, timeout_s)
+
+
 def wait_for(what: str, check: Any, timeout_s: float) -> Any:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -80,16 +96,17 @@ def test_one_leader_one_migration_and_a_handover(
             return r.json()["data"]  # type: ignore[no-any-return]
 
         wait_for("a migration", migrations, 60)
-        time.sleep(3)  # several ticks of both replicas
+        first = leader[0]
+        other = b if first is a else a
+        wait_ticks(first, 4)  # the leader saw the crossing again and again
+        assert ticks(other) == 0, "the follower must not run the loop"
         (m,) = migrations()
         assert m["trigger"] == "preventive" and m["state"] == "requested"
 
-        first = leader[0]
-        other = b if first is a else a
         first.process.send_signal(signal.SIGKILL)
         first.process.wait(timeout=10)
         wait_for("the other replica to lead", lambda: leads(other), 30)
-        time.sleep(2)
+        wait_ticks(other, 4)
         assert [x["id"] for x in migrations()] == [m["id"]]
     finally:
         a.stop()
