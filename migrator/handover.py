@@ -360,7 +360,8 @@ class Handover:
         t = time.perf_counter()
         try:
             nbytes = self.registry.preallocate(pickle.loads(self.store.get(P.MANIFEST_KEY)))
-        except MigrationError as exc:
+        except (MigrationError, RuntimeError) as exc:  # another model, or out of memory
+            self.registry.ahead.clear()
             log.warning("spare: no optimizer state allocated ahead: %s", exc)
             return
         self.ahead_bytes = nbytes

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import threading
 from datetime import timedelta
 from pathlib import Path
@@ -158,6 +159,13 @@ def test_a_waiting_spare_allocates_the_published_state_and_receives_into_it() ->
     assert spare_opt.state_dict()["state"][0]["step"] == opt.state_dict()["state"][0]["step"]
     src.commands.close()
     spare.commands.close()
+
+    # A manifest this spare cannot hold (another optimizer) is logged and left: the spare
+    # keeps waiting, and a handover would refuse the mismatch as before.
+    other, _, _ = job(2, None)
+    store.set(P.MANIFEST_KEY, pickle.dumps([("opt1.p0.exp_avg", (6, 4), "torch.float32")]))
+    other.handover._allocate_ahead()
+    assert other.handover.ahead_bytes == 0 and not other.registry.ahead
 
 
 def test_ddp_bucket_layout_is_kept_once_ddp_settled_it() -> None:
