@@ -142,6 +142,24 @@ def _scraped(url: str) -> int:
     return int(float(result[0]["value"][1])) if result else 0
 
 
+def _scraped_until(url: str) -> float:
+    """The newest scrape Prometheus holds of the simulator (seconds since the epoch; 0: none)."""
+    query = "max(timestamp(DCGM_FI_DEV_GPU_TEMP))"
+    with httpx.Client(timeout=2.0) as http:
+        r = http.get(f"{url}/api/v1/query", params={"query": query})
+    result = r.json()["data"]["result"]
+    return float(result[0]["value"][1]) if result else 0.0
+
+
+def _wait_scraped_until(url: str, t: float, timeout_s: float = 60) -> None:
+    """Wait until Prometheus scraped the simulator at ``t`` or later: on a loaded machine
+    scrapes come late, and a fixed sleep would leave the window short of samples."""
+    deadline = time.monotonic() + timeout_s
+    while _scraped_until(url) < t:
+        assert time.monotonic() < deadline, f"no scrape at or after {t:.3f} within {timeout_s} s"
+        time.sleep(0.5)
+
+
 @pytest.mark.slow
 def test_import_from_a_real_prometheus(
     prometheus: str, simulated_exporter: str, control_url: str, tmp_path: Path
@@ -152,10 +170,11 @@ def test_import_from_a_real_prometheus(
             assert time.monotonic() < deadline, "Prometheus never scraped the simulator"
             time.sleep(0.5)
         since = time.time()
-        time.sleep(4)
+        _wait_scraped_until(prometheus, since + 4)
         body = {"node": LOST[0], "gpu": LOST[1], "kind": "gpu_lost"}
+        lost_at = time.time()
         assert httpx.post(f"{control_url}/inject", json=body, timeout=5.0).status_code == 200
-        time.sleep(12)
+        _wait_scraped_until(prometheus, lost_at + 12)
         until = time.time()
     out = tmp_path / "fleet"
     done = _forewarn(
