@@ -220,9 +220,15 @@ class Registry:
             "scaler": None if self.scaler is None else self.scaler.state_dict(),
         }
 
-    def _slot(self, name: str) -> tuple[torch.optim.Optimizer, torch.Tensor, str]:
+    def _params(self) -> list[list[torch.Tensor]]:
+        """Each optimizer's parameters in the order manifest names number them."""
+        return [[p for g in opt.param_groups for p in g["params"]] for opt in self.optimizers]
+
+    def _slot(
+        self, name: str, params: list[list[torch.Tensor]]
+    ) -> tuple[torch.optim.Optimizer, torch.Tensor, str]:
         """The optimizer, parameter and state key a manifest name ``opt{i}.p{j}.{key}``
-        stands for.
+        stands for (``params``: :meth:`_params`).
 
         Raises:
             MigrationError: this process has no such optimizer or parameter.
@@ -231,10 +237,10 @@ class Registry:
         i, j = int(head[3:]), int(pj[1:])
         if i >= len(self.optimizers):
             raise MigrationError(f"the sender has {name}, this process has no optimizer {i}")
-        params = [p for g in self.optimizers[i].param_groups for p in g["params"]]
-        if j >= len(params):
-            raise MigrationError(f"the sender has {name}, optimizer {i} has {len(params)} params")
-        return self.optimizers[i], params[j], key
+        if j >= len(params[i]):
+            n = len(params[i])
+            raise MigrationError(f"the sender has {name}, optimizer {i} has {n} params")
+        return self.optimizers[i], params[i][j], key
 
     @staticmethod
     def _new_state(p: torch.Tensor, key: str, shape: tuple[int, ...], dtype: str) -> torch.Tensor:
@@ -258,10 +264,11 @@ class Registry:
             MigrationError: the manifest names an optimizer or parameter this process lacks.
         """
         nbytes = 0
+        params = self._params()
         for name, shape, dtype in manifest:
             if not name.startswith("opt"):
                 continue
-            opt, p, key = self._slot(name)
+            opt, p, key = self._slot(name, params)
             have = opt.state.get(p, {}).get(key)
             if isinstance(have, torch.Tensor) or _is_dtensor(p):
                 continue
@@ -279,11 +286,12 @@ class Registry:
             MigrationError: the sender's model or optimizer does not match this one.
         """
         mine = dict(self._model_tensors())
+        params = self._params()
         ahead, self.ahead = self.ahead, {}
         out = []
         for name, shape, dtype in manifest:
             if name.startswith("opt"):
-                opt, p, key = self._slot(name)
+                opt, p, key = self._slot(name, params)
                 state = opt.state.setdefault(p, {})
                 t = state.get(key)
                 if not isinstance(t, torch.Tensor) or tuple(_local(t).shape) != shape:
