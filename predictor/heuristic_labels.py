@@ -3,12 +3,13 @@
 ``forewarn import prometheus`` uses these rules when no labels CSV is given; the dataset's
 manifest says so (``labels.source = "heuristic"``). They are a heuristic, not ground truth:
 
-- **fatal Xid**: a ``DCGM_FI_DEV_XID_ERRORS`` change to one of the Xids the rule baseline
-  treats as fatal (:data:`predictor.catalog.FATAL_XIDS`: 48, 63, 64, 74, 79, 94, 95, 119, 120)
-  is a failure at that time, its kind from the Xid's class (memory, nvlink, pcie for bus
-  errors, thermal, else other). The first value of a GPU's series only sets the baseline:
-  when it happened is unknown. dcgm-exporter keeps only the *last* Xid, so a repeat of the
-  same Xid, or an Xid overwritten within one scrape, is not seen.
+- **fatal Xid**: a ``DCGM_FI_DEV_XID_ERRORS`` change to one of the Xids after which the GPU
+  cannot go on (:data:`predictor.catalog.GPU_DOWN_XIDS`: 48, 64, 74, 79, 94, 95, 119, 120;
+  not 63, a row remap recorded, which is a precursor) is a failure at that time, its kind
+  from the Xid's class (memory, nvlink, pcie for bus errors, thermal, else other). The first
+  value of a GPU's series only sets the baseline: when it happened is unknown. dcgm-exporter
+  keeps only the *last* Xid, so a repeat of the same Xid, or an Xid overwritten within one
+  scrape, is not seen.
 - **lost GPU**: a GPU's series stop for at least ``lost_after_s`` while other GPUs of the fleet
   go on reporting is a ``gpu_lost`` failure at its first missing step; it recovers when its
   series come back (never, when they do not). A scrape outage of the whole fleet is not a
@@ -36,7 +37,7 @@ import pandas as pd
 
 from collector.xid import describe
 from forewarn.wire import COUNTER_FIELDS
-from predictor.catalog import FATAL_XIDS, xid_class
+from predictor.catalog import GPU_DOWN_XIDS, xid_class
 from sim.schema import EVENT_DTYPES, FAILURE_COLUMNS, FAILURE_DTYPES
 
 __all__ = ["HeuristicRules", "LabelTracker", "xid_kind"]
@@ -66,7 +67,7 @@ class HeuristicRules:
         return {
             "source": "heuristic",
             "rules": ["fatal_xid", "series_stopped"],
-            "fatal_xids": sorted(FATAL_XIDS),
+            "fatal_xids": sorted(GPU_DOWN_XIDS),
             "lost_after_s": self.lost_after_s,
             "merge_s": self.merge_s,
             "precursor_window_s": self.precursor_window_s,
@@ -166,7 +167,7 @@ class LabelTracker:
                             "source": "prometheus",
                         }
                     )
-                    if code in FATAL_XIDS:
+                    if code in GPU_DOWN_XIDS:
                         self._xid_failures.append((int(ts), node, gpu, code))
         frame = pd.DataFrame(out, columns=list(EVENT_DTYPES))
         return frame.astype(EVENT_DTYPES)

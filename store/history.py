@@ -47,7 +47,6 @@ __all__ = [
 
 FATAL_XIDS: dict[int, str] = {
     48: "memory",
-    63: "memory",
     64: "memory",
     94: "memory",
     95: "memory",
@@ -56,7 +55,8 @@ FATAL_XIDS: dict[int, str] = {
     119: "other",
     120: "other",
 }
-"""Xids that end a job, with the failure kind they label."""
+"""Xids that end a job, with the failure kind they label. Not Xid 63 (a row remap recorded:
+the GPU works on until its next reset; a precursor of a memory failure, not the failure)."""
 _FATAL_EVENTS = {
     "gpu_lost": "gpu_lost",
     "thermal_shutdown": "thermal",

@@ -378,14 +378,14 @@ class ControlLoop:
     ) -> None:
         failed_now: dict[tuple[str, int], str] = {}
         if len(events):
-            from predictor.catalog import FATAL_XIDS
+            from predictor.catalog import GPU_DOWN_XIDS
 
             for ev in events.to_dict("records"):
                 if ev["gpu"] is pd.NA or ev["gpu"] is None:
                     continue
                 xid = None if ev["xid"] is pd.NA or ev["xid"] is None else int(ev["xid"])
                 kind = str(ev["kind"])
-                if kind in FATAL_EVENT_KINDS or (kind == "xid" and xid in FATAL_XIDS):
+                if kind in FATAL_EVENT_KINDS or (kind == "xid" and xid in GPU_DOWN_XIDS):
                     what = f"Xid {xid}" if kind == "xid" else kind.replace("_", " ")
                     failed_now[(str(ev["node"]), int(ev["gpu"]))] = what
         rows: list[dict[str, Any]] = []

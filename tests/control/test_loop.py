@@ -105,6 +105,20 @@ def test_unplanned_on_a_fatal_xid_bypasses_hysteresis(registered: Store) -> None
     assert "gpu.failed" in outbox_types(registered)
 
 
+def test_a_row_remap_is_a_precursor_not_a_failure(registered: Store) -> None:
+    """Xid 63 (a row remap recorded, the GPU works on) neither fails the GPU nor moves its
+    rank; a double-bit error (Xid 48) on the same GPU does."""
+    loop, _ = make_loop(registered, hysteresis=5)
+    registered.write(events=[("n0", 1, NOW - 500, "xid", 63, "row remap", "kmsg")])
+    loop.tick(NOW)
+    assert migrations(registered) == []
+    assert "gpu.failed" not in outbox_types(registered)
+    registered.write(events=[("n0", 1, NOW + 500, "xid", 48, "double-bit ECC", "kmsg")])
+    loop.tick(NOW + 1000)
+    (m,) = migrations(registered)
+    assert (m["trigger"], m["rank"], m["source_gpu"]) == ("unplanned", 1, 1)
+
+
 def test_drain_moves_ranks_off_the_node_as_planned(registered: Store) -> None:
     loop, _ = make_loop(registered)
     with registered.begin() as c:

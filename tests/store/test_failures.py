@@ -90,6 +90,23 @@ def test_records_override_and_add_to_the_labels_from_events() -> None:
     ]
 
 
+def test_a_row_remap_is_not_a_failure_label() -> None:
+    """Xid 63 (a row remap recorded; the GPU works on) precedes memory failures by hours in
+    real fleets and in the simulator: labelled as the failure it would move the label early."""
+    gpus = pd.DataFrame({"node": ["a", "a"], "gpu": [0, 1], "uuid": "u"})
+    events = pd.DataFrame(
+        {
+            "ts_ms": [1_000_000, 2_000_000, 9_000_000],
+            "node": ["a", "a", "a"],
+            "gpu": pd.array([0, 1, 1], dtype="Int64"),
+            "kind": ["xid", "xid", "xid"],
+            "xid": pd.array([63, 63, 48], dtype="Int64"),
+        }
+    )
+    got = failures_from_events(events, gpus)
+    assert got[["ts_ms", "node", "gpu", "kind"]].values.tolist() == [[9_000_000, "a", 1, "memory"]]
+
+
 def test_the_history_labels_a_failure_only_the_operator_saw(store: Store, tmp_path: Path) -> None:
     from predictor.dataset import load_dataset
     from store.failures import record_failure
