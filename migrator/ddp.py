@@ -80,12 +80,8 @@ class ElasticDDP(torch.nn.Module):
         """The current bucket plan as lists of parameter indices (DDP's own order)."""
         if self._ddp is None:
             return None
-        if self._layout is not None:
-            return self._layout
-        layout = self._read_layout()
-        if self._settled():
-            self._layout = layout
-        return layout
+        self.settle()
+        return self._layout if self._layout is not None else self._read_layout()
 
     def settle(self) -> None:
         """Read and keep the bucket plan once DDP has settled it; the job calls this at

@@ -33,30 +33,33 @@ def _trained(seed: int) -> Registry:
     return Registry(models=[model], optimizers=[opt], schedulers=[sched])
 
 
+def _master() -> dist.TCPStore:
+    return dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=20)
+    )
+
+
+def _client(master: dist.TCPStore) -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", master.port, is_master=False, timeout=timedelta(seconds=20))
+
+
 def test_transfer_lands_in_place_and_equal() -> None:
     src, dst = _trained(1), _trained(2)
     dst.optimizers[0].state.clear()  # a spare's optimizer has no state yet
-    store = dist.TCPStore(
-        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=20)
-    )
+    store = _master()
     weight = dst.models[0][0].weight
     ptr = weight.data_ptr()
     got: dict[str, object] = {}
 
-    def client() -> dist.TCPStore:
-        return dist.TCPStore(
-            "127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=20)
-        )
-
     def receive() -> None:
-        group = pair_group(client(), "x", sender=False, backend="gloo", timeout_s=10)
+        group = pair_group(_client(store), "x", sender=False, backend="gloo", timeout_s=10)
         meta, stats = PGTransport(group).recv(lambda m: dst.prepare(m["manifest"]), timeout_s=10)
         dst.apply_meta(meta)
         got["bytes"] = stats.bytes
 
     t = threading.Thread(target=receive)
     t.start()
-    group = pair_group(client(), "x", sender=True, backend="gloo", timeout_s=10)
+    group = pair_group(_client(store), "x", sender=True, backend="gloo", timeout_s=10)
     PGTransport(group).send(src.meta(), [x for _, x in src.tensors()], timeout_s=10)
     t.join(timeout=30)
     assert not t.is_alive()
@@ -109,20 +112,13 @@ def test_a_waiting_spare_allocates_the_published_state_and_receives_into_it() ->
     from migrator import Job
     from migrator import protocol as P
 
-    store = dist.TCPStore(
-        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=20)
-    )
-
-    def client() -> dist.TCPStore:
-        return dist.TCPStore(
-            "127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=20)
-        )
+    store = _master()
 
     def job(slot: int, rank: int | None) -> tuple[Job, torch.nn.Module, torch.optim.Optimizer]:
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 2))
         opt = torch.optim.Adam(model.parameters(), lr=0.1)
-        j = Job(store=client(), slot=slot, world_size=1, initial_rank=rank, timeout_s=10)
+        j = Job(store=_client(store), slot=slot, world_size=1, initial_rank=rank, timeout_s=10)
         j.register(model=model, optimizer=opt)
         return j, model, opt
 
@@ -171,9 +167,7 @@ def test_a_waiting_spare_allocates_the_published_state_and_receives_into_it() ->
 def test_ddp_bucket_layout_is_kept_once_ddp_settled_it() -> None:
     from migrator.ddp import ElasticDDP
 
-    store = dist.TCPStore(
-        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=20)
-    )
+    store = _master()
     group = new_group(store, "ddp", rank=0, size=1, backend="gloo", timeout_s=10)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))

@@ -135,20 +135,21 @@ def prometheus(tmp_path: Path, simulated_exporter: str) -> Iterator[str]:
         log.close()
 
 
-def _scraped(url: str) -> int:
-    with httpx.Client(timeout=2.0) as http:
-        r = http.get(f"{url}/api/v1/query", params={"query": "count(DCGM_FI_DEV_GPU_TEMP)"})
-    result = r.json()["data"]["result"]
-    return int(float(result[0]["value"][1])) if result else 0
-
-
-def _scraped_until(url: str) -> float:
-    """The newest scrape Prometheus holds of the simulator (seconds since the epoch; 0: none)."""
-    query = "max(timestamp(DCGM_FI_DEV_GPU_TEMP))"
+def _instant(url: str, query: str) -> float:
+    """The value of a one-series instant ``query`` (0 when it has no result)."""
     with httpx.Client(timeout=2.0) as http:
         r = http.get(f"{url}/api/v1/query", params={"query": query})
     result = r.json()["data"]["result"]
     return float(result[0]["value"][1]) if result else 0.0
+
+
+def _scraped(url: str) -> int:
+    return int(_instant(url, "count(DCGM_FI_DEV_GPU_TEMP)"))
+
+
+def _scraped_until(url: str) -> float:
+    """The newest scrape Prometheus holds of the simulator (seconds since the epoch; 0: none)."""
+    return _instant(url, "max(timestamp(DCGM_FI_DEV_GPU_TEMP))")
 
 
 def _wait_scraped_until(url: str, t: float, timeout_s: float = 60) -> None:
