@@ -80,11 +80,13 @@ def failure_table(failures: pd.DataFrame, gpus_per_node: int = 8) -> pd.DataFram
 @dataclass
 class Labels:
     """Per slot at one instant: ``y`` (1: a failure within H), ``keep`` (False: the GPU is
-    down), ``until_s`` (seconds to that GPU's next failure, inf when none is known)."""
+    down), ``until_s`` (seconds to that GPU's next failure, inf when none is known),
+    ``foretold`` (that next failure had precursors; False when there is none)."""
 
     y: np.ndarray
     keep: np.ndarray
     until_s: np.ndarray
+    foretold: np.ndarray
 
 
 class Labeller:
@@ -95,6 +97,7 @@ class Labeller:
         self.horizon_ms = horizon_s * 1000.0
         self._ts = failures["ts_ms"].to_numpy(dtype=np.float64)
         self._rec = failures["recovered_ts_ms"].to_numpy(dtype=np.float64)
+        self._foretold = failures["has_precursors"].to_numpy(dtype=bool)
         self._slots: np.ndarray | None = None
         self._size = -1
 
@@ -112,8 +115,9 @@ class Labeller:
         y = np.zeros(n, dtype=np.int8)
         keep = np.ones(n, dtype=bool)
         until = np.full(n, np.inf)
+        foretold = np.zeros(n, dtype=bool)
         if not len(self.failures):
-            return Labels(y, keep, until)
+            return Labels(y, keep, until, foretold)
         slot = self.slots(state)
         known = slot >= 0
         ahead = known & (self._ts > now_ms)
@@ -122,10 +126,11 @@ class Labeller:
             # we write in reverse order.
             idx = np.flatnonzero(ahead)[::-1]
             until[slot[idx]] = (self._ts[idx] - now_ms) / 1000.0
+            foretold[slot[idx]] = self._foretold[idx]
             soon = idx[self._ts[idx] <= now_ms + self.horizon_ms]
             y[slot[soon]] = 1
         rec = np.where(np.isnan(self._rec), np.inf, self._rec)
         down = known & (self._ts <= now_ms) & (now_ms < rec)
         keep[slot[down]] = False
         y[~keep] = 0
-        return Labels(y, keep, until)
+        return Labels(y, keep, until, foretold)

@@ -56,6 +56,7 @@ class LofoConfig:
     seed: int = 7000
     label_horizons: str = "1800"  # training targets in seconds, comma-separated
     relative_only: int = 0  # 1: the trees ignore absolute levels (features.ABSOLUTE_LEVELS)
+    sudden_positives: int = 0  # 1: rows before failures without precursors train as positives
 
 
 def train_config(cfg: LofoConfig) -> TrainConfig:
@@ -65,6 +66,7 @@ def train_config(cfg: LofoConfig) -> TrainConfig:
         seed=cfg.seed,
         label_horizons_s=tuple(float(h) for h in cfg.label_horizons.split(",")),
         ignore_features=ABSOLUTE_LEVELS if cfg.relative_only else (),
+        sudden_positives=bool(cfg.sudden_positives),
     )
 
 

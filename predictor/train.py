@@ -5,7 +5,8 @@
    stand for the whole fleet: every row within ``context_s`` (6 h) before a failure of its GPU
    (positives and the hard negatives just before them), ``active_rate`` (10 %) of rows where
    anything happens (a counter moves, a hardware event, throttling, a
-   narrow link, stale telemetry), ``quiet_rate`` (0.5 %) of the rest.
+   narrow link, stale telemetry), ``quiet_rate`` (0.5 %) of the rest. Rows just before a
+   failure that had no precursors are left out (``sudden_positives``).
 2. Split, so that validation never sees what training saw: nodes are hashed into a training
    and a validation group (``val_node_frac``, whole nodes, so node-mates and node-scope failures
    do not straddle), and time is cut at ``val_from`` of each dataset: training rows end one
@@ -77,6 +78,11 @@ class TrainConfig:
     # :data:`predictor.features.ABSOLUTE_LEVELS`, so that another fleet's normal temperature
     # or power does not read as danger; the model keeps their relative forms.
     ignore_features: tuple[str, ...] = ()
+    # False: the rows within the widest target before a failure that had no precursors are
+    # left out of training. Nothing in them foretells it, so as positives they only teach the
+    # trees noise (hot or busy GPUs, whatever the sudden deaths happened to share), which then
+    # fires on healthy GPUs; the evaluation counts recall of failures with precursors anyway.
+    sudden_positives: bool = False
 
 
 def _cols(*names: str) -> list[int]:
@@ -151,6 +157,8 @@ def collect(
         rate = np.where(activity(x), cfg.active_rate, cfg.quiet_rate)
         rate = np.where(lab.until_s <= max(cfg.context_s, *cfg.label_horizons_s), 1.0, rate)
         keep = lab.keep & ~is_val & (rng.random(state.size) < rate)
+        if not cfg.sudden_positives:
+            keep &= lab.foretold | (lab.until_s > reach_s)
         idx = np.flatnonzero(keep)
         out["x"].append(x[idx])
         out["y"].append(lab.y[idx])

@@ -43,6 +43,27 @@ def test_labels_look_one_horizon_ahead_and_drop_down_time() -> None:
     assert lab.at(state, T0 + 120 * MIN).keep[1]
 
 
+def test_labels_say_whether_the_next_failure_was_foretold() -> None:
+    failures = pd.DataFrame(
+        {
+            "ts_ms": [T0 + 10 * MIN, T0 + 20 * MIN, T0 + 40 * MIN],
+            "node": ["n0", "n0", "n0"],
+            "gpu": [0, 1, 1],
+            "kind": ["gpu_lost", "memory", "memory"],
+            "has_precursors": [False, True, False],
+            "recovered_ts_ms": [T0 + 11 * MIN, T0 + 21 * MIN, np.nan],
+        }
+    )
+    lab = Labeller(failure_table(failures), horizon_s=1800)
+    state = _state()
+    now = lab.at(state, T0)
+    assert now.foretold.tolist() == [False, True, False, False]  # the next one, not any
+    assert now.until_s[:2].tolist() == [600.0, 1200.0]
+    later = lab.at(state, T0 + 30 * MIN)
+    assert later.foretold.tolist() == [False, False, False, False]
+    assert later.until_s[1] == 600.0 and later.y[1] == 1
+
+
 def test_node_scope_failure_without_gpu_applies_to_every_gpu() -> None:
     failures = pd.DataFrame(
         {

@@ -143,3 +143,21 @@ def test_ignored_features_are_never_split_on(tiny_dir) -> None:
     assert all(splits[n] == 0 for n in ABSOLUTE_LEVELS)
     assert sum(splits.values()) > 0
     assert list(model.card["training"]["ignore_features"]) == list(ABSOLUTE_LEVELS)
+
+
+def test_rows_before_sudden_failures_are_left_out_of_training(tiny: Dataset) -> None:
+    """A failure nothing foretold teaches nothing: the rows within the widest target before
+    it are not training rows (``sudden_positives`` False, the default), and are when asked."""
+    from dataclasses import replace
+
+    from predictor.train import collect
+    from tests.predictor.conftest import TINY_CONFIG
+
+    reach = max(TINY_CONFIG.label_horizons_s)
+    sudden = replace(tiny, failures=tiny.failures.assign(has_precursors=False))
+    left_out = collect(sudden, TINY_CONFIG)
+    kept = collect(sudden, replace(TINY_CONFIG, sudden_positives=True))
+    assert left_out["y"].sum() == 0 and (left_out["until_s"] <= reach).sum() == 0
+    assert kept["y"].sum() > 0 and (kept["until_s"] <= reach).sum() > kept["y"].sum()
+    assert len(left_out["y"]) > 0.5 * len(kept["y"])  # the rest of the fleet is still there
+    assert collect(tiny, TINY_CONFIG)["y"].sum() > 0  # the injected failures: foretold
