@@ -9,7 +9,8 @@ per row:
 - an *alarm* is a run of alarmed scores of one GPU, runs closer than ``merge_s`` (default
   10 min, the policy's hysteresis) being one alarm; an alarm is *false* when no failure of
   that GPU follows within H of its end; false alarms are counted per 1,000 GPU-days of scored
-  time (rows of a GPU that is down are not scored);
+  time (rows of a GPU that is down are not scored); a false alarm whose GPU fails within a
+  day of its end is also counted as *early* (right about the GPU, too soon to be a catch);
 - PR-AUC is the row-level average precision of the scores against the labels.
 """
 
@@ -90,28 +91,37 @@ class ScoreTable:
     def alarms(self, column: str, threshold: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Alarm episodes at ``threshold``: (row index of each alarmed row's episode onset,
         episode id per row or -1, is-false per episode)."""
+        onset, episode, false, _ = self.episodes(column, threshold)
+        return onset, episode, false
+
+    def episodes(
+        self, column: str, threshold: float
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """:meth:`alarms`, and per episode the seconds from its end to its GPU's next failure
+        (inf: none follows)."""
         p = self.params
         s = self.rows[column].to_numpy(np.float64)
         a = np.flatnonzero(s >= threshold)
         episode = np.full(len(s), -1, dtype=np.int64)
         if not len(a):
-            return np.array([], dtype=np.int64), episode, np.array([], dtype=bool)
+            none = np.array([], dtype=np.int64)
+            return none, episode, np.array([], dtype=bool), np.array([], dtype=np.float64)
         gap = np.diff(self.ts[a]) > p.merge_s * 1000
         new = np.r_[True, (np.diff(self.slot[a]) != 0) | gap]
         ep = np.cumsum(new) - 1
         episode[a] = ep
         onset = a[new]
         last = np.r_[a[np.flatnonzero(new)[1:] - 1], a[-1]]
-        if not len(self._f_keys):  # no failure at all: every alarm is false
-            return onset, episode, np.ones(len(onset), dtype=bool)
-        start_keys = self.keys[onset]
-        j = np.searchsorted(self._f_keys, start_keys, side="left")
-        j_ok = j < len(self._f_keys)
-        nxt = np.where(j_ok, self._f_keys[np.minimum(j, len(self._f_keys) - 1)], -1)
-        same = j_ok & ((nxt >> _SHIFT) == self.slot[onset])
-        end_rel = self.ts[last] - self.origin + int(p.horizon_s * 1000)
-        true = same & ((nxt & ((1 << _SHIFT) - 1)) <= end_rel)
-        return onset, episode, ~true
+        to_next = np.full(len(onset), np.inf)
+        if len(self._f_keys):
+            j = np.searchsorted(self._f_keys, self.keys[onset], side="left")
+            j_ok = j < len(self._f_keys)
+            nxt = np.where(j_ok, self._f_keys[np.minimum(j, len(self._f_keys) - 1)], -1)
+            same = j_ok & ((nxt >> _SHIFT) == self.slot[onset])
+            nxt_ms = nxt & ((1 << _SHIFT) - 1)
+            end_ms = self.ts[last] - self.origin
+            to_next = np.where(same, (nxt_ms - end_ms) / 1000.0, np.inf)
+        return onset, episode, ~(to_next <= p.horizon_s), to_next
 
 
 LEAD_BUCKETS_S: tuple[tuple[str, float, float], ...] = (
@@ -122,6 +132,8 @@ LEAD_BUCKETS_S: tuple[tuple[str, float, float], ...] = (
     ("> 8 h", 28800.0, np.inf),
 )
 """Buckets of a failure's precursor lead (onset of its precursors to the failure)."""
+EARLY_S = 86400.0
+"""A false alarm followed by its GPU's failure within this long is also counted as *early*."""
 AHEAD_S: tuple[tuple[str, float], ...] = (("2 min", 120), ("10 min", 600), ("30 min", 1800))
 """Marks for "caught at least this far ahead" (share of failures with precursors)."""
 
@@ -139,7 +151,7 @@ def metrics(
     ``cause``: a row column holding, per row, an index into ``causes`` (what made the score,
     NaN when unknown); false alarms are then counted by the cause at their onset."""
     p = table.params
-    onset, episode, false = table.alarms(column, threshold)
+    onset, episode, false, to_next = table.episodes(column, threshold)
     f = table.failures
     s = table.rows[column].to_numpy(np.float64)
     lead_of = np.full(len(f), np.nan)
@@ -208,6 +220,8 @@ def metrics(
         "false_alarms_per_1000_gpu_days": n_false / table.gpu_days * 1000.0
         if table.gpu_days
         else None,
+        # false by the definition above, yet their GPU failed within a day of their end
+        "false_alarms_early": int((false & (to_next <= EARLY_S)).sum()),
         "pr_auc": pr_auc,
         "lead_min_s": p.lead_min_s,
         "horizon_s": p.horizon_s,

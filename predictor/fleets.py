@@ -70,14 +70,14 @@ class Fleet:
 
 
 TRAINING: tuple[Fleet, ...] = (
-    Fleet("tr-default-s1001", "default", 1001, days=2.0, mttf_h=TRAINING_MTTF_H),
+    Fleet("tr-default-s1001", "default", 1001, days=3.0, mttf_h=TRAINING_MTTF_H),
     *(
-        Fleet(f"tr-mech-s{s}", "mechanism", s, days=2.0, mttf_h=TRAINING_MTTF_H, interval_s=60.0)
-        for s in range(3001, 3005)
+        Fleet(f"tr-mech-s{s}", "mechanism", s, days=3.0, mttf_h=TRAINING_MTTF_H, interval_s=60.0)
+        for s in range(3001, 3008)
     ),
 )
-"""The default model's fleets: one at the default shapes, four mechanism-randomised (every
-family of :mod:`sim.shapes` can be drawn), 1,024 GPUs for 2 days each."""
+"""The default model's fleets: one at the default shapes, seven mechanism-randomised (every
+family of :mod:`sim.shapes` can be drawn), 1,024 GPUs for 3 days each."""
 EVALUATION: tuple[Fleet, ...] = (
     Fleet("eval-default-s4242", "default", 4242, gpus=2048),
     Fleet("eval-rand-s777", "randomised", 777),

@@ -188,6 +188,7 @@ _BRIEF = (
     "false_alarms_per_1000_gpu_days",
     "caught_at_least_ahead",
     "false_alarms_by_cause",
+    "false_alarms_early",
 )
 
 

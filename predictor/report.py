@@ -297,10 +297,13 @@ def format_table(summary: dict[str, Any]) -> str:
         )
     if "model_at_budget" in summary:
         lines += ["", *_budget_lines(summary)]
-    causes = (summary.get("model_at_budget") or m).get("false_alarms_by_cause", {})
+    judged = summary.get("model_at_budget") or m
+    causes = judged.get("false_alarms_by_cause", {})
     if causes:
         lines += ["", "false alarms by cause (the signal that pushed the score most):"]
         lines += [f"  {k:28} {v:5d}" for k, v in causes.items()]
+        early = judged.get("false_alarms_early", 0)
+        lines.append(f"  of them early (the GPU failed within a day) {early:5d}")
     return "\n".join(lines)
 
 

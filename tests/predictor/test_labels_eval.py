@@ -121,6 +121,19 @@ def test_event_metrics_count_failures_alarms_and_lead() -> None:
     assert evaluate.choose_threshold(points, 0.0) == 0.85
 
 
+def test_a_false_alarm_before_a_later_failure_is_also_early() -> None:
+    n = 2000
+    early = [0.0] * n
+    early[10] = 0.9  # the GPU fails at minute 1,000: 990 min later, false, early
+    healthy = [0.0] * n
+    healthy[10] = 0.9  # never fails
+    late = [0.0] * n
+    late[10] = 0.9  # fails 26 h later: false, not early
+    table = _table({0: early, 1: healthy, 2: late}, [(0, 1000), (2, 10 + 26 * 60)])
+    m = evaluate.metrics(table, "s", 0.5)
+    assert (m["false_alarms"], m["false_alarms_early"]) == (3, 1)
+
+
 def test_baseline_rules_fire_on_their_signals() -> None:
     x = np.full((4, len(FEATURE_NAMES)), np.nan, dtype=np.float32)
     x[:, FEATURE_NAMES.index("since_dbe_s")] = 7 * 86400
