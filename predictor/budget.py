@@ -18,7 +18,8 @@ keeps the threshold that the budget allows on *this* fleet:
    ln(share above u / wanted share)`` (peaks over threshold). Blocks are weighted down with a
    half-life (``half_life_days``), so the threshold follows a fleet that changes.
 
-Until ``min_blocks`` healthy GPU-blocks are confirmed (500 GPU-hours) the threshold is
+Until ``min_blocks`` healthy GPU-blocks are confirmed (by default one over the wanted share:
+12,000 GPU-hours at 2 per 1,000 GPU-days, half a day of a 1,024-GPU fleet) the threshold is
 provisional: the same fit over confirmed and not yet confirmed blocks (a failure discards its
 GPU's blocks from both), or ``fallback`` (e.g. the model card's) while even those are fewer.
 
@@ -73,7 +74,10 @@ class AlarmBudget:
         confirm_s: a block counts as healthy this long after its end if its GPU did not fail.
         half_life_days: weight of a block halves with this age (forgetting an old fleet).
         tail_blocks: the tail fit uses at least this many (weighted) blocks above ``u``.
-        min_blocks: healthy GPU-blocks needed before the fleet's own threshold is used.
+        min_blocks: healthy GPU-blocks needed before the fleet's own threshold is used; None:
+            one over the wanted share (12,000 GPU-hours at 2 per 1,000 GPU-days), so that the
+            healthy time holds at least one expected false alarm and the fit reads its level
+            instead of extrapolating from a far commoner one (at least 500).
     """
 
     def __init__(
@@ -85,7 +89,7 @@ class AlarmBudget:
         confirm_s: float = 12 * 3600.0,
         half_life_days: float = 14.0,
         tail_blocks: float = 30.0,
-        min_blocks: float = 500.0,
+        min_blocks: float | None = None,
     ) -> None:
         if false_alarms_per_1000_gpu_days <= 0:
             raise ValueError("the budget must be positive")
@@ -95,9 +99,9 @@ class AlarmBudget:
         self.confirm_ms = int(confirm_s * 1000)
         self.half_life_ms = half_life_days * 86_400_000
         self.tail_blocks = float(tail_blocks)
-        self.min_blocks = float(min_blocks)
         self.share = self.budget / 1000.0 * block_s / 86400.0
         """Wanted probability that a healthy GPU-block exceeds the threshold."""
+        self.min_blocks = max(500.0, 1.0 / self.share) if min_blocks is None else min_blocks
         self._hist = np.zeros(len(_CENTRES))
         self._hist_ms: int | None = None  # the time the histogram's weights refer to
         self._block: int | None = None

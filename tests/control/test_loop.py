@@ -159,13 +159,15 @@ def test_an_alarm_budget_sets_the_threshold_from_the_fleets_own_risks(registered
     loop, scorer = make_loop(registered, hysteresis=1, alarm_budget=2.0)
     rng = np.random.default_rng(0)
     hour = 3_600_000
-    for k in range(8):  # eight hours of 200 healthy GPUs, one tick an hour
-        for g in range(200):
+    for k in range(8):  # eight hours of 2,100 healthy GPUs, one tick an hour (six hours closed
+        # before the last tick: 12,600 GPU-hours, more than the 12,000 a budget of 2 per 1,000
+        # GPU-days stands on)
+        for g in range(2100):
             scorer.risk[(f"h{g // 8}", g % 8)] = float(rng.uniform(0.01, 0.05))
         loop.tick(NOW + k * hour)
     assert loop.budget is not None and loop.budget.healthy_blocks == 0  # none confirmed yet
     threshold = loop.threshold_in_force
-    assert threshold is not None and 0.04 < threshold < 0.2, threshold  # provisional: the tail
+    assert threshold is not None and 0.04 < threshold < 0.2  # provisional: the tail
     scorer.risk[("n0", 1)] = 0.2
     loop.tick(NOW + 8 * hour)
     (m,) = migrations(registered)
@@ -187,8 +189,10 @@ def test_the_alarm_budget_survives_a_restart_of_the_service(registered: Store) -
     loop, scorer = make_loop(registered, hysteresis=1, alarm_budget=2.0)
     rng = np.random.default_rng(1)
     hour = 3_600_000
-    for k in range(16):  # 16 hours of 200 healthy GPUs: the first 3 hours are confirmed
-        for g in range(200):
+    # 26 hours of 1,000 healthy GPUs: the first 13 hours are confirmed (13,000 GPU-hours, more
+    # than the 12,000 a budget of 2 per 1,000 GPU-days stands on)
+    for k in range(26):
+        for g in range(1000):
             scorer.risk[(f"h{g // 8}", g % 8)] = float(rng.uniform(0.01, 0.05))
         loop.tick(NOW + k * hour)
     assert loop.budget is not None and loop.budget.warm, loop.budget.summary()
@@ -198,21 +202,22 @@ def test_the_alarm_budget_survives_a_restart_of_the_service(registered: Store) -
 
     again, scorer2 = make_loop(registered, hysteresis=1, alarm_budget=2.0)
     scorer2.risk.update(scorer.risk)
-    again.tick(NOW + 16 * hour)
+    again.tick(NOW + 26 * hour)
     assert again.budget is not None and again.budget.warm
     assert again.threshold_in_force == warm  # met before this tick's risks are folded in
+    kept = again.budget.healthy_blocks
 
     with registered.begin() as c:  # a stricter budget: a higher threshold on the same time
-        db.write_policy(c, data=Policy(alarm_budget=0.5, hysteresis=1).model_dump(), ts_ms=NOW)
-    again.tick(NOW + 17 * hour)
-    assert again.budget is not None and again.budget.warm
+        db.write_policy(c, data=Policy(alarm_budget=1.5, hysteresis=1).model_dump(), ts_ms=NOW)
+    again.tick(NOW + 27 * hour)
+    assert again.budget is not None and again.budget.healthy_blocks >= kept
     assert again.budget.threshold > warm
 
     with registered.begin() as c:  # unreadable state: a fresh start, not a crash
         db.set_state(c, "alarm_budget", "{not json")
     again.leadership.release()
     fresh, _ = make_loop(registered, hysteresis=1, alarm_budget=2.0)
-    fresh.tick(NOW + 18 * hour)
+    fresh.tick(NOW + 28 * hour)
     assert fresh.budget is not None and not fresh.budget.warm
     assert fresh.threshold_in_force == fresh.budget.fallback  # until the fleet is seen again
     fresh.leadership.release()
