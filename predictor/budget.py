@@ -21,7 +21,10 @@ keeps the threshold that the budget allows on *this* fleet:
 Until ``min_blocks`` healthy GPU-blocks are confirmed (by default one over the wanted share:
 12,000 GPU-hours at 2 per 1,000 GPU-days, half a day of a 1,024-GPU fleet) the threshold is
 provisional: the same fit over confirmed and not yet confirmed blocks (a failure discards its
-GPU's blocks from both), or ``fallback`` (e.g. the model card's) while even those are fewer.
+GPU's blocks from both), or ``fallback`` (e.g. the model card's) while fewer than
+``provisional_blocks`` (500) were seen at all. A card's threshold can be far off on a fleet it
+never saw, so it is left early; a fit on a few hundred *confirmed* hours alone would be
+trusted too early, so the confirmed fit waits for its own, larger amount.
 
 Example::
 
@@ -78,6 +81,8 @@ class AlarmBudget:
             one over the wanted share (12,000 GPU-hours at 2 per 1,000 GPU-days), so that the
             healthy time holds at least one expected false alarm and the fit reads its level
             instead of extrapolating from a far commoner one (at least 500).
+        provisional_blocks: GPU-blocks seen (confirmed or not) before the provisional fit
+            replaces ``fallback``.
     """
 
     def __init__(
@@ -90,6 +95,7 @@ class AlarmBudget:
         half_life_days: float = 14.0,
         tail_blocks: float = 30.0,
         min_blocks: float | None = None,
+        provisional_blocks: float = 500.0,
     ) -> None:
         if false_alarms_per_1000_gpu_days <= 0:
             raise ValueError("the budget must be positive")
@@ -102,6 +108,7 @@ class AlarmBudget:
         self.share = self.budget / 1000.0 * block_s / 86400.0
         """Wanted probability that a healthy GPU-block exceeds the threshold."""
         self.min_blocks = max(500.0, 1.0 / self.share) if min_blocks is None else min_blocks
+        self.provisional_blocks = min(float(provisional_blocks), self.min_blocks)
         self._hist = np.zeros(len(_CENTRES))
         self._hist_ms: int | None = None  # the time the histogram's weights refer to
         self._block: int | None = None
@@ -182,7 +189,7 @@ class AlarmBudget:
                 self._threshold = _sigmoid(self._tail_level(self._hist))
             return self._threshold
         provisional = self._hist + self._pending_hist()
-        if provisional.sum() < self.min_blocks:
+        if provisional.sum() < self.provisional_blocks:
             return self.fallback
         return _sigmoid(self._tail_level(provisional))
 

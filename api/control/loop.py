@@ -340,7 +340,7 @@ class ControlLoop:
         """A budget that starts from the fleet's healthy time confirmed so far: the one in
         force (the operator changed the budget, not the fleet), else the one kept in the
         store by this or an earlier leader (a restart or a new leader does not fall back to
-        the card's threshold for another ``min_blocks`` of GPU-time)."""
+        the card's threshold, or to a provisional fit, all over again)."""
         budget = AlarmBudget(per_1000_gpu_days, fallback=card)
         kept = self.budget.state() if self.budget is not None else None
         if kept is None:

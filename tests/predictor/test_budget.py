@@ -73,3 +73,20 @@ def test_fallback_until_warm_and_validation() -> None:
     assert b.summary()["warm"] is False
     with pytest.raises(ValueError):
         AlarmBudget(0.0)
+
+
+def test_a_new_fleet_leaves_the_cards_threshold_after_500_gpu_hours_seen() -> None:
+    """The card's threshold holds for the first 500 GPU-hours; then a provisional fit over
+    hours not yet confirmed replaces it, long before 12,000 confirmed hours make it warm."""
+    ts, slot, score = _fleet(0.0, gpus=100, days=1.0, seed=3)
+    b = AlarmBudget(2.0, fallback=0.999)
+    assert b.provisional_blocks == 500 and b.min_blocks == pytest.approx(12_000)
+    hour = 3_600_000
+    early = ts < 5 * hour
+    replay(b, ts[early], slot[early], score[early])
+    assert b.threshold == 0.999  # 4 hours closed: 400 GPU-hours
+    later = (ts >= 5 * hour) & (ts < 7 * hour)
+    replay(b, ts[later], slot[later], score[later])
+    assert not b.warm and b.healthy_blocks == 0
+    assert b.threshold < 0.9  # a fit on this fleet's own scores, not the card's 0.999
+    assert (score[ts < 7 * hour] >= b.threshold).mean() < 0.001  # and still in its tail
