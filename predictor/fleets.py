@@ -1,8 +1,9 @@
 """The simulated fleets the default model is trained and judged on, reproducibly.
 
 ``python -m predictor.fleets OUT_DIR`` writes every fleet of :data:`TRAINING` and
-:data:`EVALUATION` under ``OUT_DIR`` (each one a dataset directory, ``docs/datasets.md``),
-skipping those already there. The same seeds give the same bytes.
+:data:`EVALUATION` under ``OUT_DIR`` (``--only shipped``: those of :data:`SHIPPED`; each one a
+dataset directory, ``docs/datasets.md``), skipping those already there. The same seeds give
+the same bytes.
 
 Mechanism-randomised fleets (``setting="mechanism"``) draw, besides every ``[ranges]`` number,
 the *shape* of each failure physics and a random set of benign look-alikes
@@ -21,6 +22,7 @@ used in training.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +33,7 @@ from sim import generate_dataset, load_params, randomised
 from sim.config import Params
 from sim.shapes import draw, with_families
 
-__all__ = ["EVALUATION", "TRAINING", "Fleet", "make"]
+__all__ = ["EVALUATION", "SHIPPED", "TRAINING", "Fleet", "make"]
 
 TRAINING_MTTF_H = 0.79
 MIN_RANDOMISED_INTERVAL_S = 30.0
@@ -78,6 +80,15 @@ TRAINING: tuple[Fleet, ...] = (
 )
 """The default model's fleets: one at the default shapes, seven mechanism-randomised (every
 family of :mod:`sim.shapes` can be drawn), 1,024 GPUs for 3 days each."""
+SHIPPED: tuple[Fleet, ...] = (
+    Fleet("tr-default-s1001", "default", 1001, mttf_h=TRAINING_MTTF_H),
+    Fleet("tr-default-s1002", "default", 1002, mttf_h=TRAINING_MTTF_H),
+    *(Fleet(f"tr-rand-s{s}", "randomised", s, mttf_h=TRAINING_MTTF_H) for s in range(2001, 2005)),
+)
+"""The fleets the shipped default model (``predictor/shipped``) was trained on: two at the
+default shapes and four with randomised numbers, 1,024 GPUs for 7 days each (its card's
+``training.command``). Written under the same names as :data:`TRAINING`'s default fleet, so
+keep the two groups in separate directories."""
 EVALUATION: tuple[Fleet, ...] = (
     Fleet("eval-default-s4242", "default", 4242, gpus=2048),
     Fleet("eval-rand-s777", "randomised", 777),
@@ -85,9 +96,22 @@ EVALUATION: tuple[Fleet, ...] = (
 
 
 def make(fleet: Fleet, out_dir: str | Path) -> Path:
-    """Write one fleet under ``out_dir`` (kept if its manifest is already there)."""
+    """Write one fleet under ``out_dir`` (kept if its manifest is already there and records
+    the same seed, size and span; another fleet under that name is an error)."""
     path = Path(out_dir) / fleet.name
-    if not (path / "manifest.json").exists():
+    manifest = path / "manifest.json"
+    if manifest.exists():
+        m = json.loads(manifest.read_text())
+        days = (m["end_ms"] - m["start_ms"]) / 86_400_000
+        if (m["seed"], m["gpus"]) != (fleet.seed, fleet.gpus) or not (
+            fleet.days - 1 / 24 <= days <= fleet.days
+        ):
+            raise ValueError(
+                f"{path} holds another fleet (seed {m['seed']}, {m['gpus']} GPUs, "
+                f"{days:.2f} days) than {fleet.name} (seed {fleet.seed}, {fleet.gpus} GPUs, "
+                f"{fleet.days:g} days); write this group into another directory"
+            )
+    else:
         params, interval_s = fleet.params()
         generate_dataset(
             path,
@@ -103,13 +127,23 @@ def make(fleet: Fleet, out_dir: str | Path) -> Path:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m predictor.fleets", description=__doc__)
     parser.add_argument("out", help="directory for the dataset directories")
-    parser.add_argument("--only", choices=("training", "evaluation"), default=None)
+    parser.add_argument(
+        "--only",
+        choices=("training", "evaluation", "shipped"),
+        default=None,
+        help="one group; without it, training and evaluation (shipped: the fleets the shipped "
+        "model was trained on, in a directory of their own)",
+    )
     args = parser.parse_args(argv)
-    fleets = {"training": TRAINING, "evaluation": EVALUATION}
-    for group, items in fleets.items():
-        if args.only in (None, group):
-            for f in items:
-                print(make(f, args.out), flush=True)
+    fleets = {"training": TRAINING, "evaluation": EVALUATION, "shipped": SHIPPED}
+    try:
+        for group, items in fleets.items():
+            if args.only == group or (args.only is None and group != "shipped"):
+                for f in items:
+                    print(make(f, args.out), flush=True)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

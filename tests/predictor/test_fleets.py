@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from predictor.fleets import EVALUATION, TRAINING, Fleet, make
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+
+from predictor.fleets import EVALUATION, SHIPPED, TRAINING, Fleet, make
 from sim import default_params
 from sim.shapes import families
 
@@ -38,3 +44,27 @@ def test_make_writes_a_dataset_once(tmp_path) -> None:
     first = (path / "manifest.json").stat().st_mtime_ns
     assert make(small, tmp_path) == path
     assert (path / "manifest.json").stat().st_mtime_ns == first
+    longer = Fleet("t", "default", 5, gpus=8, days=0.5)  # same name, another fleet
+    with pytest.raises(ValueError, match="holds another fleet"):
+        make(longer, tmp_path)
+
+
+def test_the_shipped_models_training_command_names_the_shipped_fleets() -> None:
+    """The card's command rebuilds the shipped model: every fleet it trains on is one of
+    SHIPPED, with the seed, size and sampling the card's data records."""
+    card = json.loads(next(Path("predictor/shipped").glob("*.json")).read_text())
+    words = shlex.split(card["training"]["command"])
+    assert words[:6] == ["python", "-m", "predictor.fleets", "var/ds2", "--only", "shipped"]
+    named = [Path(words[i + 1]).name for i, w in enumerate(words) if w == "--data"]
+    by_name = {f.name: f for f in SHIPPED}
+    assert named == list(by_name)
+    for data in card["data"]:
+        fleet = by_name[Path(data["path"]).name]
+        _, interval_s = fleet.params()
+        assert (data["seed"], data["gpus"], data["interval_s"]) == (
+            fleet.seed,
+            fleet.gpus,
+            interval_s,
+        )
+        days = (data["end_ms"] - data["start_ms"]) / 86_400_000
+        assert abs(days - fleet.days) < 0.01
