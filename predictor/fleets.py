@@ -22,13 +22,14 @@ used in training.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from forewarn.errors import InvalidInput
+from predictor.dataset import read_manifest
 from sim import generate_dataset, load_params, randomised
 from sim.config import Params
 from sim.shapes import draw, with_families
@@ -99,9 +100,8 @@ def make(fleet: Fleet, out_dir: str | Path) -> Path:
     """Write one fleet under ``out_dir`` (kept if its manifest is already there and records
     the same seed, size and span; another fleet under that name is an error)."""
     path = Path(out_dir) / fleet.name
-    manifest = path / "manifest.json"
-    if manifest.exists():
-        m = json.loads(manifest.read_text())
+    if (path / "manifest.json").exists():
+        m = read_manifest(path)
         days = (m["end_ms"] - m["start_ms"]) / 86_400_000
         if (m["seed"], m["gpus"]) != (fleet.seed, fleet.gpus) or not (
             fleet.days - 1 / 24 <= days <= fleet.days
@@ -137,11 +137,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     fleets = {"training": TRAINING, "evaluation": EVALUATION, "shipped": SHIPPED}
     try:
-        for group, items in fleets.items():
-            if args.only == group or (args.only is None and group != "shipped"):
-                for f in items:
-                    print(make(f, args.out), flush=True)
-    except ValueError as e:
+        for group in [args.only] if args.only else ["training", "evaluation"]:
+            for f in fleets[group]:
+                print(make(f, args.out), flush=True)
+    except (ValueError, InvalidInput) as e:  # another fleet there, or not a dataset
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import shlex
 from pathlib import Path
 
 import pytest
 
+from predictor import registry
 from predictor.fleets import EVALUATION, SHIPPED, TRAINING, Fleet, make
 from sim import default_params
 from sim.shapes import families
@@ -52,7 +52,7 @@ def test_make_writes_a_dataset_once(tmp_path) -> None:
 def test_the_shipped_models_training_command_names_the_shipped_fleets() -> None:
     """The card's command rebuilds the shipped model: every fleet it trains on is one of
     SHIPPED, with the seed, size and sampling the card's data records."""
-    card = json.loads(next(Path("predictor/shipped").glob("*.json")).read_text())
+    card = registry.load_latest(registry.SHIPPED_DIR).card
     words = shlex.split(card["training"]["command"])
     assert words[:6] == ["python", "-m", "predictor.fleets", "var/ds2", "--only", "shipped"]
     named = [Path(words[i + 1]).name for i, w in enumerate(words) if w == "--data"]
