@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -116,6 +117,31 @@ class SimFeed:
         self.thread.start()
         return self
 
+    def wait_scored(self, timeout_s: float = 120.0) -> None:
+        """Wait until the control loop scored every GPU on live samples.
+
+        The history's first nodes are minutes old when its last ones are posted, so the
+        loop's tick during the upload marks them stale; a stale spare is not free and a
+        manual migration onto it is refused (409) until the next tick sees the live feed.
+        """
+        deadline = time.monotonic() + timeout_s
+        rows: list[dict[str, Any]] = []
+        while time.monotonic() < deadline:
+            response = httpx.get(
+                f"{self.service.url}/v1/risk",
+                params={"limit": 1000},
+                headers={"Authorization": f"Bearer {self.service.read_token}"},
+            )
+            rows = response.json()["data"] if response.status_code == 200 else []
+            if len(rows) == self.gpus and not any(r["stale"] for r in rows):
+                return
+            time.sleep(0.5)
+        stale = [f"{r['node']}/{r['gpu']}" for r in rows if r["stale"]]
+        raise AssertionError(
+            f"the service had not scored the live fleet after {timeout_s:g} s: {len(rows)} "
+            f"GPUs scored, stale: {stale}\n{self.service.log()}"
+        )
+
     def close(self) -> None:
         self.stop.set()
         if self.thread:
@@ -158,6 +184,7 @@ def feed(service: LiveService) -> Iterator[SimFeed]:
     sim = SimFeed(service)
     sim.history()
     sim.start()
+    sim.wait_scored()
     yield sim
     sim.close()
 
