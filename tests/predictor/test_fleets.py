@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from predictor import registry
+from predictor.dataset import read_manifest
 from predictor.fleets import EVALUATION, SHIPPED, TRAINING, Fleet, make
 from sim import default_params
 from sim.shapes import families
@@ -68,3 +69,16 @@ def test_the_shipped_models_training_command_names_the_shipped_fleets() -> None:
         )
         days = (data["end_ms"] - data["start_ms"]) / 86_400_000
         assert abs(days - fleet.days) < 0.01
+
+
+@pytest.mark.slow
+def test_todays_simulator_still_writes_the_shipped_models_first_fleet(tmp_path: Path) -> None:
+    """The card's command rebuilds the model only while the simulator writes the same fleets:
+    the first one (a fleet-week, about 15 s and 65 MB) must have the counts, lemon nodes and
+    span that the card recorded when the model was trained."""
+    card = registry.load_latest(registry.SHIPPED_DIR).card
+    fleet = SHIPPED[0]
+    recorded = next(d for d in card["data"] if Path(d["path"]).name == fleet.name)
+    written = read_manifest(make(fleet, tmp_path))
+    for key in ("counts", "lemon_nodes", "start_ms", "end_ms", "interval_s", "gpus", "seed"):
+        assert written[key] == recorded[key], key
