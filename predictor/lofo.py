@@ -9,6 +9,12 @@ baseline, with the alarm budget met live on that fleet's own scores
 
 ``python -m predictor.lofo OUT_DIR`` runs every fold and writes ``OUT_DIR/lofo.json`` and
 ``OUT_DIR/lofo.md`` (the table of ``docs/predictor.md``); sizes are options, small by default.
+``--extra-data DIR`` (repeatable) adds datasets to every fold's training, e.g. the shipped
+model's fleets (``python -m predictor.fleets DIR --only shipped``: default shapes and
+randomised numbers, no mechanism family, so nothing of a fold leaks in). ``--model PATH``
+trains nothing: it judges that model on each fold's held-out fleet, the same fleet and
+evaluation as the fold models get (for a model trained without any mechanism family, such as
+the shipped one, every fold is held out).
 """
 
 from __future__ import annotations
@@ -16,12 +22,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from forewarn.errors import InvalidInput, NotFound
 from predictor import registry
-from predictor.dataset import load_dataset
+from predictor.dataset import load_dataset, read_manifest
 from predictor.evaluate import json_safe
 from predictor.features import ABSOLUTE_LEVELS
 from predictor.fleets import Fleet, make
@@ -70,10 +78,40 @@ def train_config(cfg: LofoConfig) -> TrainConfig:
     )
 
 
-def run_fold(name: str, out: Path, cfg: LofoConfig) -> dict[str, Any]:
-    """Train without fold ``name``'s families and evaluate on a fleet made with them."""
+def run_fold(
+    name: str,
+    out: Path,
+    cfg: LofoConfig,
+    *,
+    extra_data: Sequence[Path] = (),
+    model_path: Path | None = None,
+) -> dict[str, Any]:
+    """Train without fold ``name``'s families (on the fold's mechanism fleets and
+    ``extra_data``) and evaluate on a fleet made with them; with ``model_path``, train nothing
+    and evaluate that model instead."""
     held = FOLDS[name]
     base = cfg.seed + 100 * (ord(name) - ord("A"))
+    test = Fleet(
+        f"lofo-{name}-eval",
+        "families",
+        base + 50,
+        gpus=cfg.eval_gpus,
+        days=cfg.eval_days,
+        mttf_h=cfg.eval_mttf_h,
+        families=held,
+    )
+    if model_path is not None:
+        model = registry.load(model_path)
+        seen = sorted({f for d in model.card.get("data", []) for f in d.get("families", [])})
+        report = evaluate_dataset(load_dataset(make(test, out / "data")), model, budget=cfg.budget)
+        return {
+            "fold": name,
+            "held_out": list(held),
+            "model": str(model.card.get("booster_file", "")).removesuffix(registry.BOOSTER_SUFFIX),
+            "training_families": seen,
+            "held_out_seen_in_training": sorted(set(seen) & set(held)),
+            "summary": report.summary,
+        }
     fleets = [
         Fleet(
             f"lofo-{name}-train-{i}",
@@ -87,28 +125,29 @@ def run_fold(name: str, out: Path, cfg: LofoConfig) -> dict[str, Any]:
         )
         for i in range(cfg.train_fleets)
     ]
-    paths = [make(f, out / "data") for f in fleets]
+    for p in extra_data:
+        leak = set(read_manifest(Path(p)).get("families", [])) & set(held)
+        if leak:
+            raise ValueError(
+                f"{p} was made with fold {name}'s held-out families ({', '.join(sorted(leak))}); "
+                "extra training data must not hold them"
+            )
+    paths = [make(f, out / "data") for f in fleets] + [Path(p) for p in extra_data]
     model_dir = out / "models" / name
     cards = registry.list_models(model_dir) if model_dir.exists() else []
     if cards:
-        model = registry.load(cards[-1][1])
+        card_path = cards[-1][1]
+        model = registry.load(card_path)
     else:
         model = train(paths, train_config(cfg))
-        registry.save(model, model_dir)
-    test = Fleet(
-        f"lofo-{name}-eval",
-        "families",
-        base + 50,
-        gpus=cfg.eval_gpus,
-        days=cfg.eval_days,
-        mttf_h=cfg.eval_mttf_h,
-        families=held,
-    )
+        card_path = registry.save(model, model_dir)
     report = evaluate_dataset(load_dataset(make(test, out / "data")), model, budget=cfg.budget)
-    drawn = [json.loads((p / "manifest.json").read_text())["families"] for p in paths]
+    drawn = [json.loads((p / "manifest.json").read_text()).get("families", []) for p in paths]
     return {
         "fold": name,
         "held_out": list(held),
+        "model": card_path.name.removesuffix(registry.CARD_SUFFIX),
+        "extra_data": [str(p) for p in extra_data],
         "training_families": sorted({f for fams in drawn for f in fams}),
         "summary": report.summary,
     }
@@ -243,6 +282,21 @@ def main(argv: list[str] | None = None) -> int:
         metavar="DIR",
         help="only gather fold-*.json results already written under DIR (repeatable)",
     )
+    parser.add_argument(
+        "--extra-data",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="a dataset added to every fold's training (repeatable), e.g. the shipped model's "
+        "fleets from `python -m predictor.fleets DIR --only shipped`",
+    )
+    parser.add_argument(
+        "--model",
+        default=None,
+        metavar="PATH",
+        help="train nothing: evaluate this model (a card, or a directory and its newest model) "
+        "on each fold's held-out fleet",
+    )
     for field, default in LofoConfig.__dataclass_fields__.items():
         parser.add_argument(
             f"--{field.replace('_', '-')}", type=type(default.default), default=default.default
@@ -251,13 +305,28 @@ def main(argv: list[str] | None = None) -> int:
     cfg = LofoConfig(**{k: getattr(args, k) for k in LofoConfig.__dataclass_fields__})
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    folds = [] if args.collect else [f.strip() for f in args.folds.split(",")]
+    unknown = [f for f in folds if f not in FOLDS]
+    if unknown:
+        print(f"error: no fold {', '.join(unknown)} (folds: {', '.join(FOLDS)})", file=sys.stderr)
+        return 2
     results = []
     if args.collect:
         for d in args.collect:
             results += [json.loads(p.read_text()) for p in sorted(Path(d).glob("fold-*.json"))]
         results.sort(key=lambda r: r["fold"])
-    for name in [] if args.collect else args.folds.split(","):
-        res = run_fold(name.strip(), out, cfg)
+    for name in folds:
+        try:
+            res = run_fold(
+                name,
+                out,
+                cfg,
+                extra_data=[Path(p) for p in args.extra_data],
+                model_path=None if args.model is None else Path(args.model),
+            )
+        except (ValueError, InvalidInput, NotFound) as e:  # a leak, not a dataset, no model
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         results.append(res)
         (out / f"fold-{res['fold']}.json").write_text(json.dumps(json_safe(res), indent=1))
         print(format_table([res]).splitlines()[-1], flush=True)

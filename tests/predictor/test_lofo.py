@@ -1,11 +1,16 @@
-"""Leave-one-family-out: the folds cover every family once, and the table and card section
-are built from evaluation summaries."""
+"""Leave-one-family-out: the folds cover every family once, the table and card section are
+built from evaluation summaries, a given model is judged without training, and extra training
+data that holds a fold's families is refused."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
-from predictor.lofo import FOLDS, LofoConfig, card_section, format_table
+import pytest
+
+from predictor.fleets import Fleet, make
+from predictor.lofo import FOLDS, LofoConfig, card_section, format_table, main, run_fold
 from predictor.report import evaluate_dataset
 from sim.shapes import SHAPES, all_families
 
@@ -35,3 +40,46 @@ def test_table_and_card_section(tiny, tiny_model) -> None:
     for kind, caught in report.summary["rule_settings"]["rule remap"]["by_kind"].items():
         assert union["by_kind"][kind]["caught"] >= caught
     assert len(table.splitlines()[-1].split(" | ")) == 9
+
+
+def test_a_given_model_is_judged_on_the_held_out_fleet_without_training(
+    tmp_path: Path, tiny_model_path: Path
+) -> None:
+    out = tmp_path / "lofo"
+    args = ["--folds", "B", "--model", str(tiny_model_path), "--eval-gpus", "32"]
+    assert main([str(out), *args, "--eval-days", "0.25", "--eval-mttf-h", "0.02"]) == 0
+    assert sorted(p.name for p in (out / "data").iterdir()) == ["lofo-B-eval"]  # nothing trained
+    res = json.loads((out / "fold-B.json").read_text())
+    assert res["model"] == tiny_model_path.name.removesuffix(".json")
+    assert res["held_out_seen_in_training"] == []
+    live = res["summary"]["model_at_budget"]
+    assert live["failures"] > 0 and 0 < live["gpu_days"] <= 32 * 0.25  # less the repairs
+    assert (out / "lofo.md").read_text().splitlines()[-1].startswith("| B: memory_remap:never")
+
+
+def test_extra_training_data_must_not_hold_the_folds_families(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    leaky = make(Fleet("leaky", "families", 5, gpus=8, days=0.05, families=FOLDS["C"]), tmp_path)
+    out = tmp_path / "lofo"
+    with pytest.raises(ValueError, match="pcie:steps"):
+        run_fold("C", out, LofoConfig(), extra_data=[leaky])
+    assert not (out / "data").exists()  # refused before any fleet was written
+    assert main([str(out), "--folds", "C", "--extra-data", str(leaky)]) == 2
+    assert "held-out families" in capsys.readouterr().err
+    assert main([str(out), "--folds", "E"]) == 2
+    assert "no fold E" in capsys.readouterr().err
+
+
+def test_extra_training_data_joins_every_folds_training(tmp_path: Path, tiny_dir: Path) -> None:
+    small = LofoConfig(
+        train_fleets=1, train_gpus=32, train_days=0.25, train_mttf_h=0.02,
+        eval_gpus=32, eval_days=0.25, eval_mttf_h=0.02, rounds=10,
+    )  # fmt: skip
+    res = run_fold("D", tmp_path, small, extra_data=[tiny_dir])
+    card = json.loads(next((tmp_path / "models" / "D").glob("*.json")).read_text())
+    assert res["model"] + ".json" == next((tmp_path / "models" / "D").glob("*.json")).name
+    assert [d["path"] for d in card["data"]] == [str(tmp_path / "data" / "lofo-D-train-0"),
+                                                 str(tiny_dir)]  # fmt: skip
+    assert res["extra_data"] == [str(tiny_dir)]
+    assert not set(res["training_families"]) & set(FOLDS["D"])
