@@ -27,13 +27,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
+
 from forewarn.errors import InvalidInput, NotFound
-from predictor import registry
+from predictor import evaluate, registry
+from predictor.budget import AlarmBudget
 from predictor.dataset import load_dataset, read_manifest
 from predictor.evaluate import json_safe
 from predictor.features import ABSOLUTE_LEVELS
 from predictor.fleets import Fleet, make
-from predictor.report import evaluate_dataset
+from predictor.report import Report, evaluate_dataset, live_budget_metrics, raw_threshold
 from predictor.train import TrainConfig, train
 
 __all__ = ["FOLDS", "LofoConfig", "card_section", "format_table", "run_fold", "train_config"]
@@ -85,10 +88,12 @@ def run_fold(
     *,
     extra_data: Sequence[Path] = (),
     model_path: Path | None = None,
+    keep_scored: bool = False,
 ) -> dict[str, Any]:
     """Train without fold ``name``'s families (on the fold's mechanism fleets and
     ``extra_data``) and evaluate on a fleet made with them; with ``model_path``, train nothing
-    and evaluate that model instead."""
+    and evaluate that model instead. ``keep_scored`` writes the evaluation's scored rows to
+    ``OUT/fold-NAME-scored/`` for :func:`replay_budget`."""
     held = FOLDS[name]
     base = cfg.seed + 100 * (ord(name) - ord("A"))
     test = Fleet(
@@ -104,6 +109,8 @@ def run_fold(
         model = registry.load(model_path)
         seen = sorted({f for d in model.card.get("data", []) for f in d.get("families", [])})
         report = evaluate_dataset(load_dataset(make(test, out / "data")), model, budget=cfg.budget)
+        if keep_scored:
+            _keep(report, out / f"fold-{name}-scored", raw_threshold(model))
         return {
             "fold": name,
             "held_out": list(held),
@@ -142,6 +149,8 @@ def run_fold(
         model = train(paths, train_config(cfg))
         card_path = registry.save(model, model_dir)
     report = evaluate_dataset(load_dataset(make(test, out / "data")), model, budget=cfg.budget)
+    if keep_scored:
+        _keep(report, out / f"fold-{name}-scored", raw_threshold(model))
     drawn = [json.loads((p / "manifest.json").read_text()).get("families", []) for p in paths]
     return {
         "fold": name,
@@ -151,6 +160,26 @@ def run_fold(
         "training_families": sorted({f for fams in drawn for f in fams}),
         "summary": report.summary,
     }
+
+
+def _keep(report: Report, path: Path, fallback: float) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    report.scored.rows.to_parquet(path / "rows.parquet")
+    report.scored.failures.to_parquet(path / "failures.parquet")
+    (path / "meta.json").write_text(
+        json.dumps({"fallback": fallback, "step_s": report.summary["step_s"]})
+    )
+
+
+def replay_budget(path: Path, budget: float) -> dict[str, Any]:
+    """The model met live by today's :class:`~predictor.budget.AlarmBudget` on a fold's kept
+    scored rows (``--keep-scored``): how a change to the budget code moves the realised false
+    alarms and recall, without training or scoring again."""
+    meta = json.loads((path / "meta.json").read_text())
+    rows = pd.read_parquet(path / "rows.parquet")
+    failures = pd.read_parquet(path / "failures.parquet")
+    table = evaluate.ScoreTable(rows, failures, step_s=meta["step_s"])
+    return live_budget_metrics(table, failures, AlarmBudget(budget, fallback=meta["fallback"]))
 
 
 def _pct(v: Any) -> str:
@@ -297,6 +326,17 @@ def main(argv: list[str] | None = None) -> int:
         help="train nothing: evaluate this model (a card, or a directory and its newest model) "
         "on each fold's held-out fleet",
     )
+    parser.add_argument(
+        "--keep-scored",
+        action="store_true",
+        help="keep each fold's scored rows (OUT/fold-NAME-scored/) for --replay-budget",
+    )
+    parser.add_argument(
+        "--replay-budget",
+        action="store_true",
+        help="train and score nothing: meet the budget live again, with this version's budget "
+        "code, on the scored rows kept under OUT, and print each fold's figures",
+    )
     for field, default in LofoConfig.__dataclass_fields__.items():
         parser.add_argument(
             f"--{field.replace('_', '-')}", type=type(default.default), default=default.default
@@ -305,6 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = LofoConfig(**{k: getattr(args, k) for k in LofoConfig.__dataclass_fields__})
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.replay_budget:
+        return _print_replays(out, cfg.budget)
     folds = [] if args.collect else [f.strip() for f in args.folds.split(",")]
     unknown = [f for f in folds if f not in FOLDS]
     if unknown:
@@ -323,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
                 cfg,
                 extra_data=[Path(p) for p in args.extra_data],
                 model_path=None if args.model is None else Path(args.model),
+                keep_scored=args.keep_scored,
             )
         except (ValueError, InvalidInput, NotFound) as e:  # a leak, not a dataset, no model
             print(f"error: {e}", file=sys.stderr)
@@ -338,6 +381,26 @@ def main(argv: list[str] | None = None) -> int:
         card = json.loads(card_path.read_text())
         card["leave_one_family_out"] = card_section(results, cfg)
         card_path.write_text(json.dumps(json_safe(card), indent=1, allow_nan=False) + "\n")
+    return 0
+
+
+def _print_replays(out: Path, budget: float) -> int:
+    kept = sorted(out.glob("fold-*-scored"))
+    if not kept:
+        print(f"error: no kept scored rows under {out} (run with --keep-scored)", file=sys.stderr)
+        return 2
+    print("| fold | live: caught / with precursors | FA per 1k GPU-d | early | final threshold |")
+    print("| --- | --- | --- | --- | --- |")
+    for path in kept:
+        m = replay_budget(path, budget)
+        print(
+            f"| {path.name.removeprefix('fold-').removesuffix('-scored')} "
+            f"| {m['caught_with_precursors']} / {m['failures_with_precursors']} "
+            f"| {_fa(m['false_alarms_per_1000_gpu_days'])} "
+            f"| {m.get('false_alarms_early')} of {m['false_alarms']} "
+            f"| {m['threshold_final']:.4f} |",
+            flush=True,
+        )
     return 0
 
 

@@ -28,7 +28,14 @@ CAUSES: tuple[str, ...] = tuple(sorted({f.subject for f in FEATURES}))
 """What an alarm is blamed on: the subject of the feature that pushed its score up most."""
 _SUBJECT = np.array([CAUSES.index(f.subject) for f in FEATURES])
 
-__all__ = ["UNION_RULES", "Report", "evaluate_dataset", "format_table", "plot_curves"]
+__all__ = [
+    "UNION_RULES",
+    "Report",
+    "evaluate_dataset",
+    "format_table",
+    "live_budget_metrics",
+    "plot_curves",
+]
 
 UNION_RULES: tuple[str, ...] = ("remap",)
 """The rules whose alarms are added to the model's (``union``): a row remap pending or failed
@@ -175,9 +182,28 @@ def _budget_figures(
     budget: float,
     fallback: float,
 ) -> dict[str, Any]:
+    at_budget = live_budget_metrics(table, scored.failures, AlarmBudget(budget, fallback=fallback))
+    hindsight_thr = evaluate.choose_threshold(raw_curve, budget)
+    hindsight = evaluate.metrics(table, "model_raw", hindsight_thr)
+    realised = at_budget["false_alarms_per_1000_gpu_days"] or 0.0
+    rules = _at_rate(table, "baseline", b_curve, max(realised, budget))
+    return {
+        "budget": budget,
+        "model_at_budget": at_budget,
+        "model_at_budget_hindsight": hindsight,
+        "baseline_at_budget": rules,
+    }
+
+
+def live_budget_metrics(
+    table: evaluate.ScoreTable, failures: pd.DataFrame, live: AlarmBudget
+) -> dict[str, Any]:
+    """The model met live by the fresh budget ``live``: its rows replayed in time order, each
+    step judged by the threshold known before it, failed GPUs discarded as they fail. Adds the
+    margin column ``model_budget`` (logit of the score less that of the threshold) to
+    ``table.rows``."""
     rows = table.rows
-    f = scored.failures[scored.failures["slot"] >= 0]
-    live = AlarmBudget(budget, fallback=fallback)
+    f = failures[failures["slot"] >= 0]
     thr = replay(
         live,
         rows["ts_ms"].to_numpy(),
@@ -189,16 +215,7 @@ def _budget_figures(
     at_budget = evaluate.metrics(table, "model_budget", 0.0, cause="cause", causes=CAUSES)
     at_budget["threshold_final"] = live.threshold
     at_budget["budget"] = live.summary()
-    hindsight_thr = evaluate.choose_threshold(raw_curve, budget)
-    hindsight = evaluate.metrics(table, "model_raw", hindsight_thr)
-    realised = at_budget["false_alarms_per_1000_gpu_days"] or 0.0
-    rules = _at_rate(table, "baseline", b_curve, max(realised, budget))
-    return {
-        "budget": budget,
-        "model_at_budget": at_budget,
-        "model_at_budget_hindsight": hindsight,
-        "baseline_at_budget": rules,
-    }
+    return at_budget
 
 
 def _rule_settings(table: evaluate.ScoreTable) -> list[tuple[str, dict[str, Any]]]:

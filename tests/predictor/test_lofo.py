@@ -1,6 +1,7 @@
 """Leave-one-family-out: the folds cover every family once, the table and card section are
-built from evaluation summaries, a given model is judged without training, and extra training
-data that holds a fold's families is refused."""
+built from evaluation summaries, a given model is judged without training (and its kept rows
+replayed through the budget again), and extra training data that holds a fold's families is
+refused."""
 
 from __future__ import annotations
 
@@ -10,7 +11,15 @@ from pathlib import Path
 import pytest
 
 from predictor.fleets import Fleet, make
-from predictor.lofo import FOLDS, LofoConfig, card_section, format_table, main, run_fold
+from predictor.lofo import (
+    FOLDS,
+    LofoConfig,
+    card_section,
+    format_table,
+    main,
+    replay_budget,
+    run_fold,
+)
 from predictor.report import evaluate_dataset
 from sim.shapes import SHAPES, all_families
 
@@ -43,10 +52,10 @@ def test_table_and_card_section(tiny, tiny_model) -> None:
 
 
 def test_a_given_model_is_judged_on_the_held_out_fleet_without_training(
-    tmp_path: Path, tiny_model_path: Path
+    tmp_path: Path, tiny_model_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "lofo"
-    args = ["--folds", "B", "--model", str(tiny_model_path), "--eval-gpus", "32"]
+    args = ["--folds", "B", "--model", str(tiny_model_path), "--eval-gpus", "32", "--keep-scored"]
     assert main([str(out), *args, "--eval-days", "0.25", "--eval-mttf-h", "0.02"]) == 0
     assert sorted(p.name for p in (out / "data").iterdir()) == ["lofo-B-eval"]  # nothing trained
     res = json.loads((out / "fold-B.json").read_text())
@@ -55,6 +64,19 @@ def test_a_given_model_is_judged_on_the_held_out_fleet_without_training(
     live = res["summary"]["model_at_budget"]
     assert live["failures"] > 0 and 0 < live["gpu_days"] <= 32 * 0.25  # less the repairs
     assert (out / "lofo.md").read_text().splitlines()[-1].startswith("| B: memory_remap:never")
+    # the kept rows met by the budget again give the evaluation's own live figures
+    again = replay_budget(out / "fold-B-scored", 2.0)
+    for k in ("caught_with_precursors", "false_alarms", "false_alarms_per_1000_gpu_days"):
+        assert again[k] == live[k]
+    assert main([str(out), "--replay-budget"]) == 0
+    assert (
+        capsys.readouterr()
+        .out.splitlines()[-1]
+        .startswith(
+            f"| B | {live['caught_with_precursors']} / {live['failures_with_precursors']} |"
+        )
+    )
+    assert main([str(tmp_path / "none"), "--replay-budget"]) == 2
 
 
 def test_extra_training_data_must_not_hold_the_folds_families(
