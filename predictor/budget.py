@@ -21,10 +21,13 @@ keeps the threshold that the budget allows on *this* fleet:
 Until ``min_blocks`` healthy GPU-blocks are confirmed (by default one over the wanted share:
 12,000 GPU-hours at 2 per 1,000 GPU-days, half a day of a 1,024-GPU fleet) the threshold is
 provisional: the same fit over confirmed and not yet confirmed blocks (a failure discards its
-GPU's blocks from both), or ``fallback`` (e.g. the model card's) while fewer than
-``provisional_blocks`` (500) were seen at all. A card's threshold can be far off on a fleet it
-never saw, so it is left early; a fit on a few hundred *confirmed* hours alone would be
-trusted too early, so the confirmed fit waits for its own, larger amount.
+GPU's blocks from both). Before ``provisional_blocks`` (500) closed blocks were seen at all, it
+is ``fallback`` (e.g. the model card's), raised to the same fit over the block still open
+(each GPU's highest score so far) once that holds 500 GPUs: a card's threshold can be far too
+low on a fleet it never saw, and a 1,024-GPU fleet would otherwise alarm on it for its whole
+first hour. A card's threshold can be far off either way, so it is left early; a fit on a few
+hundred *confirmed* hours alone would be trusted too early, so the confirmed fit waits for its
+own, larger amount.
 
 Example::
 
@@ -189,9 +192,16 @@ class AlarmBudget:
                 self._threshold = _sigmoid(self._tail_level(self._hist))
             return self._threshold
         provisional = self._hist + self._pending_hist()
-        if provisional.sum() < self.provisional_blocks:
+        if provisional.sum() >= self.provisional_blocks:
+            return _sigmoid(self._tail_level(provisional))
+        # Too few closed blocks to fit: the card's threshold, raised to what this fleet's own
+        # open block already shows (each GPU's highest score so far; a partial block's maximum
+        # is no higher than the whole block's, so this fit only ever errs low, and the card's
+        # threshold bounds it from below).
+        now = self._cur[np.isfinite(self._cur)]
+        if provisional.sum() + len(now) < self.provisional_blocks:
             return self.fallback
-        return _sigmoid(self._tail_level(provisional))
+        return max(self.fallback, _sigmoid(self._tail_level(provisional + _histogram(now))))
 
     def _pending_hist(self) -> np.ndarray:
         if not self._pending:

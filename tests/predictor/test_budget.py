@@ -90,3 +90,22 @@ def test_a_new_fleet_leaves_the_cards_threshold_after_500_gpu_hours_seen() -> No
     assert not b.warm and b.healthy_blocks == 0
     assert b.threshold < 0.9  # a fit on this fleet's own scores, not the card's 0.999
     assert (score[ts < 7 * hour] >= b.threshold).mean() < 0.001  # and still in its tail
+
+
+def test_a_card_threshold_too_low_for_the_fleet_is_raised_within_its_first_hour() -> None:
+    """A 1,024-GPU fleet that scores far higher than the card's fleet: before its first hour
+    closes, the threshold is already the fleet's own, not the card's; a fleet scoring lower
+    keeps the card's threshold until then."""
+    ts, slot, score = _fleet(3.0, gpus=1024, days=1 / 24, step_s=60.0, seed=4)
+    card = float(1 / (1 + np.exp(2.0)))  # logit -2: about 2 % of this fleet's GPU-minutes
+    assert (score >= card).mean() > 0.01
+    b = AlarmBudget(2.0, fallback=card)
+    thr = replay(b, ts, slot, score)
+    assert thr[0] == card  # nothing seen yet
+    later = ts >= 10 * 60_000
+    assert thr[later].min() > card
+    alarmed = np.unique(slot[later & (score >= thr)])
+    assert len(alarmed) <= 5  # against 1,024 x 2 % on the card's threshold
+    quiet_ts, quiet_slot, quiet = _fleet(-3.0, gpus=1024, days=1 / 24, step_s=60.0, seed=4)
+    q = AlarmBudget(2.0, fallback=card)
+    assert (replay(q, quiet_ts, quiet_slot, quiet) == card).all()
