@@ -164,6 +164,7 @@ def metrics(
     lead = lead_of[caught]
     prec = f["has_precursors"].to_numpy(bool)
     n_false = int(false.sum())
+    n_early = int((false & (to_next <= EARLY_S)).sum())
     y = table.rows["y"].to_numpy()
     pr_auc = float(average_precision_score(y, s)) if 0 < y.sum() < len(y) else float("nan")
 
@@ -221,7 +222,12 @@ def metrics(
         if table.gpu_days
         else None,
         # false by the definition above, yet their GPU failed within a day of their end
-        "false_alarms_early": int((false & (to_next <= EARLY_S)).sum()),
+        "false_alarms_early": n_early,
+        # the rest: alarms on GPUs that stayed up for a day after (what an alarm budget, which
+        # counts healthy GPU-time only, is about)
+        "false_alarms_not_early_per_1000_gpu_days": (n_false - n_early) / table.gpu_days * 1000.0
+        if table.gpu_days
+        else None,
         "pr_auc": pr_auc,
         "lead_min_s": p.lead_min_s,
         "horizon_s": p.horizon_s,

@@ -194,7 +194,8 @@ def format_table(results: list[dict[str, Any]]) -> str:
     """The leave-one-family-out table (Markdown)."""
     lines = [
         "| fold: held-out families | failures (w/ precursors) | model, live budget: recall "
-        ">= 2 min / FA per 1k GPU-d | same budget in hindsight | rules at the same FA rate | "
+        ">= 2 min / FA per 1k GPU-d (those on GPUs that did not fail within a day) | same "
+        "budget in hindsight | rules at the same FA rate | "
         "rules at their own setting: recall / FA | kinds where the model (at the rules' FA "
         "rate) catches fewer than the rules | model OR rule (live): recall / FA | kinds where "
         "model OR rule catches fewer than the best rule setting within its FA rate |",
@@ -215,6 +216,7 @@ def format_table(results: list[dict[str, Any]]) -> str:
             f"| {live['failures']} ({live['failures_with_precursors']}) "
             f"| {_pct(live['recall_with_precursors'])} / "
             f"{_fa(live['false_alarms_per_1000_gpu_days'])} "
+            f"({_fa(live.get('false_alarms_not_early_per_1000_gpu_days'))}) "
             f"| {_pct(hind['recall_with_precursors'])} / "
             f"{_fa(hind['false_alarms_per_1000_gpu_days'])} "
             f"| {_pct(at['recall_with_precursors']) if at else '0 % (none that low)'} "
@@ -254,6 +256,7 @@ _BRIEF = (
     "caught_with_precursors",
     "recall_with_precursors",
     "false_alarms_per_1000_gpu_days",
+    "false_alarms_not_early_per_1000_gpu_days",
     "caught_at_least_ahead",
     "false_alarms_by_cause",
     "false_alarms_early",
@@ -389,15 +392,19 @@ def _print_replays(out: Path, budget: float) -> int:
     if not kept:
         print(f"error: no kept scored rows under {out} (run with --keep-scored)", file=sys.stderr)
         return 2
-    print("| fold | live: caught / with precursors | FA per 1k GPU-d | early | final threshold |")
-    print("| --- | --- | --- | --- | --- |")
+    print(
+        "| fold | live: caught / with precursors | FA per 1k GPU-d | of GPUs that did not fail "
+        "within a day | early | final threshold |"
+    )
+    print("| --- | --- | --- | --- | --- | --- |")
     for path in kept:
         m = replay_budget(path, budget)
         print(
             f"| {path.name.removeprefix('fold-').removesuffix('-scored')} "
             f"| {m['caught_with_precursors']} / {m['failures_with_precursors']} "
             f"| {_fa(m['false_alarms_per_1000_gpu_days'])} "
-            f"| {m.get('false_alarms_early')} of {m['false_alarms']} "
+            f"| {_fa(m['false_alarms_not_early_per_1000_gpu_days'])} "
+            f"| {m['false_alarms_early']} of {m['false_alarms']} "
             f"| {m['threshold_final']:.4f} |",
             flush=True,
         )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pandas as pd
+import pytest
 
 from predictor import baseline, evaluate
 from predictor.features import FEATURE_NAMES
@@ -132,6 +133,7 @@ def test_a_false_alarm_before_a_later_failure_is_also_early() -> None:
     table = _table({0: early, 1: healthy, 2: late}, [(0, 1000), (2, 10 + 26 * 60)])
     m = evaluate.metrics(table, "s", 0.5)
     assert (m["false_alarms"], m["false_alarms_early"]) == (3, 1)
+    assert m["false_alarms_not_early_per_1000_gpu_days"] == pytest.approx(2 / table.gpu_days * 1000)
 
 
 def test_baseline_rules_fire_on_their_signals() -> None:
