@@ -14,7 +14,10 @@ model's fleets (``python -m predictor.fleets DIR --only shipped``: default shape
 randomised numbers, no mechanism family, so nothing of a fold leaks in). ``--model PATH``
 trains nothing: it judges that model on each fold's held-out fleet, the same fleet and
 evaluation as the fold models get (for a model trained without any mechanism family, such as
-the shipped one, every fold is held out).
+the shipped one, every fold is held out). ``--keep-scored`` keeps each fold's scored rows;
+``--replay-budget`` then meets the alarm budget again on them with this version's
+:mod:`predictor.budget`, in seconds, so a change to the budget is judged on every kept fold
+without training or scoring again.
 """
 
 from __future__ import annotations
@@ -39,7 +42,15 @@ from predictor.fleets import Fleet, make
 from predictor.report import Report, evaluate_dataset, live_budget_metrics, raw_threshold
 from predictor.train import TrainConfig, train
 
-__all__ = ["FOLDS", "LofoConfig", "card_section", "format_table", "run_fold", "train_config"]
+__all__ = [
+    "FOLDS",
+    "LofoConfig",
+    "card_section",
+    "format_table",
+    "replay_budget",
+    "run_fold",
+    "train_config",
+]
 
 FOLDS: dict[str, tuple[str, ...]] = {
     "A": ("memory:bursts", "memory_remap:early", "thermal:step", "benign:ecc_bursts",
@@ -347,9 +358,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     cfg = LofoConfig(**{k: getattr(args, k) for k in LofoConfig.__dataclass_fields__})
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     if args.replay_budget:
         return _print_replays(out, cfg.budget)
+    if args.model and args.extra_data:
+        print("error: --model trains nothing, so --extra-data has no use", file=sys.stderr)
+        return 2
+    out.mkdir(parents=True, exist_ok=True)
     folds = [] if args.collect else [f.strip() for f in args.folds.split(",")]
     unknown = [f for f in folds if f not in FOLDS]
     if unknown:

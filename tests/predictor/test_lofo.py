@@ -91,6 +91,8 @@ def test_extra_training_data_must_not_hold_the_folds_families(
     assert "held-out families" in capsys.readouterr().err
     assert main([str(out), "--folds", "E"]) == 2
     assert "no fold E" in capsys.readouterr().err
+    assert main([str(out), "--model", str(out), "--extra-data", str(leaky)]) == 2
+    assert "--model trains nothing" in capsys.readouterr().err
 
 
 def test_extra_training_data_joins_every_folds_training(tmp_path: Path, tiny_dir: Path) -> None:
