@@ -192,14 +192,15 @@ class AlarmBudget:
                 self._threshold = _sigmoid(self._tail_level(self._hist))
             return self._threshold
         provisional = self._hist + self._pending_hist()
-        if provisional.sum() >= self.provisional_blocks:
+        closed = provisional.sum()
+        if closed >= self.provisional_blocks:
             return _sigmoid(self._tail_level(provisional))
         # Too few closed blocks to fit: the card's threshold, raised to what this fleet's own
         # open block already shows (each GPU's highest score so far; a partial block's maximum
         # is no higher than the whole block's, so this fit only ever errs low, and the card's
         # threshold bounds it from below).
         now = self._cur[np.isfinite(self._cur)]
-        if provisional.sum() + len(now) < self.provisional_blocks:
+        if closed + len(now) < self.provisional_blocks:
             return self.fallback
         return max(self.fallback, _sigmoid(self._tail_level(provisional + _histogram(now))))
 

@@ -106,35 +106,59 @@ def run_fold(
     and evaluate that model instead. ``keep_scored`` writes the evaluation's scored rows to
     ``OUT/fold-NAME-scored/`` for :func:`replay_budget`."""
     held = FOLDS[name]
-    base = cfg.seed + 100 * (ord(name) - ord("A"))
     test = Fleet(
         f"lofo-{name}-eval",
         "families",
-        base + 50,
+        _seed_base(cfg, name) + 50,
         gpus=cfg.eval_gpus,
         days=cfg.eval_days,
         mttf_h=cfg.eval_mttf_h,
         families=held,
     )
-    if model_path is not None:
-        model = registry.load(model_path)
-        seen = sorted({f for d in model.card.get("data", []) for f in d.get("families", [])})
-        report = evaluate_dataset(load_dataset(make(test, out / "data")), model, budget=cfg.budget)
-        if keep_scored:
-            _keep(report, out / f"fold-{name}-scored", raw_threshold(model))
-        return {
-            "fold": name,
-            "held_out": list(held),
-            "model": str(model.card.get("booster_file", "")).removesuffix(registry.BOOSTER_SUFFIX),
-            "training_families": seen,
-            "held_out_seen_in_training": sorted(set(seen) & set(held)),
-            "summary": report.summary,
-        }
+    card_path = model_path or _fold_model(name, out, cfg, extra_data)
+    model = registry.load(card_path)
+    report = evaluate_dataset(load_dataset(make(test, out / "data")), model, budget=cfg.budget)
+    if keep_scored:
+        _keep(report, out / f"fold-{name}-scored", raw_threshold(model))
+    seen = sorted({f for d in model.card.get("data", []) for f in d.get("families", [])})
+    return {
+        "fold": name,
+        "held_out": list(held),
+        "model": str(model.card["booster_file"]).removesuffix(registry.BOOSTER_SUFFIX),
+        "extra_data": [str(p) for p in extra_data],
+        "training_families": seen,
+        "held_out_seen_in_training": sorted(set(seen) & set(held)),
+        "summary": report.summary,
+    }
+
+
+def _seed_base(cfg: LofoConfig, name: str) -> int:
+    """Fold ``name``'s first seed: its training fleets take the next ones, its evaluation
+    fleet this plus 50."""
+    return cfg.seed + 100 * (ord(name) - ord("A"))
+
+
+def _fold_model(name: str, out: Path, cfg: LofoConfig, extra_data: Sequence[Path]) -> Path:
+    """The card of fold ``name``'s model: the one already under ``OUT/models/NAME``, else one
+    trained on the fold's mechanism fleets and ``extra_data`` (refused if any of it was made
+    with the fold's families) and saved there."""
+    held = FOLDS[name]
+    for p in extra_data:
+        leak = set(read_manifest(Path(p)).get("families", [])) & set(held)
+        if leak:
+            raise ValueError(
+                f"{p} was made with fold {name}'s held-out families ({', '.join(sorted(leak))}); "
+                "extra training data must not hold them"
+            )
+    model_dir = out / "models" / name
+    cards = registry.list_models(model_dir) if model_dir.exists() else []
+    if cards:
+        return cards[-1][1]
     fleets = [
         Fleet(
             f"lofo-{name}-train-{i}",
             "mechanism",
-            base + i,
+            _seed_base(cfg, name) + i,
             gpus=cfg.train_gpus,
             days=cfg.train_days,
             mttf_h=cfg.train_mttf_h,
@@ -143,34 +167,8 @@ def run_fold(
         )
         for i in range(cfg.train_fleets)
     ]
-    for p in extra_data:
-        leak = set(read_manifest(Path(p)).get("families", [])) & set(held)
-        if leak:
-            raise ValueError(
-                f"{p} was made with fold {name}'s held-out families ({', '.join(sorted(leak))}); "
-                "extra training data must not hold them"
-            )
     paths = [make(f, out / "data") for f in fleets] + [Path(p) for p in extra_data]
-    model_dir = out / "models" / name
-    cards = registry.list_models(model_dir) if model_dir.exists() else []
-    if cards:
-        card_path = cards[-1][1]
-        model = registry.load(card_path)
-    else:
-        model = train(paths, train_config(cfg))
-        card_path = registry.save(model, model_dir)
-    report = evaluate_dataset(load_dataset(make(test, out / "data")), model, budget=cfg.budget)
-    if keep_scored:
-        _keep(report, out / f"fold-{name}-scored", raw_threshold(model))
-    drawn = [json.loads((p / "manifest.json").read_text()).get("families", []) for p in paths]
-    return {
-        "fold": name,
-        "held_out": list(held),
-        "model": card_path.name.removesuffix(registry.CARD_SUFFIX),
-        "extra_data": [str(p) for p in extra_data],
-        "training_families": sorted({f for fams in drawn for f in fams}),
-        "summary": report.summary,
-    }
+    return registry.save(train(paths, train_config(cfg)), model_dir)
 
 
 def _keep(report: Report, path: Path, fallback: float) -> None:
