@@ -240,8 +240,9 @@ def metrics(
 
 def curve(table: ScoreTable, column: str, thresholds: np.ndarray | None = None) -> pd.DataFrame:
     """Recall (all failures and those with precursors) and false alarms per 1,000 GPU-days
-    over a sweep of thresholds (default: 60 quantiles of the top 5 % of scores plus every
-    failure's best score)."""
+    (all of them, and those not early: on GPUs that did not fail within :data:`EARLY_S`) over
+    a sweep of thresholds (default: 60 quantiles of the top 5 % of scores plus every failure's
+    best score)."""
     s = table.rows[column].to_numpy(np.float64)
     best = table.window_max(column)
     if thresholds is None:
@@ -250,23 +251,31 @@ def curve(table: ScoreTable, column: str, thresholds: np.ndarray | None = None) 
     prec = table.failures["has_precursors"].to_numpy(bool)
     out = []
     for thr in np.asarray(thresholds, dtype=np.float64):
-        _, _, false = table.alarms(column, float(thr))
+        _, _, false, to_next = table.episodes(column, float(thr))
         hit = best >= thr
+        per = 1e3 / max(table.gpu_days, 1e-9)
         out.append(
             {
                 "threshold": float(thr),
                 "recall": float(hit.mean()) if len(hit) else np.nan,
                 "recall_with_precursors": float(hit[prec].mean()) if prec.any() else np.nan,
-                "false_alarms_per_1000_gpu_days": false.sum() / max(table.gpu_days, 1e-9) * 1e3,
+                "false_alarms_per_1000_gpu_days": false.sum() * per,
+                "false_alarms_not_early_per_1000_gpu_days": (false & (to_next > EARLY_S)).sum()
+                * per,
             }
         )
     return pd.DataFrame(out)
 
 
-def choose_threshold(points: pd.DataFrame, max_false_alarms: float) -> float:
+def choose_threshold(
+    points: pd.DataFrame,
+    max_false_alarms: float,
+    rate: str = "false_alarms_per_1000_gpu_days",
+) -> float:
     """The threshold of best recall (failures with precursors, then all) whose false-alarm
-    rate is within ``max_false_alarms`` per 1,000 GPU-days; the strictest one if none is."""
-    ok = points[points["false_alarms_per_1000_gpu_days"] <= max_false_alarms]
+    rate (the column ``rate`` of :func:`curve`) is within ``max_false_alarms`` per 1,000
+    GPU-days; the strictest one if none is."""
+    ok = points[points[rate] <= max_false_alarms]
     if not len(ok):
         return float(points["threshold"].max())
     ok = ok.fillna({"recall_with_precursors": 0.0, "recall": 0.0})

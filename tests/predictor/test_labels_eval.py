@@ -136,6 +136,29 @@ def test_a_false_alarm_before_a_later_failure_is_also_early() -> None:
     assert m["false_alarms_not_early_per_1000_gpu_days"] == pytest.approx(2 / table.gpu_days * 1000)
 
 
+def test_a_threshold_can_be_chosen_on_false_alarms_that_are_not_early() -> None:
+    """Training fleets fail ten times as often as a real one: a threshold chosen counting
+    early alarms (the GPU failed within a day) as false is set for a far sicker fleet."""
+    n = 2000
+    caught = [0.0] * n
+    caught[1990:1998] = [0.6] * 8  # caught at 0.6, failing at minute 2,000
+    early = [0.0] * n
+    early[10] = 0.7  # the GPU fails at minute 1,000: false, early
+    healthy = [0.0] * n
+    healthy[10] = 0.5  # never fails
+    table = _table({0: caught, 1: early, 2: healthy}, [(0, 2000), (1, 1000)])
+    points = evaluate.curve(table, "s", np.array([0.55, 0.65, 0.75]))
+    for thr, row in zip([0.55, 0.65, 0.75], points.itertuples(), strict=True):
+        m = evaluate.metrics(table, "s", thr)
+        assert row.false_alarms_not_early_per_1000_gpu_days == pytest.approx(
+            m["false_alarms_not_early_per_1000_gpu_days"]
+        )
+    assert points["false_alarms_per_1000_gpu_days"].iloc[0] > 0  # the early alarm at 0.55
+    assert evaluate.choose_threshold(points, 0.0) == 0.75  # all false alarms count: none caught
+    not_early = "false_alarms_not_early_per_1000_gpu_days"
+    assert evaluate.choose_threshold(points, 0.0, not_early) == 0.55
+
+
 def test_baseline_rules_fire_on_their_signals() -> None:
     x = np.full((4, len(FEATURE_NAMES)), np.nan, dtype=np.float32)
     x[:, FEATURE_NAMES.index("since_dbe_s")] = 7 * 86400

@@ -145,6 +145,23 @@ def test_ignored_features_are_never_split_on(tiny_dir) -> None:
     assert list(model.card["training"]["ignore_features"]) == list(ABSOLUTE_LEVELS)
 
 
+def test_the_threshold_can_count_only_false_alarms_that_are_not_early(tiny_dir, tiny_model) -> None:
+    """``threshold_not_early``: the same boosters, a threshold chosen against the false alarms
+    on GPUs that did not fail within a day; never stricter than counting every one."""
+    from dataclasses import replace
+
+    from predictor.train import train
+    from tests.predictor.conftest import TINY_CONFIG
+
+    model = train([tiny_dir], replace(TINY_CONFIG, threshold_not_early=True))
+    assert model.card["training"]["threshold_not_early"] is True
+    cands, before = (m.card["metrics"]["validation_candidates"] for m in (model, tiny_model))
+    for name in cands:  # same seed, same boosters: only the threshold may move, and only down
+        assert cands[name]["raw_threshold"] <= before[name]["raw_threshold"]
+    val = model.card["metrics"]["validation"]["model"]
+    assert val["false_alarms_not_early_per_1000_gpu_days"] <= TINY_CONFIG.max_false_alarms
+
+
 def test_rows_before_sudden_failures_are_left_out_of_training(tiny: Dataset) -> None:
     """A failure nothing foretold teaches nothing: the rows within the widest target before
     it are not training rows (``sudden_positives`` False, the default), and are when asked."""
