@@ -79,17 +79,19 @@ TRAINING: tuple[Fleet, ...] = (
         for s in range(3001, 3008)
     ),
 )
-"""The default model's fleets: one at the default shapes, seven mechanism-randomised (every
-family of :mod:`sim.shapes` can be drawn), 1,024 GPUs for 3 days each."""
+"""Half of the default model's fleets: one at the default shapes, seven mechanism-randomised
+(every family of :mod:`sim.shapes` can be drawn), 1,024 GPUs for 3 days each; the other half is
+:data:`SHIPPED` (its card's ``training.command``)."""
 SHIPPED: tuple[Fleet, ...] = (
     Fleet("tr-default-s1001", "default", 1001, mttf_h=TRAINING_MTTF_H),
     Fleet("tr-default-s1002", "default", 1002, mttf_h=TRAINING_MTTF_H),
     *(Fleet(f"tr-rand-s{s}", "randomised", s, mttf_h=TRAINING_MTTF_H) for s in range(2001, 2005)),
 )
-"""The fleets the shipped default model (``predictor/shipped``) was trained on: two at the
-default shapes and four with randomised numbers, 1,024 GPUs for 7 days each (its card's
-``training.command``). Written under the same names as :data:`TRAINING`'s default fleet, so
-keep the two groups in separate directories."""
+"""Six fleet-weeks: two at the default shapes and four with randomised numbers, 1,024 GPUs for
+7 days each. The previous default model was trained on these alone; the default model
+(``predictor/shipped``) on these and :data:`TRAINING` (its card's ``training.command``).
+Written under the same names as :data:`TRAINING`'s default fleet, so keep the two groups in
+separate directories (var/ds2 and var/ds3 in the card's command)."""
 EVALUATION: tuple[Fleet, ...] = (
     Fleet("eval-default-s4242", "default", 4242, gpus=2048),
     Fleet("eval-rand-s777", "randomised", 777),
@@ -131,8 +133,8 @@ def main(argv: list[str] | None = None) -> int:
         "--only",
         choices=("training", "evaluation", "shipped"),
         default=None,
-        help="one group; without it, training and evaluation (shipped: the fleets the shipped "
-        "model was trained on, in a directory of their own)",
+        help="one group; without it, training and evaluation (shipped: the six fleet-weeks "
+        "the shipped model also trains on, in a directory of their own)",
     )
     args = parser.parse_args(argv)
     fleets = {"training": TRAINING, "evaluation": EVALUATION, "shipped": SHIPPED}

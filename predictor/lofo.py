@@ -9,15 +9,15 @@ baseline, with the alarm budget met live on that fleet's own scores
 
 ``python -m predictor.lofo OUT_DIR`` runs every fold and writes ``OUT_DIR/lofo.json`` and
 ``OUT_DIR/lofo.md`` (the table of ``docs/predictor.md``); sizes are options, small by default.
-``--extra-data DIR`` (repeatable) adds datasets to every fold's training, e.g. the shipped
-model's fleets (``python -m predictor.fleets DIR --only shipped``: default shapes and
+``--extra-data DIR`` (repeatable) adds datasets to every fold's training, e.g. the six
+fleet-weeks (``python -m predictor.fleets DIR --only shipped``: default shapes and
 randomised numbers, no mechanism family, so nothing of a fold leaks in). ``--model PATH``
 trains nothing: it judges that model on each fold's held-out fleet, the same fleet and
 evaluation as the fold models get (for a model trained without any mechanism family, such as
-the shipped one, every fold is held out). ``--keep-scored`` keeps each fold's scored rows;
-``--replay-budget`` then meets the alarm budget again on them with this version's
-:mod:`predictor.budget`, in seconds, so a change to the budget is judged on every kept fold
-without training or scoring again.
+the previous default model, every fold is held out; the card says which were seen).
+``--keep-scored`` keeps each fold's scored rows; ``--replay-budget`` then meets the alarm
+budget again on them with this version's :mod:`predictor.budget`, in seconds, so a change to
+the budget is judged on every kept fold without training or scoring again.
 """
 
 from __future__ import annotations
@@ -328,8 +328,8 @@ def main(argv: list[str] | None = None) -> int:
         action="append",
         default=[],
         metavar="DIR",
-        help="a dataset added to every fold's training (repeatable), e.g. the shipped model's "
-        "fleets from `python -m predictor.fleets DIR --only shipped`",
+        help="a dataset added to every fold's training (repeatable), e.g. the six fleet-weeks "
+        "from `python -m predictor.fleets DIR --only shipped`",
     )
     parser.add_argument(
         "--model",

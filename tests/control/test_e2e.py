@@ -6,9 +6,10 @@ agent hands the rank over, the migration completes, and the job ends with the pa
 run without the migration, bit for bit. It starts in dry-run (one audit entry, nothing moves)
 and is armed mid-episode, as an operator turns Forewarn on.
 
-The shipped model scores a one-minute wear episode (an hour of fleet time at ``--speed 60``)
-low (its precursors are learnt over hours), so the test sets the policy's threshold under the
-episode's risk and above the fleet's.
+The shipped model scores a short wear episode low until its last stretch (its precursors are
+learnt over hours): a three-minute episode (three hours of fleet time at ``--speed 60``) crosses
+0.02 about 27 s before the GPU fails, the healthy GPUs stay under 0.002. So the test sets the
+policy's threshold there, and gives the dry-run, the arming and the move that margin.
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ from tests.migrator.harness import ROOT, Run, assert_same, launch
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 PACED = Path(__file__).with_name("train_paced.py")
-STEPS = 1500
-POLICY = '{"threshold": 0.008, "hysteresis": 2, "cooldown_s": 0, "stale_after_s": 60}'
+STEPS = 3000
+WEAR_LEAD_S = 180
+POLICY = '{"threshold": 0.02, "hysteresis": 2, "cooldown_s": 0, "stale_after_s": 60}'
 
 
 def wait_for(what: str, check: Any, timeout_s: float, every_s: float = 0.25) -> Any:
@@ -148,7 +150,8 @@ def start_and_inject(scene: Scene, out: Path) -> subprocess.Popen[bytes]:
         [
             sys.executable, "-m", "forewarn", "simulate", "inject",
             "--control", f"http://127.0.0.1:{scene.control}",
-            "--node", "sim-node-0000", "--gpu", "1", "--kind", "memory", "--lead-s", "60",
+            "--node", "sim-node-0000", "--gpu", "1", "--kind", "memory",
+            "--lead-s", str(WEAR_LEAD_S),
         ],
         check=True,
         cwd=ROOT,
@@ -184,7 +187,11 @@ def test_dry_run_first_then_the_crossing_migrates_the_rank_and_the_job_ends_bitw
     baseline = pool.submit(launch, tmp_path / "baseline", steps=STEPS, timeout_s=20.0)
     pool.shutdown(wait=False)
     job = start_and_inject(scene, out)
-    wait_for("a dry-run decision", lambda: scene.get("/v1/audit", kind="migration")["data"], 120)
+    wait_for(
+        "a dry-run decision",
+        lambda: scene.get("/v1/audit", kind="migration")["data"],
+        WEAR_LEAD_S + 60,
+    )
     time.sleep(3)  # a few more ticks: still one entry, nothing moved
     entries = scene.get("/v1/audit", kind="migration")["data"]
     assert [(e["action"], e["job_id"], e["data"]["rank"]) for e in entries] == [
@@ -212,7 +219,7 @@ def test_dry_run_first_then_the_crossing_migrates_the_rank_and_the_job_ends_bitw
     assert (m["trigger"], m["rank"]) == ("preventive", 1)
     assert m["source"] == {"node": "sim-node-0000", "gpu": 1}
     assert m["target"]["node"] == "sim-node-0001" and m["target"]["gpu"] == 0
-    assert m["risk"] >= 0.008 and m["acknowledged_at"] and m["bytes_moved"] > 0
+    assert m["risk"] >= 0.02 and m["acknowledged_at"] and m["bytes_moved"] > 0
     trail = scene.get(f"/v1/migrations/{m['id']}")["audit"]
     actions = [a["action"] for a in trail]
     assert actions[0] == "requested" and actions[-1] == "completed", actions

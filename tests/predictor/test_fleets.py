@@ -50,17 +50,30 @@ def test_make_writes_a_dataset_once(tmp_path) -> None:
         make(longer, tmp_path)
 
 
-def test_the_shipped_models_training_command_names_the_shipped_fleets() -> None:
-    """The card's command rebuilds the shipped model: every fleet it trains on is one of
-    SHIPPED, with the seed, size and sampling the card's data records."""
-    card = registry.load_latest(registry.SHIPPED_DIR).card
-    words = shlex.split(card["training"]["command"])
-    assert words[:6] == ["python", "-m", "predictor.fleets", "var/ds2", "--only", "shipped"]
-    named = [Path(words[i + 1]).name for i, w in enumerate(words) if w == "--data"]
-    by_name = {f.name: f for f in SHIPPED}
-    assert named == list(by_name)
+def _card_fleets(card: dict) -> list[tuple[Fleet, dict]]:
+    """Each dataset of the card with the fleet of ``fleets`` it came from: TRAINING under
+    var/ds3, SHIPPED (the six fleet-weeks) under var/ds2."""
+    groups = {"var/ds3": TRAINING, "var/ds2": SHIPPED}
+    out = []
     for data in card["data"]:
-        fleet = by_name[Path(data["path"]).name]
+        path = Path(data["path"])
+        (fleet,) = [f for f in groups[path.parent.as_posix()] if f.name == path.name]
+        out.append((fleet, data))
+    return out
+
+
+def test_the_shipped_models_training_command_names_its_fleets() -> None:
+    """The card's command rebuilds the shipped model: it writes both groups, then trains on
+    every fleet of TRAINING and SHIPPED, with the seed, size and sampling the card records."""
+    card = registry.load_latest(registry.SHIPPED_DIR).card
+    steps = [shlex.split(step) for step in card["training"]["command"].split(" && ")]
+    assert steps[0] == ["python", "-m", "predictor.fleets", "var/ds3", "--only", "training"]
+    assert steps[1] == ["python", "-m", "predictor.fleets", "var/ds2", "--only", "shipped"]
+    words = steps[2]
+    named = [words[i + 1] for i, w in enumerate(words) if w == "--data"]
+    assert named == [f"var/ds3/{f.name}" for f in TRAINING] + [f"var/ds2/{f.name}" for f in SHIPPED]
+    assert [d["path"] for d in card["data"]] == named
+    for fleet, data in _card_fleets(card):
         _, interval_s = fleet.params()
         assert (data["seed"], data["gpus"], data["interval_s"]) == (
             fleet.seed,
@@ -74,11 +87,10 @@ def test_the_shipped_models_training_command_names_the_shipped_fleets() -> None:
 @pytest.mark.slow
 def test_todays_simulator_still_writes_the_shipped_models_first_fleet(tmp_path: Path) -> None:
     """The card's command rebuilds the model only while the simulator writes the same fleets:
-    the first one (a fleet-week, about 15 s and 65 MB) must have the counts, lemon nodes and
+    the first one (1,024 GPUs for 3 days, about 10 s) must have the counts, lemon nodes and
     span that the card recorded when the model was trained."""
     card = registry.load_latest(registry.SHIPPED_DIR).card
-    fleet = SHIPPED[0]
-    recorded = next(d for d in card["data"] if Path(d["path"]).name == fleet.name)
+    fleet, recorded = _card_fleets(card)[0]
     written = read_manifest(make(fleet, tmp_path))
     for key in ("counts", "lemon_nodes", "start_ms", "end_ms", "interval_s", "gpus", "seed"):
         assert written[key] == recorded[key], key
