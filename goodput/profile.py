@@ -95,6 +95,17 @@ def _is_card(path: Path) -> bool:
         return False
 
 
+def _false_alarm_rate(m: dict[str, Any]) -> float:
+    """False alarms per 1,000 GPU-days that cost a pause for nothing: those on GPUs that did
+    not fail within a day, where the set reports them (an early alarm moves a rank off a GPU
+    that fails soon after; training fleets fail ten times as often as a real one, so their
+    validation split is full of early alarms), else every false alarm."""
+    rate = m.get("false_alarms_not_early_per_1000_gpu_days")
+    if rate is None:
+        rate = m.get("false_alarms_per_1000_gpu_days", 0.0)
+    return float(rate)
+
+
 def from_card(path: str | Path) -> PredictorProfile:
     """The profile measured on a model card's held-out sets (a card file or a directory)."""
     p = Path(path)
@@ -131,11 +142,12 @@ def from_card(path: str | Path) -> PredictorProfile:
         for k in KINDS
     }
     lead = {k: (v if v is not None or recall[k] == 0 else overall_lead) for k, v in lead.items()}
-    fa = max(float(m.get("false_alarms_per_1000_gpu_days", 0.0)) for _, m in sets)
+    fa = max(_false_alarm_rate(m) for _, m in sets)
     notes = (
         f"recall pooled over {len(sets)} held-out sets: " + ", ".join(n for n, _ in sets),
         "failures per kind (caught/all): "
         + ", ".join(f"{k} {caught[k]}/{failures[k]}" for k in KINDS),
-        "false alarms: the highest rate any held-out set reports",
+        "false alarms: the highest rate any held-out set reports, on GPUs that did not fail "
+        "within a day",
     )
     return PredictorProfile(recall, lead, fa, source=str(p), notes=notes)

@@ -205,7 +205,14 @@ def test_profile_pools_held_out_sets(tmp_path: Path) -> None:
                         "by_kind": {"memory": {"failures": 6, "caught": 1}},
                         "false_alarms_per_1000_gpu_days": 2.5,
                     }
-                }
+                },
+                "sicker": {  # early alarms (the GPU failed within a day) cost no pause for nothing
+                    "model": {
+                        "by_kind": {},
+                        "false_alarms_per_1000_gpu_days": 9.0,
+                        "false_alarms_not_early_per_1000_gpu_days": 2.0,
+                    }
+                },
             },
         },
     }
