@@ -8,7 +8,7 @@ and is armed mid-episode, as an operator turns Forewarn on.
 
 The shipped model scores a short wear episode low until its last stretch (its precursors are
 learnt over hours): a three-minute episode (three hours of fleet time at ``--speed 60``) crosses
-0.02 about 27 s before the GPU fails, the healthy GPUs stay under 0.002. So the test sets the
+0.02 about 27 s before the GPU fails, the healthy GPUs stay under 0.005. So the test sets the
 policy's threshold there, and gives the dry-run, the arming and the move that margin.
 """
 
