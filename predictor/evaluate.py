@@ -249,11 +249,11 @@ def curve(table: ScoreTable, column: str, thresholds: np.ndarray | None = None) 
         qs = np.quantile(s, np.linspace(0.95, 1.0, 60)) if len(s) else np.array([])
         thresholds = np.unique(np.r_[qs, best[np.isfinite(best)]])
     prec = table.failures["has_precursors"].to_numpy(bool)
+    per = 1e3 / max(table.gpu_days, 1e-9)
     out = []
     for thr in np.asarray(thresholds, dtype=np.float64):
         _, _, false, to_next = table.episodes(column, float(thr))
         hit = best >= thr
-        per = 1e3 / max(table.gpu_days, 1e-9)
         out.append(
             {
                 "threshold": float(thr),

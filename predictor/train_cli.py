@@ -102,6 +102,7 @@ _FROM_BASE = {
     "horizon_s": "horizon_s",
     "lead_min_s": "lead_min_s",
     "max_false_alarms": "max_false_alarms",
+    "threshold_not_early": "threshold_not_early",
     "rounds": "rounds",
     "seed": "seed",
     "val_from": "val_from",
@@ -120,8 +121,6 @@ def _from_base(args: argparse.Namespace) -> tuple[TrainConfig, Base]:
         overrides["label_horizons_s"] = tuple(args.label_horizon_s)
     if args.relative_only:
         overrides["ignore_features"] = ABSOLUTE_LEVELS
-    if args.threshold_not_early:
-        overrides["threshold_not_early"] = True
     print(f"base: {base.card_path} (its settings and hyper-parameters)", file=sys.stderr)
     for path, why in base.missing.items():
         print(f"base data {path}: {why}; left out", file=sys.stderr)

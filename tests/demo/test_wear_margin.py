@@ -10,6 +10,7 @@ numbers to choose new thresholds by.
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from store import control as db
 from store.writes import event_row, sample_row
 from tests.control.test_e2e import POLICY, WEAR_LEAD_S
 
-E2E_THRESHOLD = float(POLICY.split('"threshold": ')[1].split(",")[0])
+E2E_THRESHOLD = float(json.loads(POLICY)["threshold"])
 T0 = 1_800_000_000.0
 
 
