@@ -102,9 +102,10 @@ def rollup(raw: pd.DataFrame, *, before: pd.DataFrame | None = None) -> pd.DataF
         value = _float(both, c)
         data[f"{c}_delta"] = _deltas(value, gpu_code)
         data[c] = value
-    work = pd.DataFrame(data)
     keep = ~pre
-    work = work[keep]
+    if not keep.any():  # only predecessors: a GPU that stopped reporting before the window
+        return pd.DataFrame(columns=["ts_ms", "node", "gpu", *STAT_COLUMNS])
+    work = pd.DataFrame(data)[keep]
     group = (gpu_code[keep] << 32) | (minute[keep] - minute[keep].min())
     grouped = work.groupby(group, sort=False)
     out: dict[str, np.ndarray] = {}

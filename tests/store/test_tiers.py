@@ -406,3 +406,18 @@ def test_forewarn_train_reads_the_history_of_a_simulated_fleet(tmp_path: Path) -
     store.close()
     assert main(args) == 0
     assert list(out.glob("*.lgb.txt"))
+
+
+def test_a_minute_read_of_a_gpu_that_stopped_reporting_is_empty_not_an_error(
+    store: Store,
+) -> None:
+    raw = raw_frame(gpus=1, hours=1, step_s=10)
+    store.write(samples=rows_of(raw))  # the GPU reports for an hour, then falls silent
+    # Five minutes later, one minute read past its last sample: its predecessor row (the
+    # counters' base) exists, no row of the window does.
+    since = START + HOUR + 5 * MINUTE_MS
+    series, resolution = store.gpu_series(
+        node="node-a", gpu=0, since_ms=since, until_ms=since + MINUTE_MS, resolution="1m"
+    )
+    assert resolution == "1m" and len(series) == 0
+    assert list(series.columns[:3]) == ["ts_ms", "node", "gpu"]
