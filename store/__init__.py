@@ -23,7 +23,7 @@ import pandas as pd
 from sqlalchemy import Connection, Engine, text
 
 from forewarn.errors import StoreUnavailable
-from store import reads, tiers, writes
+from store import reads, tiering, tiers, writes
 from store.engine import default_database_url, make_engine
 from store.migrate import current_heads, head_revisions, upgrade
 from store.writer import GroupWriter, ProcessWriter
@@ -154,7 +154,7 @@ class Store:
 
     def maintain_tiers(self, policy: tiers.TierPolicy, *, now_ms: int) -> tiers.TierReport:
         """Roll closed hours up, archive them, drop what left every tier (idempotent)."""
-        return tiers.maintain(self.engine, policy, now_ms=now_ms)
+        return tiering.maintain(self.engine, policy, now_ms=now_ms)
 
     def latest_samples(self, **kwargs: Any) -> pd.DataFrame:
         with self.engine.connect() as c:

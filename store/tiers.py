@@ -33,7 +33,6 @@ from sqlalchemy import (
     BigInteger,
     Column,
     Connection,
-    Engine,
     Integer,
     LargeBinary,
     PrimaryKeyConstraint,
@@ -56,7 +55,6 @@ __all__ = [
     "TierReport",
     "gpu_series",
     "had_precursors",
-    "maintain",
     "oldest_hour",
     "predecessors",
     "raw_since",
@@ -255,13 +253,6 @@ def predecessors(
     )
     frame = fetch_samples(connection, sql, params, columns)
     return frame if node is None else frame[frame["node"] == node]
-
-
-def maintain(engine: Engine, policy: TierPolicy, *, now_ms: int) -> TierReport:
-    """One pass of the tiering task (:func:`store.tiering.maintain`)."""
-    from store import tiering  # the task builds on this module's tables and reads
-
-    return tiering.maintain(engine, policy, now_ms=now_ms)
 
 
 # Reads -------------------------------------------------------------------------------------
