@@ -30,6 +30,7 @@ from store.tiers import (
     raw_since,
     rolled_until,
     set_mark,
+    take_late_hours,
 )
 
 __all__ = ["maintain", "prepare_sqlite", "roll_span"]
@@ -91,6 +92,17 @@ def maintain(engine: Engine, policy: TierPolicy, *, now_ms: int) -> TierReport:
         report.hours_rolled += 1
         report.chunks_written += chunks
         rolled += SPAN_MS
+
+    # Rolled hours that rows reached since (a spool replayed): rolled up again now, not at
+    # their archiving a day later.
+    if rolled is not None and archived is not None:
+        with engine.begin() as c:
+            late = take_late_hours(
+                c, since_ms=archived, until_ms=rolled, limit=policy.max_hours_per_run
+            )
+        for hour in late:
+            _roll_hour(engine, hour, policy, None, mark=None)
+            report.hours_rerolled += 1
 
     # Hours that left the raw window: archived, rolled up again with late rows, then dropped.
     wrote_history = False
@@ -217,9 +229,15 @@ _UPSERT = (
 
 
 def _roll_hour(
-    engine: Engine, start_ms: int, policy: TierPolicy, history: History | None, *, mark: str
+    engine: Engine,
+    start_ms: int,
+    policy: TierPolicy,
+    history: History | None,
+    *,
+    mark: str | None,
 ) -> tuple[int, int, int]:
-    """Roll one hour up (and archive it when ``history`` is given); move ``mark`` past it.
+    """Roll one hour up (and archive it when ``history`` is given); move ``mark`` past it
+    (None: an hour rolled up again, no mark moves).
 
     Returns:
         (raw rows read, chunks written, rows written to the history)
@@ -232,7 +250,8 @@ def _roll_hour(
     with engine.begin() as c:
         if chunks:
             c.execute(text(_UPSERT), chunks)
-        set_mark(c, mark, end_ms)
+        if mark is not None:
+            set_mark(c, mark, end_ms)
     log.debug("%s: %d samples of %d GPUs from %d", mark, rows, len(chunks), start_ms)
     return rows, len(chunks), archived
 

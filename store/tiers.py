@@ -55,12 +55,15 @@ __all__ = [
     "TierReport",
     "gpu_series",
     "had_precursors",
+    "late_hours",
+    "note_late_hours",
     "oldest_hour",
     "predecessors",
     "raw_since",
     "rolled_until",
     "sample_rollups",
     "set_mark",
+    "take_late_hours",
     "tier_marks",
     "tiered_window",
 ]
@@ -92,6 +95,15 @@ tier_marks = Table(
 )
 """How far the tiering task got (``rolled_until_ms``)."""
 
+late_hours = Table(
+    "late_hours",
+    metadata,
+    Column("start_ms", BigInteger, nullable=False),
+    PrimaryKeyConstraint("start_ms", name="pk_late_hours"),
+)
+"""Rolled hours that rows reached after their roll-up (a collector's spool replayed): the
+writer notes the hour, the next tiering pass rolls it up again (:func:`note_late_hours`)."""
+
 
 @dataclass(frozen=True)
 class TierPolicy:
@@ -102,8 +114,8 @@ class TierPolicy:
         rollup_window_s: per-minute rollups and events are kept this long.
         history_url: where closed raw hours are written as Parquet; None: nowhere.
         history_window_s: Parquet parts are kept this long; None: forever.
-        rollup_lag_s: an hour is rolled up this long after it closed (late rows after that
-            still reach the rollups when the hour is archived).
+        rollup_lag_s: an hour is rolled up this long after it closed (rows that reach it
+            later are noted by the writer and the hour is rolled up again at the next pass).
         ahead_s: partitions are created this far ahead of now.
         max_hours_per_run: an idle store catching up rolls at most this many hours per run.
         slice_rows: a roll-up reads at most about this many rows at once.
@@ -124,6 +136,7 @@ class TierReport:
     """What one :func:`maintain` run did."""
 
     hours_rolled: int = 0
+    hours_rerolled: int = 0
     hours_archived: int = 0
     samples_rolled: int = 0
     chunks_written: int = 0
@@ -136,6 +149,7 @@ class TierReport:
     def __bool__(self) -> bool:
         return bool(
             self.hours_rolled
+            or self.hours_rerolled
             or self.hours_archived
             or self.raw_dropped
             or self.rollups_dropped
@@ -177,6 +191,60 @@ def set_mark(connection: Connection, name: str, value_ms: int) -> None:
             text("INSERT INTO tier_marks (name, value_ms) VALUES (:n, :v)"),
             {"v": value_ms, "n": name},
         )
+
+
+_NOTE_LATE = {
+    "sqlite": (
+        "INSERT OR IGNORE INTO late_hours (start_ms) SELECT ? FROM tier_marks "
+        f"WHERE name = '{ROLLED_MARK}' AND ? < value_ms"
+    ),
+    "postgresql": (
+        "INSERT INTO late_hours (start_ms) SELECT %s FROM tier_marks "
+        f"WHERE name = '{ROLLED_MARK}' AND %s < value_ms ON CONFLICT DO NOTHING"
+    ),
+}
+LATE_SPAN_HOURS = 48
+"""A GPU's rows in one batch are checked for late hours this far back from its newest row
+(a spool replays a day at most by default; a wild timestamp does not make thousands)."""
+
+
+def note_late_hours(cursor: Any, dialect: str, spans: Sequence[tuple[int, int]]) -> None:
+    """Note in ``late_hours`` each hour that the rows just written reach and that is already
+    rolled up, so that the next tiering pass rolls it up again.
+
+    Args:
+        cursor: the writer's driver cursor, inside its transaction.
+        spans: (first ts_ms, last ts_ms) of each GPU's rows in the batch.
+    """
+    hours: set[int] = set()
+    for first, last in spans:
+        top = partitions.floor(int(last), SPAN_MS)
+        low = max(partitions.floor(int(first), SPAN_MS), top - LATE_SPAN_HOURS * SPAN_MS)
+        hours.update(range(low, top + SPAN_MS, SPAN_MS))
+    if hours:
+        cursor.executemany(_NOTE_LATE[dialect], [(h, h) for h in sorted(hours)])
+
+
+def take_late_hours(
+    connection: Connection, *, since_ms: int, until_ms: int, limit: int
+) -> list[int]:
+    """Remove and return the oldest ``limit`` noted late hours in ``[since_ms, until_ms)``;
+    forget older ones (archiving rolls those up again anyway). A row that lands while its hour
+    is being rolled up again notes the hour anew: it is taken before, never after."""
+    connection.execute(text("DELETE FROM late_hours WHERE start_ms < :a"), {"a": since_ms})
+    taken = [
+        int(h)
+        for h in connection.execute(
+            text(
+                "SELECT start_ms FROM late_hours WHERE start_ms >= :a AND start_ms < :b "
+                "ORDER BY start_ms LIMIT :n"
+            ),
+            {"a": since_ms, "b": until_ms, "n": limit},
+        ).scalars()
+    ]
+    for hour in taken:
+        connection.execute(text("DELETE FROM late_hours WHERE start_ms = :h"), {"h": hour})
+    return taken
 
 
 def oldest_hour(connection: Connection, after_ms: int | None = None) -> int | None:

@@ -23,6 +23,7 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
 from forewarn.wire import Event, GpuSample
 from store.schema import NO_GPU, NO_XID, SAMPLE_COLUMNS, agents, events
+from store.tiers import note_late_hours
 
 __all__ = [
     "EventRow",
@@ -182,6 +183,7 @@ def insert_sample_groups(
             stored = _pg_copy(driver, cursor, types, groups)
         else:  # pragma: no cover - guarded by make_engine
             raise ValueError(f"unsupported database: {dialect}")
+        note_late_hours(cursor, dialect, [(s[4], s[5]) for s in spans])
     finally:
         cursor.close()
     return stored

@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 from sqlalchemy import create_engine, text
 
-from store import Store, partitions, tiers
+from store import Store, partitions, schema, tiers
 from store.migrate import upgrade
 from store.reads import FRAME_COLUMNS
 from store.rollups import COUNTER_COLUMNS, GAUGE_COLUMNS, MINUTE_MS, STAT_COLUMNS
@@ -267,9 +267,12 @@ def test_migration_from_the_flat_table_keeps_its_rows(database_url: str) -> None
     engine = create_engine(database_url)
     upgrade(engine, "0002")
     raw = raw_frame(gpus=2, hours=1, step_s=60)
-    flat = Store(engine)
-    flat.write(samples=rows_of(raw))
-    flat.close()
+    with engine.begin() as c:  # rows as a writer of that schema stored them
+        c.execute(
+            schema.samples.insert(),
+            [dict(zip(SAMPLE_COLUMNS, r, strict=True)) for r in rows_of(raw)],
+        )
+    engine.dispose()
     engine = create_engine(database_url)
     upgrade(engine)
     store = Store(engine)
@@ -353,6 +356,24 @@ def test_rows_a_spool_replays_after_the_roll_up_reach_the_rollups_when_archived(
     store.maintain_tiers(POLICY, now_ms=START + 2 * HOUR + 15 * MINUTE_MS)  # hour 0 archived
     want = expected_rollup(raw[raw["ts_ms"] < START + HOUR])
     assert_same_rollups(stored_minutes(store, START, START + HOUR), want)
+
+
+def test_rows_that_reach_a_rolled_hour_roll_it_up_again_at_the_next_pass(store: Store) -> None:
+    raw = raw_frame(gpus=2, hours=2, step_s=10)
+    late = (raw["gpu"] == 1) & (raw["ts_ms"] >= START + 5 * MINUTE_MS)
+    late &= raw["ts_ms"] < START + 25 * MINUTE_MS
+    store.write(samples=rows_of(raw[~late]))
+    store.maintain_tiers(POLICY, now_ms=START + HOUR + 15 * MINUTE_MS)  # hour 0 rolled
+    store.write(samples=rows_of(raw[late]))  # a spool replays GPU 1's twenty minutes
+    report = store.maintain_tiers(POLICY, now_ms=START + HOUR + 20 * MINUTE_MS)
+    # Rolled up again at once, not a raw window (here an hour) later when archived.
+    assert report.hours_rerolled == 1 and report.hours_archived == 0
+    want = expected_rollup(raw[raw["ts_ms"] < START + HOUR])
+    assert_same_rollups(stored_minutes(store, START, START + HOUR), want)
+    # Nothing late since: the next pass rolls nothing again; live rows of the open hour
+    # note nothing either.
+    store.write(samples=rows_of(raw[raw["ts_ms"] >= START + HOUR].head(10)))
+    assert store.maintain_tiers(POLICY, now_ms=START + HOUR + 25 * MINUTE_MS).hours_rerolled == 0
 
 
 @pytest.mark.slow
