@@ -36,9 +36,9 @@ import numpy as np
 import pandas as pd
 
 from collector.xid import describe
+from forewarn.datasets import EVENT_DTYPES, FAILURE_COLUMNS, FAILURE_DTYPES
 from forewarn.wire import COUNTER_FIELDS
 from predictor.catalog import GPU_DOWN_XIDS, xid_class
-from sim.schema import EVENT_DTYPES, FAILURE_COLUMNS, FAILURE_DTYPES
 
 __all__ = ["HeuristicRules", "LabelTracker", "xid_kind"]
 

@@ -5,9 +5,9 @@
 source knows (:data:`collector.dcgm_exporter.DCGM_FIELDS`, plus ``DCGM_FI_DEV_FB_FREE``,
 ``DCGM_FI_DEV_FB_RESERVED`` and ``DCGM_FI_DEV_XID_ERRORS``), joins them by
 (``Hostname``, ``gpu``) label — ``instance`` without its port when a series has no
-``Hostname`` — and writes a dataset in the one format of :mod:`sim.schema`: one sample row per
-GPU and evaluation step (``step``), counters as nullable integers, fields the exporter does not
-export as nulls; Xid changes as ``xid`` events; failures from a labels CSV
+``Hostname`` — and writes a dataset in the one format of :mod:`forewarn.datasets`: one sample
+row per GPU and evaluation step (``step``), counters as nullable integers, fields the exporter
+does not export as nulls; Xid changes as ``xid`` events; failures from a labels CSV
 (:func:`sim.csv_import.read_failures_csv`'s columns) or, without one, from the heuristic of
 :mod:`predictor.heuristic_labels`. The manifest records the query and the label source.
 
@@ -34,11 +34,11 @@ import pandas as pd
 
 from collector.dcgm_exporter import DCGM_FIELDS
 from forewarn import __version__
+from forewarn.datasets import FAILURE_COLUMNS, SAMPLE_COLUMNS, sample_dtypes
 from forewarn.errors import InvalidInput, NotFound, SourceUnavailable
 from predictor.heuristic_labels import HeuristicRules, LabelTracker
 from sim.csv_import import read_failures_csv
 from sim.dataset import write_parquet_frame
-from sim.schema import FAILURE_COLUMNS, SAMPLE_COLUMNS, sample_dtypes
 
 __all__ = ["MAX_POINTS", "ROWS_PER_CHUNK", "SERIES", "ImportResult", "chunks", "import_prometheus"]
 

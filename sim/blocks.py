@@ -1,6 +1,6 @@
 """The buffers that turn the simulator's ticks into the dataset's Arrow tables and frames.
 
-Column names and types come from :mod:`sim.schema`.
+Column names and types come from :mod:`forewarn.datasets`.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from sim.schema import FAILURE_COLUMNS, FAILURE_DTYPES, NOT_REPORTED
+from forewarn.datasets import FAILURE_COLUMNS, FAILURE_DTYPES, NOT_REPORTED
 
 if TYPE_CHECKING:
     import pandas as pd

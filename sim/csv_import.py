@@ -31,9 +31,9 @@ import numpy as np
 import pandas as pd
 
 from forewarn import __version__
+from forewarn.datasets import EVENT_COLUMNS, FAILURE_COLUMNS, SAMPLE_COLUMNS, sample_dtypes
 from forewarn.errors import InvalidInput
 from sim.dataset import write_parquet_frame
-from sim.schema import EVENT_COLUMNS, FAILURE_COLUMNS, SAMPLE_COLUMNS, sample_dtypes
 
 __all__ = ["NVSMI_COLUMNS", "convert_csv", "read_failures_csv"]
 

@@ -19,9 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from forewarn import __version__
+from forewarn import __version__, datasets
 from forewarn.errors import InvalidInput
-from sim import blocks, schema
+from sim import blocks
 from sim.calibration import per_gpu_hazard_per_h
 from sim.config import Params, load_params, validate
 from sim.fleet import FleetModel
@@ -136,7 +136,7 @@ def generate_dataset(
     events: list[tuple[int, int, int, str, int, str, str]] = []
     writer: pq.ParquetWriter | None = None
     part, rows_in_part, samples = 0, 0, 0
-    arrow_schema = schema.sample_schema()
+    arrow_schema = datasets.sample_schema()
 
     def flush() -> None:
         nonlocal writer, part, rows_in_part, samples

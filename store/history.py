@@ -36,7 +36,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from sim.schema import EVENT_DTYPES, FAILURE_DTYPES, sample_dtypes, sample_schema
+from forewarn.datasets import EVENT_DTYPES, FAILURE_DTYPES, sample_dtypes, sample_schema
 
 __all__ = [
     "FATAL_XIDS",

@@ -71,7 +71,10 @@ FORBIDDEN = {
 # through the collector's pusher (it is a collector with the simulated source) and posts to the
 # control API of a running simulator; the fleet model itself imports neither. The predictor's
 # Prometheus importer asks Prometheus' HTTP API for a fleet's history (DESIGN.md).
+# The dataset schema (forewarn/datasets.py) builds its Arrow form with pandas inside the one
+# function that the server's readers and writers call; a node never calls it.
 ALLOWED = {
+    ("forewarn", "pandas"): ("forewarn/datasets.py",),
     ("sim", "collector"): ("sim/cli.py",),
     ("sim", "httpx"): ("sim/cli.py",),
     ("predictor", "httpx"): ("predictor/prometheus_import.py",),

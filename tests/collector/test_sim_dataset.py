@@ -10,9 +10,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from forewarn.datasets import EVENT_COLUMNS, FAILURE_COLUMNS, SAMPLE_COLUMNS, sample_dtypes
 from forewarn.wire import COUNTER_FIELDS, EventKind
 from sim import FleetModel, generate_dataset, load_params
-from sim.schema import EVENT_COLUMNS, FAILURE_COLUMNS, SAMPLE_COLUMNS, sample_dtypes
 
 # A busy fleet: failures every few GPU-hours, short repairs, every benign confounder frequent.
 BUSY = {

@@ -203,8 +203,8 @@ def test_live_mode_streams_into_the_service(live_service) -> None:  # type: igno
 def test_convert_nvidia_smi_csv(tmp_path: Path) -> None:
     import pandas as pd
 
+    from forewarn.datasets import FAILURE_COLUMNS, SAMPLE_COLUMNS, sample_dtypes
     from sim.csv_import import convert_csv
-    from sim.schema import FAILURE_COLUMNS, SAMPLE_COLUMNS, sample_dtypes
 
     data = Path(__file__).parent / "data"
     out = tmp_path / "real"

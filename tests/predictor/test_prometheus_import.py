@@ -25,9 +25,9 @@ import pandas as pd
 import pytest
 
 from collector.dcgm_exporter import parse_metrics
+from forewarn.datasets import FAILURE_COLUMNS, SAMPLE_COLUMNS, sample_dtypes
 from predictor.dataset import load_dataset
 from predictor.registry import SHIPPED_DIR
-from sim.schema import FAILURE_COLUMNS, SAMPLE_COLUMNS, sample_dtypes
 from tests.sim.exporter import served_exporter, stop
 
 PROMETHEUS = Path("/usr/bin/prometheus")

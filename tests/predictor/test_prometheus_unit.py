@@ -13,12 +13,12 @@ import pandas as pd
 import pytest
 
 from forewarn.cli import main
+from forewarn.datasets import FAILURE_COLUMNS, SAMPLE_COLUMNS, sample_dtypes
 from forewarn.errors import InvalidInput, NotFound, SourceUnavailable
 from predictor.dataset import load_dataset
 from predictor.heuristic_labels import HeuristicRules
 from predictor.import_cli import parse_time_ms
 from predictor.prometheus_import import SERIES, chunks, import_prometheus
-from sim.schema import FAILURE_COLUMNS, SAMPLE_COLUMNS, sample_dtypes
 
 T0 = 1_767_225_600  # 2026-01-01T00:00:00Z, seconds
 HOUR = 3600

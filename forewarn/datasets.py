@@ -1,4 +1,6 @@
-"""The dataset format's columns and their types, defined once for every writer and reader.
+"""The dataset format's columns and their types, defined once for every writer and reader,
+beside the wire schema they follow (the store's history, the simulator and the predictor all
+import it; none of them owns it).
 
 The simulator (``sim.dataset``), the importers (CSV in ``sim.csv_import``, Prometheus in
 ``predictor.prometheus_import``) and the predictor's reader use these names and types; the
