@@ -16,6 +16,7 @@ import os
 import signal
 import socket
 import sys
+from importlib.metadata import EntryPoint, entry_points
 from pathlib import Path
 from typing import Any
 
@@ -26,14 +27,15 @@ __all__ = ["build_sources", "configure", "run"]
 
 log = logging.getLogger("forewarn.collector")
 
-SOURCES = ("auto", "nvml", "amd", "dcgm-exporter", "simulated")
+BUILT_IN = ("auto", "nvml", "amd", "dcgm-exporter")
+"""Sources of the collector itself; others come from ``forewarn.sources`` entry points."""
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     env = os.environ.get
     parser.add_argument(
         "--source",
-        choices=SOURCES,
+        choices=[*BUILT_IN, *sorted(_plugins())],
         default="auto",
         help="auto tries NVML, then AMD SMI (default %(default)s)",
     )
@@ -109,6 +111,12 @@ _AUTO_HELP = (
 )
 
 
+def _plugins() -> dict[str, EntryPoint]:
+    """Sources installed beside the collector (``forewarn.sources`` entry points: the
+    simulator's, for one), found by name so that the collector imports none of them."""
+    return {ep.name: ep for ep in entry_points(group="forewarn.sources")}
+
+
 def _primary(args: argparse.Namespace) -> Source:
     kind = args.source
     if kind == "nvml":
@@ -125,10 +133,10 @@ def _primary(args: argparse.Namespace) -> Source:
         from collector.dcgm_exporter import DcgmExporterSource
 
         return DcgmExporterSource(args.url, node=args.node)
-    if kind == "simulated":
-        from sim.source import SimulatedSource
-
-        return SimulatedSource(args.sim_gpus, seed=args.sim_seed, speed=args.sim_speed)
+    plugin = _plugins().get(kind)
+    if plugin is not None:
+        source: Source = plugin.load()(args)
+        return source
     errors = {}
     for name in ("nvml", "amd"):
         try:

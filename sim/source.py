@@ -19,6 +19,7 @@ Example::
 
 from __future__ import annotations
 
+import argparse
 import threading
 from collections.abc import Mapping
 from datetime import UTC, datetime
@@ -31,7 +32,7 @@ from forewarn.wire import Event, GpuSample, to_ms
 from sim.config import FAILURE_KINDS, Params, load_params
 from sim.fleet import FleetModel, Tick
 
-__all__ = ["SimulatedSource", "tick_rows"]
+__all__ = ["SimulatedSource", "from_collect_args", "tick_rows"]
 
 _OPTIONAL_INT = {"throttle_reasons", "pcie_link_width"}
 
@@ -173,3 +174,9 @@ class SimulatedSource:
 
     def close(self) -> None:
         self._closed = True
+
+
+def from_collect_args(args: argparse.Namespace) -> SimulatedSource:
+    """``forewarn collect --source simulated`` (the ``forewarn.sources`` entry point): the
+    fleet of ``--sim-gpus`` GPUs, ``--sim-seed`` and ``--sim-speed``."""
+    return SimulatedSource(args.sim_gpus, seed=args.sim_seed, speed=args.sim_speed)

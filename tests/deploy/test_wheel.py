@@ -179,6 +179,7 @@ def test_node_install_then_server(wheel: Path, venv: Venv) -> None:
     result = venv.forewarn("collect", "--help")
     assert result.returncode == 0, result.stderr
     assert "--service" in result.stdout
+    assert "simulated" in result.stdout  # the simulator's source, found by its entry point
     for module in (*SERVER_ONLY, "torch"):
         assert not venv.has(module), f"{module} came with the base install"
     assert venv.heavy_imports("collect", (*SERVER_ONLY, "torch")) == []
