@@ -7,6 +7,7 @@ server; the predictor gets frames, never a database session or a web request.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -53,6 +54,7 @@ FORBIDDEN = {
         "pandas",
         "numpy",
     },
+    "api": {"torch"},
     "goodput": {
         "api",
         "store",
@@ -107,3 +109,18 @@ def test_room_imports_only_what_it_may(room: str) -> None:
                 continue
             offences.append(f"{rel} imports {name}")
     assert not offences, "\n".join(offences)
+
+
+# Packages that are no room of the table: the demo runs every part (the service, a collector
+# and a training job with torch) as a show, and tests test everything.
+NOT_ROOMS = {"demo", "tests"}
+
+
+def test_every_room_of_the_architecture_table_is_checked() -> None:
+    table = (ROOT / "docs" / "architecture.md").read_text()
+    rooms = set(re.findall(r"^\| `(\w+)/` \|", table, flags=re.MULTILINE))
+    assert {"collector", "store", "api"} <= rooms  # the table was read
+    packages = {p.parent.name for p in ROOT.glob("*/__init__.py")}
+    data_only = {r for r in rooms if r not in packages}  # models/: data, not code
+    assert rooms - data_only <= set(FORBIDDEN), "a room of the table has no import rule here"
+    assert packages - NOT_ROOMS <= rooms, "a package is in no room of docs/architecture.md"
