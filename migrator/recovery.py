@@ -8,14 +8,19 @@ asked for:
 
 - detection: once a rank exits or a survivor reports a failed collective, every rank of the
   generation has ``detect_grace_s`` (default ``timeout_s``) to report its last completed
-  step; one that neither reports nor exits is declared wedged and killed;
+  step; one that neither reports nor exits is declared wedged and killed. A rank's process
+  is looked at before its report (one that reported and exited since is lost); when every
+  rank reported and none exited, the last to report (the one the others waited for, back
+  from a wedge longer than their timeout) is declared lost too;
 - the checks before a rebuild: no rank-unique state (it is in no replica), and survivors
   agreeing on the last completed step;
 - choosing the spares (a warm one first) and the healthy replica they are rebuilt from, and
   posting the recovery plan where the survivors wait for it;
 - the script's own errors: every rank dead at once is the script's failure (its traceback is
-  reported, nothing is rebuilt), and the same error on the same rank and step after a spare
-  took it over is a crash loop (the job stops instead of using up every spare);
+  reported, nothing is rebuilt; ranks killed by a signal are said so), an error a spare
+  would raise again (out of memory, any exception but a ``RuntimeError``) stops the job
+  without using one, and the same error on the same rank and step after a spare took it
+  over is a crash loop (the job stops instead of using up every spare);
 - with too few spares, the pause (said on stderr, on the endpoint and in the store) and the
   failure after ``pause_timeout_s``; and :meth:`Recovery.fail`, which ends the job.
 
@@ -443,7 +448,7 @@ class Recovery:
         """
         # One line in the log; the whole message (a traceback, say) is the job's final
         # status, which its launcher prints once when it exits.
-        log.error("job %s failed: %s", self.cfg.job_id, message.splitlines()[0])
+        log.error("job %s failed: %s", self.cfg.job_id, (message.splitlines() or [""])[0])
         self.table.status, self.table.message = "failed", message
         if self.current is not None:
             decision: dict[str, Any] = {"status": "failed", "code": code, "message": message}
