@@ -4,7 +4,8 @@ Every ``control_tick_s`` the replica that holds the leadership (:mod:`api.contro
 
 1. reads the samples and events the store received since the last tick, by arrival order
    (:class:`ArrivalCursor`), folds them into the :class:`predictor.scoring.Scorer` and scores
-   every GPU it has seen;
+   every GPU it has seen; a GPU with hard evidence (:mod:`predictor.floor`) is raised to the
+   threshold in force, and counts at the top of the alarm budget's scale;
 2. updates each GPU's streak of alarming scores (hysteresis), its crossed/cleared, stale and
    failed flags, writes the latest risk and a bounded history, and announces changes
    (``risk.threshold_crossed``, ``risk.cleared``, ``gpu.stale``, ``gpu.failed``);
@@ -40,6 +41,7 @@ from api.control.leader import Leadership
 from api.control.policy import Policy, Situation, breaker_should_trip, decide
 from api.threads import to_thread_to_end
 from predictor.budget import AlarmBudget
+from predictor.floor import FLOOR_SCORE, floored
 from store import Store
 from store import control as db
 from store.outbox import emit_event
@@ -323,7 +325,13 @@ class ControlLoop:
                 for n, g in zip(scores["node"].tolist(), scores["gpu"].tolist(), strict=True)
             ]
             risk = np.full(len(slots), np.nan)
-            risk[index] = scores["risk"].to_numpy(dtype=np.float64)
+            # A GPU the rules floor counts at the top of the scale: the rules' false alarms
+            # use up the budget too, and the model's threshold leaves room for them.
+            risk[index] = np.where(
+                scores["floor"].to_numpy(dtype=bool),
+                FLOOR_SCORE,
+                scores["model_risk"].to_numpy(dtype=np.float64),
+            )
             healthy = np.ones(len(slots), dtype=bool)
             stale_ms = policy.stale_after_s * 1000
             last_seen = scores["last_seen_ms"].to_numpy(dtype=np.float64)
@@ -392,10 +400,12 @@ class ControlLoop:
         history: list[dict[str, Any]] = []
         stale_ms = policy.stale_after_s * 1000
         if scores is not None:
+            # The rules are a floor: hard evidence alarms at the threshold in force.
+            acted = floored(scores["model_risk"], scores["floor"], threshold)
             for node, gpu, risk, reasons, last_ms in zip(
                 scores["node"].tolist(),
                 scores["gpu"].tolist(),
-                scores["risk"].tolist(),
+                acted.tolist(),
                 scores["reasons"].tolist(),
                 scores["last_seen_ms"].tolist(),
                 strict=True,
@@ -497,11 +507,7 @@ class ControlLoop:
                     c, "gpu.failed", {"node": key[0], "gpu": key[1], "cause": what}, node=key[0]
                 )
         if scores is not None:  # exported at scrape time (a gauge child per GPU costs a second)
-            self._latest = (
-                scores["node"].tolist(),
-                scores["gpu"].tolist(),
-                scores["risk"].tolist(),
-            )
+            self._latest = (scores["node"].tolist(), scores["gpu"].tolist(), acted.tolist())
         db.upsert_risk(c, rows)
         db.append_history(c, history)
         window_ms = policy.breaker_window_s * 1000
