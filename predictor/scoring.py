@@ -86,7 +86,7 @@ class Scorer:
             ``floor`` (a rule trips), ``floor_kinds`` (the failure kinds the tripped rules
             foretell), ``alarm`` (risk >= the model's threshold), ``reasons`` (list of up to
             ``max_reasons`` sentences, the tripped rules first; empty below the floor),
-            ``score`` (the booster's own output, finer than the stepwise calibrated risk: the
+            ``score`` (the booster's own output, before the calibration map: the
             scale :class:`predictor.budget.AlarmBudget` keeps its threshold on),
             ``last_seen_ms`` and ``staleness_s``.
         """

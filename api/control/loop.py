@@ -463,7 +463,7 @@ class ControlLoop:
                     st.crossed_ms = now_ms
                 elif not st.crossed:
                     st.crossed_ms = None
-                # Most scores repeat (the calibration map is a step function): a row is written
+                # Most scores repeat (a sum of trees is a step function): a row is written
                 # when anything in it changed, and at least every REFRESH_MS.
                 shown = (float(risk), bool(alarm), stale, st.streak, st.crossed, st.failed)
                 if shown != st.written or now_ms - st.written_ms >= REFRESH_MS or reasons:
