@@ -85,13 +85,14 @@ def beats(candidate: Judgement, in_force: Judgement, *, budget: float) -> bool:
 
 
 def adapt(
-    base_card: Path,
+    base_card: str | Path,
     data: Sequence[Dataset | str | Path],
     *,
     overrides: dict[str, Any] | None = None,
 ) -> RiskModel:
-    """A model trained on top of the model at ``base_card`` (:mod:`predictor.retrain`: its
-    settings, hyper-parameters and datasets still present) plus ``data``."""
+    """A model trained on top of the model at ``base_card`` (a card, or a directory: its
+    newest, else the shipped model; :mod:`predictor.retrain`: its settings, hyper-parameters
+    and datasets still present) plus ``data``."""
     base = load_base(base_card)
     paths: list[Dataset | str | Path] = [*data, *map(Path, base.found)]
     model = train(paths, base.config(overrides), booster_params=base.booster_params())
