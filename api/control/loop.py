@@ -116,6 +116,9 @@ class ControlLoop:
         store: the open store.
         model: a :class:`predictor.model.RiskModel`, or None (no scoring: jobs, migrations and
             drains still work, and GPUs show no risk).
+        lifecycle: a :class:`predictor.lifecycle.ModelLifecycle`, or None: the model in force
+            is read from it at every tick and swapped in when an operator pinned or rolled
+            back another, or a retrained one was promoted (the scorer keeps its windows).
         defaults: the policy from the settings (an operator's ``PUT /v1/policy`` overrides).
         registry: the Prometheus registry for the loop's metrics.
     """
@@ -133,9 +136,11 @@ class ControlLoop:
         history_days: float = 7.0,
         ack_timeout_s: float = 120.0,
         agent_timeout_s: float = 60.0,
+        lifecycle: Any = None,
     ) -> None:
         self.store = store
         self.model = model
+        self.lifecycle = lifecycle
         self.defaults = defaults
         self.tick_s = tick_s
         self.warm_window_s = warm_window_s
@@ -253,9 +258,34 @@ class ControlLoop:
         stored = db.read_policy(connection)
         return Policy.model_validate(stored) if stored is not None else self.defaults
 
+    @property
+    def model_id(self) -> str | None:
+        """The model that scores (its card's stem), recorded with every crossing and decision."""
+        card = getattr(self.model, "card", None) or {}
+        model_id = card.get("model_id")
+        return None if model_id is None else str(model_id)
+
+    def _follow_lifecycle(self) -> None:
+        """Swap in the lifecycle's model in force when it changed."""
+        if self.lifecycle is None:
+            return
+        try:
+            wanted = self.lifecycle.in_force_id()
+            if wanted == self.model_id:
+                return
+            model = self.lifecycle.load_in_force()
+        except Exception:
+            log.exception("cannot read the model in force; scoring on with %s", self.model_id)
+            return
+        log.info("model in force: %s (was %s)", wanted, self.model_id)
+        self.model = model
+        if self.scorer is not None:
+            self.scorer.model = model
+
     def tick(self, now_ms: int | None = None) -> None:
         started = time.perf_counter()
         now_ms = int(time.time() * 1000) if now_ms is None else now_ms
+        self._follow_lifecycle()
         with self.store.engine.connect() as c:
             samples, sample_seqs = db.samples_after(c, self.samples.position)
             events, event_seqs = db.events_after(c, self.events.position)
@@ -429,6 +459,7 @@ class ControlLoop:
                             "threshold": threshold,
                             "reasons": reasons,
                             "consecutive": st.streak,
+                            "model": self.model_id,
                         },
                         node=node,
                     )
@@ -598,6 +629,7 @@ class ControlLoop:
                 "job_id": r["job_id"],
                 "rank": r["rank"],
                 "trigger": trigger,
+                "model": self.model_id,
                 "risk": risk_row.get("risk"),
                 "reasons": risk_row.get("reasons", []),
                 "source": {"node": key[0], "gpu": key[1]},
@@ -619,6 +651,9 @@ class ControlLoop:
                     target=decision.target,
                     risk=risk_row.get("risk"),
                     reasons=risk_row.get("reasons", []),
+                    detail=f"scored by model {self.model_id}"
+                    if trigger == "preventive" and self.model_id
+                    else None,
                     why=decision.reason,
                 )
                 situation.inflight_by_job[r["job_id"]] = by_job.get(r["job_id"], 0) + 1

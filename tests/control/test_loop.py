@@ -261,3 +261,35 @@ def test_the_floors_false_alarms_use_up_the_alarm_budget(registered: Store) -> N
         return threshold
 
     assert run(700) > run(0)
+
+
+def test_the_loop_follows_the_model_in_force_and_records_which_model_scored(
+    registered: Store, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    """An operator's pin (or a promotion, or a rollback) reaches the loop at its next tick;
+    the crossing's event and the migration say which model scored."""
+    from predictor import registry
+    from predictor.lifecycle import ModelLifecycle
+
+    shipped = registry.load_latest(registry.SHIPPED_DIR)
+    for stem in ("forewarn-risk-20260101T000000Z", "forewarn-risk-20260102T000000Z"):
+        registry.save(shipped, tmp_path, stem=stem)
+    life = ModelLifecycle(tmp_path)
+    loop, scorer = make_loop(registered, hysteresis=1, threshold=0.5)
+    loop.lifecycle = life
+    loop.tick(NOW)
+    assert loop.model_id == "forewarn-risk-20260102T000000Z"  # the newest, nothing pinned
+    life.pin("forewarn-risk-20260101T000000Z")
+    scorer.risk[("n0", 1)] = 0.9
+    loop.tick(NOW + 1000)
+    assert loop.model_id == "forewarn-risk-20260101T000000Z"
+    with registered.engine.connect() as c:
+        crossed = [
+            e for e in events_after(c, 0, limit=100) if e["type"] == "risk.threshold_crossed"
+        ]
+    assert crossed[0]["data"]["model"] == "forewarn-risk-20260101T000000Z"
+    (m,) = migrations(registered)
+    assert m["detail"] == "scored by model forewarn-risk-20260101T000000Z"
+    life.rollback()
+    loop.tick(NOW + 2000)
+    assert loop.model_id == "forewarn-risk-20260102T000000Z"
