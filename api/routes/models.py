@@ -1,5 +1,10 @@
 """Model routes: the models the service can score with, which one is in force, the history of
-promotions, pins and rollbacks (``read``); pin, unpin, roll back (``admin``).
+promotions, pins and rollbacks (``read``); pin, unpin, roll back, retrain (``admin``).
+
+``POST /v1/models/retrain`` trains a candidate on the fleet's own history (the store's Parquet
+history, ``FOREWARN_HISTORY_URL``) on top of the model in force, in a worker thread (never in
+the event loop: ingest goes on), and lets the lifecycle judge it on the history's last
+``holdout_days``; ``GET /v1/models/retrain`` says how the last one went.
 
 A thin layer over :class:`predictor.lifecycle.ModelLifecycle` on ``FOREWARN_MODELS_DIR``; the
 control loop follows the model in force at its next tick. With ``FOREWARN_MODEL`` set, that
@@ -8,17 +13,19 @@ card scores and the lifecycle does not decide: changes are refused (409).
 
 from __future__ import annotations
 
-from typing import Any
+import threading
+import time
+from typing import Any, Literal
 
 from anyio import to_thread
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field
 
 from api.deps import SettingsDep, require
-from forewarn.errors import Conflict
+from forewarn.errors import Conflict, ForewarnError
 from predictor.lifecycle import ModelLifecycle
 
-__all__ = ["ModelsPublic", "PinRequest", "router"]
+__all__ = ["ModelsPublic", "PinRequest", "RetrainPublic", "RetrainRequest", "router"]
 
 router = APIRouter(tags=["models"])
 
@@ -128,3 +135,83 @@ async def rollback_model(settings: SettingsDep, request: Request) -> dict[str, A
         return _public(life, request)
 
     return await to_thread.run_sync(run)
+
+
+class RetrainRequest(BaseModel):
+    holdout_days: float = Field(default=1.0, gt=0, le=30)
+    """The history's last days, held out of training, on which the candidate and the model in
+    force are judged."""
+
+
+class RetrainPublic(BaseModel):
+    state: Literal["idle", "running", "done", "failed"]
+    started_at: float | None = None
+    """Seconds since the epoch."""
+    finished_at: float | None = None
+    decision: dict[str, Any] | None = None
+    """The lifecycle's decision (``judged``: both judgements, promoted or not)."""
+    error: str | None = None
+
+
+def _retrain_state(request: Request) -> dict[str, Any]:
+    app_state = request.app.state
+    if not hasattr(app_state, "model_retrain"):
+        app_state.model_retrain = {"state": "idle", "lock": threading.Lock()}
+    return app_state.model_retrain  # type: ignore[no-any-return]
+
+
+def _public_retrain(job: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in job.items() if k != "lock"}
+
+
+def _retrain(settings: Any, job: dict[str, Any], holdout_days: float) -> None:
+    from predictor.dataset import load_dataset
+
+    try:
+        url = settings.tier_policy().history_url
+        if url is None:
+            raise Conflict("the service keeps no history (FOREWARN_HISTORY_URL=none)")
+        history = load_dataset(url)
+        decision = _life(settings).retrain_on_history(history, holdout_days=holdout_days)
+        job.update(state="done", decision=decision)
+    except ForewarnError as exc:
+        job.update(state="failed", error=exc.message)
+    except Exception as exc:  # a worker thread must report, not die silently
+        job.update(state="failed", error=f"{type(exc).__name__}: {exc}")
+    finally:
+        job["finished_at"] = time.time()
+
+
+@router.post(
+    "/v1/models/retrain",
+    response_model=RetrainPublic,
+    status_code=202,
+    dependencies=[require("admin")],
+    summary="Retrain on the fleet's own history in a worker; the lifecycle judges the result "
+    "(409 when one is running)",
+)
+async def retrain_model(
+    settings: SettingsDep, request: Request, body: RetrainRequest | None = None
+) -> dict[str, Any]:
+    _life(settings, changing=True)
+    job = _retrain_state(request)
+    with job["lock"]:
+        if job["state"] == "running":
+            raise Conflict("a retraining is running", details={"started_at": job["started_at"]})
+        job.update(state="running", started_at=time.time(), finished_at=None, decision=None)
+        job["error"] = None
+    days = (body or RetrainRequest()).holdout_days
+    threading.Thread(
+        target=_retrain, args=(settings, job, days), name="model-retrain", daemon=True
+    ).start()
+    return _public_retrain(job)
+
+
+@router.get(
+    "/v1/models/retrain",
+    response_model=RetrainPublic,
+    dependencies=[require("read")],
+    summary="How the last retraining went",
+)
+async def retrain_status(request: Request) -> dict[str, Any]:
+    return _public_retrain(_retrain_state(request))
