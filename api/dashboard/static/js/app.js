@@ -13,6 +13,7 @@ import * as jobs from "./jobs.js";
 import * as migrations from "./migrations.js";
 import * as audit from "./audit.js";
 import * as webhooks from "./webhooks.js";
+import * as models from "./models.js";
 
 export const REFRESH_MS = 2000;
 
@@ -25,6 +26,7 @@ const ROUTES = [
   [/^migrations$/, migrations, () => ({})],
   [/^audit$/, audit, () => ({})],
   [/^webhooks$/, webhooks, () => ({})],
+  [/^models$/, models, () => ({})],
 ];
 
 const state = { view: null, timer: null, generation: 0, lastOk: 0 };
