@@ -20,7 +20,8 @@ from starlette.responses import JSONResponse, Response
 from api import dashboard, fleet, ingest, tokens
 from api.control.service import install_control, start_control
 from api.docs import install_docs
-from api.errors import error_body, install_error_handlers
+from api.errors import CatchAll, error_body, install_error_handlers
+from api.guard import RequestGuard
 from api.metrics import Metrics, TimingMiddleware
 from api.settings import DEV_TOKEN, Settings
 from api.threads import to_thread_to_end
@@ -41,9 +42,7 @@ async def _retention(app: FastAPI) -> None:
     while True:
         try:
             now_ms = int(time.time() * 1000)
-            report = await to_thread_to_end(
-                app.state.store.maintain_tiers, policy, now_ms=now_ms
-            )
+            report = await to_thread_to_end(app.state.store.maintain_tiers, policy, now_ms=now_ms)
             if report:
                 log.info("storage tiers: %s", report)
         except Exception:  # a failed pass is retried next interval; the service stays up
@@ -98,6 +97,10 @@ def create_app(settings: Settings | None = None, *, store: Store | None = None) 
     app.state.token_scopes = settings.token_scopes()
     app.state.metrics = metrics = Metrics()
     install_error_handlers(app)
+    app.add_middleware(
+        RequestGuard, router=app.router, max_body_bytes=settings.max_request_body_bytes
+    )
+    app.add_middleware(CatchAll)
     app.add_middleware(TimingMiddleware, metrics=metrics)
     app.include_router(ingest.router)
     app.include_router(fleet.router)

@@ -50,8 +50,13 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(default=32 * 1024 * 1024, gt=0)
     """Largest ingest body accepted, after gzip decompression (larger: 413)."""
 
+    max_request_body_bytes: int = Field(default=1024 * 1024, gt=0)
+    """Largest body accepted by every route but ingest (larger: 413, counted as it arrives,
+    after the token was checked)."""
+
     max_body_objects: int = Field(default=250_000, gt=0)
-    """Most JSON objects one ingest body may hold (refused before parsing; bounds memory)."""
+    """Most JSON objects and arrays one ingest body may hold (refused before parsing; bounds
+    memory)."""
 
     max_batch_rows: int = Field(default=100_000, gt=0, le=100_000)
     """Most samples (and, apart, events) in one ingest batch."""

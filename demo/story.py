@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -253,10 +254,9 @@ class Story:
 
     def start_parts(self) -> None:
         c = self.config
-        for d in (self.job_dir, self.reference_dir):
-            d.mkdir(parents=True, exist_ok=True)
-            for old in d.glob("*"):
-                old.unlink()
+        for d in (self.job_dir, self.reference_dir):  # what an earlier demo left: logs/ too
+            shutil.rmtree(d, ignore_errors=True)
+            d.mkdir(parents=True)
         serve = self.forewarn("service", "serve", "--host", c.host, "--port", str(c.port))
         self.wait_ready(serve)
         self.forewarn(

@@ -28,10 +28,18 @@ from pydantic import BaseModel, ConfigDict, Field
 __all__ = ["Decision", "Policy", "Situation", "breaker_should_trip", "decide"]
 
 
-class Policy(BaseModel):
-    """What turns risk into action. Every field has a default (``FOREWARN_POLICY_*``)."""
+_WEEK_S = 7 * 86400.0
+"""The longest any of the policy's durations may be."""
 
-    model_config = ConfigDict(extra="forbid")
+
+class Policy(BaseModel):
+    """What turns risk into action. Every field has a default (``FOREWARN_POLICY_*``).
+
+    Every number is bounded and finite (a ``cooldown_s`` of 1e308 is a typing error, not a
+    policy): a value outside its bounds is refused with 422.
+    """
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     threshold: float | None = Field(default=None, ge=0.0, le=1.0)
     """Risk at or above which a score counts as alarming; None: the alarm budget's threshold,
@@ -42,20 +50,20 @@ class Policy(BaseModel):
     until enough healthy GPU-time was seen). Ignored when ``threshold`` is set."""
     hysteresis: int = Field(default=3, ge=1, le=1000)
     """Consecutive alarming scores before a GPU counts as crossed."""
-    cooldown_s: float = Field(default=600.0, ge=0)
+    cooldown_s: float = Field(default=600.0, ge=0, le=_WEEK_S)
     """After a migration off a GPU, how long before another may be requested for it."""
-    max_inflight_per_job: int = Field(default=1, ge=1)
-    max_inflight_fleet: int = Field(default=8, ge=1)
+    max_inflight_per_job: int = Field(default=1, ge=1, le=100_000)
+    max_inflight_fleet: int = Field(default=8, ge=1, le=100_000)
     breaker_pct: float = Field(default=5.0, gt=0, le=100)
     """The breaker trips when more than this share of GPUs crossed within the window…"""
-    breaker_min_gpus: int = Field(default=3, ge=1)
+    breaker_min_gpus: int = Field(default=3, ge=1, le=1_000_000)
     """…and at least this many did (a 6-GPU fleet must not trip on one GPU)."""
-    breaker_window_s: float = Field(default=600.0, gt=0)
+    breaker_window_s: float = Field(default=600.0, gt=0, le=_WEEK_S)
     dry_run: bool = False
     """Decide and record every decision in the audit log; request nothing."""
     act_on_failures: bool = True
     """Move a rank off a GPU that was lost or reported a fatal Xid (the unplanned path)."""
-    stale_after_s: float = Field(default=30.0, gt=0)
+    stale_after_s: float = Field(default=30.0, gt=0, le=_WEEK_S)
     """A GPU with no sample for this long is flagged stale (its risk is unknown)."""
 
 

@@ -83,7 +83,7 @@ CASES: dict[str, Case] = {
         expect=(
             "dashboard   http://127.0.0.1:@port@/",
             "tokens      read demo-read-token-00001",
-            "serving http://127.0.0.1:@port@/ until Ctrl-C",
+            "serving http://127.0.0.1:@port@/ for 2 s",
         ),
         slow=True,
         why="the parts and the banner; the story itself is tests/demo/test_demo.py",
