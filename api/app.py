@@ -19,10 +19,11 @@ from starlette.responses import JSONResponse, Response
 
 from api import dashboard, fleet, ingest, tokens
 from api.control.service import install_control, start_control
+from api.deps import authorize
 from api.docs import install_docs
 from api.errors import CatchAll, error_body, install_error_handlers
 from api.guard import RequestGuard
-from api.metrics import Metrics, TimingMiddleware
+from api.metrics import Metrics, MetricsView, TimingMiddleware
 from api.settings import DEV_TOKEN, Settings
 from api.threads import to_thread_to_end
 from api.webhooks import install_webhooks, webhook_dispatcher
@@ -130,12 +131,24 @@ def create_app(settings: Settings | None = None, *, store: Store | None = None) 
             return JSONResponse(error_body("not_ready", "schema is not at head"), 503)
         return JSONResponse({"status": "ready", "database": store.dialect})
 
-    @app.get("/metrics", tags=["ops"], summary="Prometheus metrics")
+    @app.get(
+        "/metrics",
+        tags=["ops"],
+        summary="Prometheus metrics (per-GPU series with a read token only)",
+        responses={401: {"description": "A token was sent (or is required) and is unknown"},
+                   403: {"description": "The token lacks the read scope"}},
+    )  # fmt: skip
     async def prometheus(request: Request) -> Response:
+        per_gpu = settings.metrics_require_token or "authorization" in request.headers
+        if per_gpu:
+            await authorize(request, "read")
         store: Store | None = request.app.state.store
         if store is not None:
             with contextlib.suppress(Exception):
                 metrics.gpus.set(await asyncio.to_thread(store.gpu_count))
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        view = MetricsView(
+            metrics.registry, per_gpu=per_gpu, max_gpu_series=settings.metrics_max_gpu_series
+        )
+        return Response(generate_latest(view), media_type=CONTENT_TYPE_LATEST)
 
     return app

@@ -10,7 +10,8 @@ Guards, in the order they are checked:
 1. the breaker: more than ``breaker_pct`` % of the fleet (and at least ``breaker_min_gpus``)
    crossed the threshold within ``breaker_window_s`` -> no automatic preventive action until an
    operator resets it (a fleet-wide event is not a failing GPU: moving everything would hurt);
-2. cooldown: a migration off this GPU was requested less than ``cooldown_s`` ago;
+2. cooldown: a migration of the same job off this GPU was requested less than
+   ``cooldown_s`` ago (another job's rank on the GPU is not held);
 3. in flight: the job already has ``max_inflight_per_job`` migrations in flight, or the fleet
    ``max_inflight_fleet``;
 4. a spare must be free: a live spare of the job on a node that is not drained, on a GPU that
@@ -21,6 +22,7 @@ Guards, in the order they are checked:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -51,7 +53,8 @@ class Policy(BaseModel):
     hysteresis: int = Field(default=3, ge=1, le=1000)
     """Consecutive alarming scores before a GPU counts as crossed."""
     cooldown_s: float = Field(default=600.0, ge=0, le=_WEEK_S)
-    """After a migration off a GPU, how long before another may be requested for it."""
+    """After a migration of a job off a GPU, how long before another of that job may be
+    requested off it."""
     max_inflight_per_job: int = Field(default=1, ge=1, le=100_000)
     max_inflight_fleet: int = Field(default=8, ge=1, le=100_000)
     breaker_pct: float = Field(default=5.0, gt=0, le=100)
@@ -75,8 +78,9 @@ class Situation:
     breaker_tripped: bool
     inflight_by_job: dict[str, int]
     inflight_fleet: int
-    last_request_ms: dict[tuple[str, int], int]
-    """Newest migration requested off each (node, gpu)."""
+    last_request_ms: dict[tuple[str, str, int], int]
+    """Newest migration requested of each (job, node, gpu): the cooldown is per job, so one
+    job's move off a GPU does not hold another job's rank on it."""
     spares_by_job: dict[str, list[dict[str, Any]]]
     """Live spares of each job (job_ranks rows), in slot order."""
     drained: set[str]
@@ -113,16 +117,19 @@ def decide(
     """Whether to move the rank of ``job_id`` on (node, gpu); see the module docstring."""
     if trigger == "preventive" and situation.breaker_tripped:
         return Decision("declined", "breaker tripped: automatic action is stopped")
-    last = situation.last_request_ms.get((node, gpu))
+    last = situation.last_request_ms.get((job_id, node, gpu))
     if (
         trigger == "preventive"
         and last is not None
         and situation.now_ms - last < policy.cooldown_s * 1000
     ):
+        # The reason names when, not how long ago: it is the same at every tick of the
+        # cooldown, so the audit log records it once, not once a tick.
+        at = datetime.fromtimestamp(last / 1000, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         return Decision(
             "declined",
-            f"cooldown: a migration off this GPU was requested "
-            f"{(situation.now_ms - last) / 1000:.0f} s ago (cooldown {policy.cooldown_s:g} s)",
+            f"cooldown: a migration of this job off this GPU was requested at {at} "
+            f"(cooldown {policy.cooldown_s:g} s)",
         )
     if situation.inflight_by_job.get(job_id, 0) >= policy.max_inflight_per_job:
         return Decision("declined", f"job {job_id} already has a migration in flight")
