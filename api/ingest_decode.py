@@ -114,6 +114,8 @@ _COLUMN_TYPES: dict[str, Any] = {name: list[t] for name, t in _ITEM_TYPES.items(
 _DEFAULTS: dict[str, Any] = {
     name: _DEFS["properties"][name].get("default") for name in SAMPLE_COLUMNS[3:]
 }
+_FILLED = {name: value for name, value in _DEFAULTS.items() if value is not None}
+"""Columns whose field has a default other than null (``vendor``): a null there is that."""
 
 
 def key_count(raw: bytes) -> int:
@@ -304,6 +306,8 @@ def rows_from_columns(
     checked: dict[str, list[Any]] = {}
     bad: dict[int, str] = {}
     for name, values in columns.items():
+        if name in _FILLED and None in values:  # null: not reported, so the field's default
+            values = [_FILLED[name] if v is None else v for v in values]
         try:
             checked[name] = msgspec.convert(values, _COLUMN_TYPES[name], strict=True)
         except msgspec.ValidationError:
