@@ -6,6 +6,7 @@ Codes are part of the API contract: clients branch on ``code``, never on ``messa
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -14,7 +15,15 @@ from starlette.responses import JSONResponse
 
 from forewarn.errors import ForewarnError, StoreUnavailable
 
-__all__ = ["RETRY_AFTER_S", "error_body", "install_error_handlers", "store_unavailable"]
+__all__ = [
+    "ERROR_SCHEMA",
+    "RETRY_AFTER_S",
+    "CatchAll",
+    "document_errors",
+    "error_body",
+    "install_error_handlers",
+    "store_unavailable",
+]
 
 log = logging.getLogger("forewarn.api")
 
@@ -51,11 +60,16 @@ def store_unavailable(exc: BaseException) -> bool:
         return True
     if isinstance(exc, DBAPIError) and exc.connection_invalidated:
         return True
+    if isinstance(exc, DBAPIError):
+        exc = exc.orig or exc
     try:
-        import psycopg
+        import psycopg.errors
     except ImportError:  # pragma: no cover - a server dependency
         return False
-    return isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError)
+    # UndefinedTable: the database was recreated empty, unavailable until migrated, as dropped.
+    return isinstance(
+        exc, psycopg.OperationalError | psycopg.InterfaceError | psycopg.errors.UndefinedTable
+    )
 
 
 def _driver_errors() -> tuple[type[Exception], ...]:
@@ -95,7 +109,8 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = _HTTP_CODES.get(exc.status_code, "http_error")
-        return JSONResponse(error_body(code, str(exc.detail)), exc.status_code)
+        # The exception's headers are part of the answer: a 405's Allow (RFC 9110).
+        return JSONResponse(error_body(code, str(exc.detail)), exc.status_code, headers=exc.headers)
 
     async def _database(_: Request, exc: Exception) -> JSONResponse:
         if store_unavailable(exc):
@@ -113,9 +128,101 @@ def install_error_handlers(app: FastAPI) -> None:
     for error_class in (*_driver_errors(), DBAPIError, sqlite3.OperationalError):
         app.add_exception_handler(error_class, _database)
 
-    @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-        if store_unavailable(exc):
-            return _unavailable(exc)
-        log.exception("unhandled error", exc_info=exc)
-        return JSONResponse(error_body("internal", "internal error", retryable=True), 500)
+
+class CatchAll:
+    """Pure ASGI middleware answering any exception a route let through: 503 for a database
+    that is down, else 500 ``internal``, logged.
+
+    Not Starlette's ``exception_handler(Exception)``: that answers, then re-raises into the
+    server, which closes the connection, so a client's next request on it was reset.
+    """
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def watch(message: Any) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watch)
+        except Exception as exc:
+            if started:  # nothing can be answered any more: the server closes the connection
+                raise
+            if store_unavailable(exc):
+                response = _unavailable(exc)
+            else:
+                log.exception("unhandled error", exc_info=exc)
+                response = JSONResponse(error_body("internal", "internal error"), 500)
+            await response(scope, receive, send)
+
+
+ERROR_SCHEMA = {
+    "title": "ErrorBody",
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["code", "message", "retryable"],
+            "properties": {
+                "code": {"type": "string", "description": "Stable; branch on it."},
+                "message": {"type": "string"},
+                "retryable": {"type": "boolean"},
+                "details": {"description": "Per-field errors, or what the code is about."},
+            },
+        }
+    },
+}
+"""The JSON schema of every error answer (``{"error": {...}}``; ingest's 422 adds ``result``)."""
+
+
+def _error_codes(path: str, method: str, operation: dict[str, Any]) -> dict[int, str]:
+    """The error statuses an operation can answer, from what every route shares: the guard
+    (token, body), validation, the database, and the resource its path names."""
+    codes = {
+        401: "Missing or unknown token",
+        403: "The token lacks the operation's scope",
+        422: "Invalid input (`error.details` lists each problem)",
+        503: "The database is unavailable (retryable; `Retry-After`)",
+    }
+    if "requestBody" in operation or path == "/v1/ingest":
+        codes[400] = "The body is not JSON"
+        codes[413] = "The body is too large"
+    names = "{" in path or (method != "get" and path.startswith("/v1/migrations"))
+    if names:  # a path parameter, or a migration or job named in the body
+        codes[404] = "No such resource"
+    if method != "get" and names:
+        codes[409] = "The resource's state does not allow it"
+    return codes
+
+
+def document_errors(app: FastAPI) -> None:
+    """Declare in the OpenAPI document, on every ``/v1`` operation, the error answers it can
+    give and their one schema (a client, or a fuzzer, finds no undocumented status)."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        document = build()
+        schemas = document.setdefault("components", {}).setdefault("schemas", {})
+        schemas["ErrorBody"] = ERROR_SCHEMA
+        content = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}
+        for path, item in document.get("paths", {}).items():
+            if not path.startswith("/v1/"):
+                continue
+            for method, operation in item.items():
+                responses = operation.setdefault("responses", {})
+                for status, why in _error_codes(path, method, operation).items():
+                    declared = responses.setdefault(str(status), {"description": why})
+                    declared["content"] = content  # FastAPI's default 422 shape is not ours
+        return document
+
+    app.openapi = openapi  # type: ignore[method-assign]

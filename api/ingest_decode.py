@@ -114,6 +114,8 @@ _COLUMN_TYPES: dict[str, Any] = {name: list[t] for name, t in _ITEM_TYPES.items(
 _DEFAULTS: dict[str, Any] = {
     name: _DEFS["properties"][name].get("default") for name in SAMPLE_COLUMNS[3:]
 }
+_FILLED = {name: value for name, value in _DEFAULTS.items() if value is not None}
+"""Columns whose field has a default other than null (``vendor``): a null there is that."""
 
 
 def key_count(raw: bytes) -> int:
@@ -179,7 +181,7 @@ def decode_fast(raw: bytes, *, max_rows: int, node_ok: Callable[[str], bool]) ->
     if b'"sample_columns"' in raw:
         try:
             batch = _COLUMN_BATCH.decode(raw)
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, RecursionError):  # too deep: the exact path says so
             return _from_untyped(raw, max_rows=max_rows, node_ok=node_ok)
         return _from_column_batch(raw, batch, max_rows=max_rows, node_ok=node_ok)
     return _from_untyped(raw, max_rows=max_rows, node_ok=node_ok)
@@ -214,7 +216,7 @@ def _from_column_batch(
 def _from_untyped(raw: bytes, *, max_rows: int, node_ok: Callable[[str], bool]) -> FastBatch | None:
     try:
         top = msgspec.json.decode(raw)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):  # too deep: the exact path says so
         return None
     if not isinstance(top, dict) or set(top) - {
         "schema_version",
@@ -304,6 +306,8 @@ def rows_from_columns(
     checked: dict[str, list[Any]] = {}
     bad: dict[int, str] = {}
     for name, values in columns.items():
+        if name in _FILLED and None in values:  # null: not reported, so the field's default
+            values = [_FILLED[name] if v is None else v for v in values]
         try:
             checked[name] = msgspec.convert(values, _COLUMN_TYPES[name], strict=True)
         except msgspec.ValidationError:

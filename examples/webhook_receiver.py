@@ -12,7 +12,10 @@ a worker thread:
 Run::
 
     export FOREWARN_WEBHOOK_SECRET=whsec_...      # from POST /v1/webhooks
-    python examples/webhook_receiver.py --port 9000 [--kubectl] [--chat-url URL]
+    python examples/webhook_receiver.py --host 0.0.0.0 --port 9000 [--kubectl] [--chat-url URL]
+
+(it binds 127.0.0.1 unless told otherwise: ``--host 0.0.0.0`` for a service on another
+machine)
 
 and subscribe it (the service must allow-list a private address: FOREWARN_WEBHOOK_ALLOW)::
 
@@ -135,7 +138,10 @@ def serve(args: argparse.Namespace, secret: str) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default %(default)s; 0.0.0.0 for "
+        "a service on another machine)"
+    )
     parser.add_argument("--port", type=int, default=9000)
     parser.add_argument("--kubectl", action="store_true", help="really run kubectl cordon")
     parser.add_argument("--chat-url", help="a Slack-compatible incoming-webhook URL")

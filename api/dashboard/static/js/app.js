@@ -4,7 +4,7 @@
 // calls refresh() of the current view every REFRESH_MS (timed from the start of the previous
 // refresh, never overlapping it), so a slow answer delays the next poll instead of piling up.
 
-import { ApiError, forgetToken, get, getToken, loadRoutes, setToken, whenUnauthorized } from "./api.js";
+import { ApiError, forgetToken, get, getToken, loadRoutes, loadScopes, setToken, whenUnauthorized } from "./api.js";
 import { esc } from "./util.js";
 import * as fleet from "./fleet.js";
 import * as gpu from "./gpu.js";
@@ -59,6 +59,7 @@ async function route() {
   }
   document.title = `${target.view.title(target.params)} · Forewarn`;
   main.innerHTML = "";
+  await loadScopes(); // hints about a missing scope only where the token lacks it
   state.view = target.view;
   await target.view.mount(main, target.params);
   tick(state.generation);
