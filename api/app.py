@@ -19,9 +19,11 @@ from starlette.responses import JSONResponse, Response
 
 from api import dashboard, fleet, ingest, tokens
 from api.control.service import install_control, start_control
+from api.deps import authorize
 from api.docs import install_docs
-from api.errors import error_body, install_error_handlers
-from api.metrics import Metrics, TimingMiddleware
+from api.errors import CatchAll, error_body, install_error_handlers
+from api.guard import RequestGuard
+from api.metrics import Metrics, MetricsView, TimingMiddleware
 from api.settings import DEV_TOKEN, Settings
 from api.threads import to_thread_to_end
 from api.webhooks import install_webhooks, webhook_dispatcher
@@ -41,9 +43,7 @@ async def _retention(app: FastAPI) -> None:
     while True:
         try:
             now_ms = int(time.time() * 1000)
-            report = await to_thread_to_end(
-                app.state.store.maintain_tiers, policy, now_ms=now_ms
-            )
+            report = await to_thread_to_end(app.state.store.maintain_tiers, policy, now_ms=now_ms)
             if report:
                 log.info("storage tiers: %s", report)
         except Exception:  # a failed pass is retried next interval; the service stays up
@@ -98,6 +98,10 @@ def create_app(settings: Settings | None = None, *, store: Store | None = None) 
     app.state.token_scopes = settings.token_scopes()
     app.state.metrics = metrics = Metrics()
     install_error_handlers(app)
+    app.add_middleware(
+        RequestGuard, router=app.router, max_body_bytes=settings.max_request_body_bytes
+    )
+    app.add_middleware(CatchAll)
     app.add_middleware(TimingMiddleware, metrics=metrics)
     app.include_router(ingest.router)
     app.include_router(fleet.router)
@@ -127,12 +131,24 @@ def create_app(settings: Settings | None = None, *, store: Store | None = None) 
             return JSONResponse(error_body("not_ready", "schema is not at head"), 503)
         return JSONResponse({"status": "ready", "database": store.dialect})
 
-    @app.get("/metrics", tags=["ops"], summary="Prometheus metrics")
+    @app.get(
+        "/metrics",
+        tags=["ops"],
+        summary="Prometheus metrics (per-GPU series with a read token only)",
+        responses={401: {"description": "A token was sent (or is required) and is unknown"},
+                   403: {"description": "The token lacks the read scope"}},
+    )  # fmt: skip
     async def prometheus(request: Request) -> Response:
+        per_gpu = settings.metrics_require_token or "authorization" in request.headers
+        if per_gpu:
+            await authorize(request, "read")
         store: Store | None = request.app.state.store
         if store is not None:
             with contextlib.suppress(Exception):
                 metrics.gpus.set(await asyncio.to_thread(store.gpu_count))
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        view = MetricsView(
+            metrics.registry, per_gpu=per_gpu, max_gpu_series=settings.metrics_max_gpu_series
+        )
+        return Response(generate_latest(view), media_type=CONTENT_TYPE_LATEST)
 
     return app

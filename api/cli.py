@@ -56,13 +56,15 @@ def run(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from api.app import create_app
-    from api.settings import DEV_TOKEN, Settings
+    from api.settings import Settings
     from store import Store
 
     if args.database_url:
         os.environ["FOREWARN_DATABASE_URL"] = args.database_url
     if args.data_dir:
         os.environ["FOREWARN_DATA_DIR"] = args.data_dir
+    if not _is_loopback(args.host):  # the development token is never accepted from a network
+        os.environ["FOREWARN_DEVELOPMENT_TOKEN"] = "false"
     try:
         settings = Settings()  # refuses unsafe production settings before anything starts
     except ValidationError as exc:
@@ -72,13 +74,14 @@ def run(args: argparse.Namespace) -> int:
             field = f"FOREWARN_{where.upper()}: " if where else ""
             print(f"  {field}{error['msg'].removeprefix('Value error, ')}", file=sys.stderr)
         return 2
-    public = not _is_loopback(args.host) and DEV_TOKEN in settings.token_scopes()
-    if public and not _stored_tokens(settings):
+    public = not _is_loopback(args.host)
+    if public and not settings.token_scopes() and not _stored_tokens(settings):
         print(
-            f"forewarn serve: refusing to listen on {args.host} with no tokens: the "
-            "development token is public. Configure FOREWARN_TOKENS (or "
+            f"forewarn serve: refusing to listen on {args.host} with no tokens (the "
+            "development token is not accepted from a network). Configure FOREWARN_TOKENS (or "
             "FOREWARN_INGEST_TOKEN / _READ_TOKEN / _ADMIN_TOKEN), or create one with "
-            "'forewarn token create', or bind to 127.0.0.1.",
+            "'forewarn token create', or bind to 127.0.0.1 (where the development token "
+            "works).",
             file=sys.stderr,
         )
         return 2
@@ -89,6 +92,8 @@ def run(args: argparse.Namespace) -> int:
         "port": args.port,
         "log_level": args.log_level,
         "access_log": False,
+        # The client's address is the socket's: no header may make a request "local".
+        "proxy_headers": False,
     }
     if args.workers > 1:
         # Each worker process builds its own app from the same FOREWARN_* environment.

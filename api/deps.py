@@ -25,7 +25,15 @@ from forewarn.errors import Forbidden, Unauthorized
 from store import Store
 from store.tokens import digest, token_scopes
 
-__all__ = ["TOKEN_CACHE_S", "SettingsDep", "StoreDep", "TokenCache", "require", "scope_of"]
+__all__ = [
+    "TOKEN_CACHE_S",
+    "SettingsDep",
+    "StoreDep",
+    "TokenCache",
+    "authorize",
+    "require",
+    "scope_of",
+]
 
 TOKEN_CACHE_S = 5.0
 """How long a stored token's lookup (found or not) is reused: the longest a revocation takes
@@ -129,14 +137,23 @@ def _local(request: Request) -> bool:
         return False
 
 
+async def authorize(request: Request, scope: str) -> frozenset[str]:
+    """The request's token's scopes; Unauthorized (401) or Forbidden (403) without ``scope``."""
+    scopes = await _scopes_of_async(request)
+    if scope not in scopes:
+        raise Forbidden(f"this token lacks the '{scope}' scope")
+    return scopes
+
+
 def require(scope: str):  # type: ignore[no-untyped-def]
-    """A dependency that lets the request through only with a token holding ``scope``."""
+    """A dependency that lets the request through only with a token holding ``scope``.
+
+    The request guard (:mod:`api.guard`) checks the same before the body is read; this
+    check stays for routes mounted without the guard (tests build bare routers).
+    """
 
     async def check(request: Request) -> frozenset[str]:  # async: no thread hop per request
-        scopes = await _scopes_of_async(request)
-        if scope not in scopes:
-            raise Forbidden(f"this token lacks the '{scope}' scope")
-        return scopes
+        return await authorize(request, scope)
 
     check.scope = scope  # type: ignore[attr-defined]
     return Depends(check)

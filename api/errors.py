@@ -6,6 +6,7 @@ Codes are part of the API contract: clients branch on ``code``, never on ``messa
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -14,7 +15,13 @@ from starlette.responses import JSONResponse
 
 from forewarn.errors import ForewarnError, StoreUnavailable
 
-__all__ = ["RETRY_AFTER_S", "error_body", "install_error_handlers", "store_unavailable"]
+__all__ = [
+    "RETRY_AFTER_S",
+    "CatchAll",
+    "error_body",
+    "install_error_handlers",
+    "store_unavailable",
+]
 
 log = logging.getLogger("forewarn.api")
 
@@ -51,11 +58,16 @@ def store_unavailable(exc: BaseException) -> bool:
         return True
     if isinstance(exc, DBAPIError) and exc.connection_invalidated:
         return True
+    if isinstance(exc, DBAPIError):
+        exc = exc.orig or exc
     try:
-        import psycopg
+        import psycopg.errors
     except ImportError:  # pragma: no cover - a server dependency
         return False
-    return isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError)
+    # UndefinedTable: the database was recreated empty, unavailable until migrated, as dropped.
+    return isinstance(
+        exc, psycopg.OperationalError | psycopg.InterfaceError | psycopg.errors.UndefinedTable
+    )
 
 
 def _driver_errors() -> tuple[type[Exception], ...]:
@@ -113,9 +125,38 @@ def install_error_handlers(app: FastAPI) -> None:
     for error_class in (*_driver_errors(), DBAPIError, sqlite3.OperationalError):
         app.add_exception_handler(error_class, _database)
 
-    @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-        if store_unavailable(exc):
-            return _unavailable(exc)
-        log.exception("unhandled error", exc_info=exc)
-        return JSONResponse(error_body("internal", "internal error", retryable=True), 500)
+
+class CatchAll:
+    """Pure ASGI middleware answering any exception a route let through: 503 for a database
+    that is down, else 500 ``internal``, logged.
+
+    Not Starlette's ``exception_handler(Exception)``: that answers, then re-raises into the
+    server, which closes the connection, so a client's next request on it was reset.
+    """
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def watch(message: Any) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watch)
+        except Exception as exc:
+            if started:  # nothing can be answered any more: the server closes the connection
+                raise
+            if store_unavailable(exc):
+                response = _unavailable(exc)
+            else:
+                log.exception("unhandled error", exc_info=exc)
+                response = JSONResponse(error_body("internal", "internal error"), 500)
+            await response(scope, receive, send)

@@ -17,6 +17,7 @@ from fastapi import APIRouter, Path, Query
 from starlette.responses import Response
 
 from api.deps import StoreDep, require
+from api.routes._common import Since, Until
 from forewarn.errors import InvalidInput, NotFound
 from forewarn.wire import EventKind, to_ms
 
@@ -138,10 +139,6 @@ async def list_gpus(
     for record in records:
         record.update(risk.get((record["node"], record["gpu"]), gpu_risk_fields.UNSCORED))  # type: ignore[arg-type, attr-defined]
     return _page(records, next_cursor)
-
-
-Since = Annotated[datetime | None, Query(description="ISO 8601 or Unix seconds (inclusive).")]
-Until = Annotated[datetime | None, Query(description="ISO 8601 or Unix seconds (exclusive).")]
 
 
 def _aware(ts: datetime) -> datetime:

@@ -4,9 +4,11 @@ The path of a batch, and what each step refuses:
 
 1. body: at most ``max_body_bytes`` as sent and after decompression (413); encodings
    ``identity`` and ``gzip`` (several members allowed, nothing after the last; else 400/415);
-   at most ``max_body_objects`` JSON objects (413, before anything is parsed), JSON (400
-   ``malformed_json``; a key repeated in one object is refused, 422 ``repeated_key``; NaN and
-   Infinity tokens are parsed so that only their rows fail);
+   at most ``max_body_objects`` JSON objects and arrays and at most
+   :data:`~api.guard.MAX_JSON_DEPTH` levels deep (413 / 422, before anything is parsed), JSON
+   (400 ``malformed_json``; a key repeated in one object is refused, 422 ``repeated_key``; NaN
+   and Infinity tokens are parsed so that only their rows fail); no string with a NUL or a
+   lone surrogate (422, the whole batch: PostgreSQL cannot store them);
 2. envelope (:class:`~forewarn.wire.IngestBatch`): schema version, node, lists (422);
 3. rows, in either shape of :mod:`api.ingest_decode` (row objects or ``sample_columns``):
    each sample and event validated on its own, strictly (``true`` or ``"7"`` is not a
@@ -29,7 +31,6 @@ which says what is wrong.
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 import time
 import zlib
@@ -43,6 +44,7 @@ from sqlalchemy import text
 from starlette.responses import Response
 
 from api.deps import require
+from api.guard import check_depth, check_values, parse_exact
 from api.ingest_decode import decode_fast, rows_from_columns, strict_type_error
 from api.settings import Settings
 from forewarn.errors import InvalidInput, PayloadTooLarge
@@ -69,18 +71,9 @@ _SAMPLES = TypeAdapter(list[GpuSample])
 _EVENTS = TypeAdapter(list[Event])
 
 
-class MalformedJson(InvalidInput):
-    code = "malformed_json"
-    status = 400
-
-
 class UnsupportedEncoding(InvalidInput):
     code = "unsupported_encoding"
     status = 415
-
-
-class RepeatedKey(InvalidInput):
-    code = "repeated_key"
 
 
 class BadEncoding(InvalidInput):
@@ -139,31 +132,26 @@ def decompress(raw: bytes, encoding: str | None, limit: int) -> bytes:
     return raw
 
 
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out = dict(pairs)
-    if len(out) != len(pairs):
-        seen: set[str] = set()
-        for key, _ in pairs:
-            if key in seen:
-                raise RepeatedKey(f"key '{key[:64]}' is repeated in one object")
-            seen.add(key)
-    return out
-
-
 def parse_json(raw: bytes, *, max_objects: int) -> Any:
-    """Parse a JSON body exactly: repeated keys refused, NaN/Infinity tokens read as floats.
+    """Parse a JSON body exactly: repeated keys refused, NaN/Infinity tokens read as floats
+    (the rows that hold them are refused one by one), strings checked (:mod:`api.guard`).
 
-    Refuses (413) a body of more than ``max_objects`` objects before parsing it, so that a
-    body of millions of ``{}`` cannot take the process's memory with it.
+    Refuses (413) a body of more than ``max_objects`` objects and arrays before parsing it,
+    so that a body of millions of ``{}`` or ``[]`` cannot take the process's memory with it.
     """
-    if raw.count(b"{") > max_objects:
-        raise PayloadTooLarge(f"body holds more than {max_objects} JSON objects")
-    try:
-        return json.loads(raw, object_pairs_hook=_unique_keys)
-    except (ValueError, RecursionError) as exc:
-        if isinstance(exc, InvalidInput):
-            raise
-        raise MalformedJson(f"body is not valid JSON: {exc}") from None
+    _count_containers(raw, max_objects)
+    payload = parse_exact(raw, constants=True)
+    check_values(payload, numbers=False)
+    return payload
+
+
+def _count_containers(raw: bytes, max_objects: int) -> None:
+    if raw.count(b"{") + raw.count(b"[") > max_objects:
+        raise PayloadTooLarge(f"body holds more than {max_objects} JSON objects and arrays")
+
+
+_SUSPECT_ESCAPE = re.compile(rb"\\u(?:0000|[dD][89a-fA-F])")
+"""A NUL or a surrogate written as an escape: the body's strings are then checked one by one."""
 
 
 def decode(raw: bytes, encoding: str | None, limit: int, *, max_objects: int = 10**9) -> Any:
@@ -273,8 +261,10 @@ def prepare_body(
     what is wrong and keeps the rest.
     """
     raw = decompress(raw, encoding, settings.max_body_bytes)
-    if raw.count(b"{") > settings.max_body_objects:
-        raise PayloadTooLarge(f"body holds more than {settings.max_body_objects} JSON objects")
+    _count_containers(raw, settings.max_body_objects)
+    check_depth(raw)
+    if _SUSPECT_ESCAPE.search(raw):  # a NUL or a lone surrogate: refused with 422, whole
+        check_values(parse_exact(raw, constants=True), numbers=False)
     fast = decode_fast(raw, max_rows=settings.max_batch_rows, node_ok=_node_valid)
     agent = None
     if fast is not None and fast.agent is not None:

@@ -7,7 +7,10 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-__all__ = ["Metrics", "TimingMiddleware"]
+__all__ = ["PER_GPU_FAMILIES", "Metrics", "MetricsView", "TimingMiddleware"]
+
+PER_GPU_FAMILIES = frozenset({"forewarn_gpu_risk"})
+"""Families with a series per GPU: they name nodes and say which GPUs are failing."""
 
 
 class Metrics:
@@ -70,3 +73,28 @@ class TimingMiddleware:
             self.metrics.latency.labels(scope["method"], path, str(status["code"])).observe(
                 time.perf_counter() - start
             )
+
+
+class MetricsView:
+    """What one ``/metrics`` answer shows of a registry (``generate_latest`` takes it).
+
+    Args:
+        registry: the app's registry.
+        per_gpu: include the :data:`PER_GPU_FAMILIES` (a ``read`` token asked).
+        max_gpu_series: at most this many series of each per-GPU family, the highest values.
+    """
+
+    def __init__(self, registry: CollectorRegistry, *, per_gpu: bool, max_gpu_series: int) -> None:
+        self.registry = registry
+        self.per_gpu = per_gpu
+        self.max_gpu_series = max_gpu_series
+
+    def collect(self) -> Any:
+        for family in self.registry.collect():
+            if family.name in PER_GPU_FAMILIES:
+                if not self.per_gpu:
+                    continue
+                if len(family.samples) > self.max_gpu_series:
+                    top = sorted(family.samples, key=lambda s: s.value, reverse=True)
+                    family.samples = top[: self.max_gpu_series]
+            yield family

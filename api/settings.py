@@ -38,6 +38,19 @@ class Settings(BaseSettings):
     tokens: dict[str, list[Scope]] = Field(default_factory=dict)
     """Bearer tokens and their scopes, as JSON: ``{"secret": ["ingest"], …}``."""
 
+    development_token: bool = True
+    """Accept ``forewarn-dev-token`` (every scope, from this machine only) while no token is
+    configured in development. ``forewarn serve`` on an address that is not loopback turns it
+    off: a service that listens on the network never accepts it."""
+
+    metrics_require_token: bool = False
+    """``/metrics`` answers only a token with the ``read`` scope. Without one (the default)
+    it is open but leaves out every per-GPU series (node names and risks)."""
+
+    metrics_max_gpu_series: int = Field(default=1000, ge=0)
+    """Most ``forewarn_gpu_risk`` series one ``/metrics`` answer holds (the highest risks),
+    served to a ``read`` token only."""
+
     ingest_token: str | None = None
     """Shorthand for one token with the ``ingest`` scope (what collectors use)."""
 
@@ -50,8 +63,13 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(default=32 * 1024 * 1024, gt=0)
     """Largest ingest body accepted, after gzip decompression (larger: 413)."""
 
+    max_request_body_bytes: int = Field(default=1024 * 1024, gt=0)
+    """Largest body accepted by every route but ingest (larger: 413, counted as it arrives,
+    after the token was checked)."""
+
     max_body_objects: int = Field(default=250_000, gt=0)
-    """Most JSON objects one ingest body may hold (refused before parsing; bounds memory)."""
+    """Most JSON objects and arrays one ingest body may hold (refused before parsing; bounds
+    memory)."""
 
     max_batch_rows: int = Field(default=100_000, gt=0, le=100_000)
     """Most samples (and, apart, events) in one ingest batch."""
@@ -196,6 +214,6 @@ class Settings(BaseSettings):
         ):
             if token:
                 table.setdefault(token, set()).add(scope)
-        if not table and self.environment == "development":
+        if not table and self.environment == "development" and self.development_token:
             table[DEV_TOKEN] = {"admin"}
         return {t: frozenset(SCOPES) if "admin" in s else frozenset(s) for t, s in table.items()}

@@ -142,7 +142,8 @@ def run(args: argparse.Namespace) -> int:
                 args.json.write_text(json.dumps(summary.as_json(), indent=1, default=str))
             if not summary.bitwise_equal:
                 code = 1
-        print(f"Forewarn demo: serving {url}/ until Ctrl-C", flush=True)
+        until = "until Ctrl-C" if args.duration is None else f"for {args.duration:g} s"
+        print(f"Forewarn demo: serving {url}/ {until}", flush=True)
         deadline = time.monotonic() + args.duration if args.duration is not None else None
         while deadline is None or time.monotonic() < deadline:
             story.check_parts()

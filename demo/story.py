@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -25,6 +26,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
+
+from demo.receiver import Receiver
 
 __all__ = ["Config", "Story", "StoryFailed", "Summary", "free_port"]
 
@@ -79,6 +82,8 @@ class Summary:
     reference_loss: float | None = None
     bitwise_equal: bool = False
     differences: list[str] = field(default_factory=list)
+    webhooks: dict[str, int] = field(default_factory=dict)
+    """Deliveries the demo's own receiver verified, by event type."""
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -89,6 +94,7 @@ class Summary:
             "reference_loss": self.reference_loss,
             "bitwise_equal": self.bitwise_equal,
             "differences": self.differences,
+            "webhooks": self.webhooks,
         }
 
     def text(self) -> str:
@@ -112,6 +118,9 @@ class Summary:
             "  bit for bit "
             + ("equal to the reference: parameters and optimizer state"
                if self.bitwise_equal else "DIFFERENT: " + "; ".join(self.differences[:5])),
+            f"  webhooks    {sum(self.webhooks.values())} deliveries verified by the demo's "
+            "receiver: " + (", ".join(f"{k} {n}" for k, n in sorted(self.webhooks.items()))
+                            or "none"),
         ]  # fmt: skip
         return "\n".join(lines)
 
@@ -142,6 +151,7 @@ class Story:
         self.fast_file = self.job_dir / "fast"
         self.read = {"Authorization": f"Bearer {TOKENS['read']}"}
         self.summary = Summary()
+        self.receiver: Receiver | None = None
 
     # -- processes ----------------------------------------------------------------------------
 
@@ -159,6 +169,8 @@ class Story:
             "FOREWARN_ADMIN_TOKEN": TOKENS["admin"],
             "FOREWARN_CONTROL_TICK_S": str(self.config.tick_s),
             "FOREWARN_POLICY": json.dumps(policy),
+            "FOREWARN_WEBHOOK_ALLOW": "127.0.0.1",  # the demo's own receiver
+            "FOREWARN_WEBHOOK_RETRY_BASE_S": "1",
             "OMP_NUM_THREADS": "1",
             "PYTHONUNBUFFERED": "1",
         }
@@ -191,6 +203,8 @@ class Story:
                 )
 
     def close(self) -> None:
+        if self.receiver is not None:
+            self.receiver.close()
         self.fast_file.parent.mkdir(parents=True, exist_ok=True)
         self.fast_file.touch()
         for _, process in reversed(self.parts):
@@ -253,12 +267,12 @@ class Story:
 
     def start_parts(self) -> None:
         c = self.config
-        for d in (self.job_dir, self.reference_dir):
-            d.mkdir(parents=True, exist_ok=True)
-            for old in d.glob("*"):
-                old.unlink()
+        for d in (self.job_dir, self.reference_dir):  # what an earlier demo left: logs/ too
+            shutil.rmtree(d, ignore_errors=True)
+            d.mkdir(parents=True)
         serve = self.forewarn("service", "serve", "--host", c.host, "--port", str(c.port))
         self.wait_ready(serve)
+        self.subscribe()
         self.forewarn(
             "fleet", "simulate", "--gpus", str(c.gpus), "--service", self.url,
             "--token", TOKENS["ingest"], "--speed", str(c.speed),
@@ -281,6 +295,20 @@ class Story:
             *[a if a != str(self.job_dir) else str(self.reference_dir) for a in job],
             nice=True,
         )  # fmt: skip
+
+    def subscribe(self) -> None:
+        """Start the demo's own webhook receiver and subscribe it to every event."""
+        self.receiver = Receiver(self.config.data_dir / "demo-webhooks.log")
+        self.receiver.start()
+        response = httpx.post(
+            self.url + "/v1/webhooks",
+            headers={"Authorization": f"Bearer {TOKENS['admin']}"},
+            json={"url": self.receiver.url, "description": "the demo's own receiver"},
+            timeout=10,
+        )
+        if response.status_code != 201:
+            raise StoryFailed(f"the service refused the demo's webhook: {response.text}")
+        self.receiver.secret = response.json()["secret"]
 
     def wait_ready(self, serve: subprocess.Popen[bytes], timeout_s: float = 90.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -372,6 +400,13 @@ class Story:
         self.summary.bitwise_equal = not self.summary.differences
         self.summary.final_loss = _final_loss(self.job_dir)
         self.summary.reference_loss = _final_loss(self.reference_dir)
+        if self.receiver is not None:  # the completions are delivered within a retry or two
+            self.wait(
+                "the webhook deliveries of both migrations",
+                lambda: self.receiver.counts().get("migration.completed", 0) >= 2,  # type: ignore[union-attr]
+                60,
+            )
+            self.summary.webhooks = self.receiver.counts()
         return self.summary
 
 

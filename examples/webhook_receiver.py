@@ -135,7 +135,10 @@ def serve(args: argparse.Namespace, secret: str) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default %(default)s; 0.0.0.0 for "
+        "a service on another machine)"
+    )
     parser.add_argument("--port", type=int, default=9000)
     parser.add_argument("--kubectl", action="store_true", help="really run kubectl cordon")
     parser.add_argument("--chat-url", help="a Slack-compatible incoming-webhook URL")

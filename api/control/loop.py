@@ -549,10 +549,10 @@ class ControlLoop:
                     s for s in spares.get(m["job_id"], []) if s["slot"] != m["target_slot"]
                 ]
         recent = db.list_migrations(c, limit=500)
-        last: dict[tuple[str, int], int] = {}
+        last: dict[tuple[str, str, int], int] = {}
         for m in recent:
             if m["source_node"] is not None and m["source_gpu"] is not None:
-                k = (m["source_node"], m["source_gpu"])
+                k = (m["job_id"], m["source_node"], m["source_gpu"])
                 last[k] = max(last.get(k, 0), m["requested_ms"])
         drained = db.drained_nodes(c)
         unsafe = {k for k, st in self.gpus.items() if st.crossed or st.failed or st.stale}

@@ -7,12 +7,30 @@ from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any
 
 from fastapi import Query
+from pydantic import AfterValidator
 
 from forewarn.errors import InvalidInput
 from forewarn.wire import to_ms
 
-Since = Annotated[datetime | None, Query(description="ISO 8601 or Unix seconds (inclusive).")]
-Until = Annotated[datetime | None, Query(description="ISO 8601 or Unix seconds (exclusive).")]
+_FIRST = datetime(1970, 1, 1, tzinfo=UTC)
+_LAST = datetime(9999, 12, 30, tzinfo=UTC)  # a day short of the end: a window may follow it
+
+
+def in_range(ts: datetime) -> datetime:
+    """``ts`` if this service can store it: 1970 to 9999 (naive times read as UTC)."""
+    try:
+        inside = _FIRST <= aware(ts) <= _LAST
+    except OverflowError:  # 0001-01-01T00:00:00+14:00 is before year 1 in UTC
+        inside = False
+    if not inside:
+        raise ValueError("must be between 1970-01-01 and 9999-12-30 (UTC)")
+    return ts
+
+
+Timestamp = Annotated[datetime, AfterValidator(in_range)]
+"""A time this service can store (a body field or a query parameter)."""
+Since = Annotated[Timestamp | None, Query(description="ISO 8601 or Unix seconds (inclusive).")]
+Until = Annotated[Timestamp | None, Query(description="ISO 8601 or Unix seconds (exclusive).")]
 
 
 def now_ms() -> int:
@@ -31,7 +49,7 @@ def aware(ts: datetime) -> datetime:
 
 def window(since: datetime | None, until: datetime | None, default_s: float) -> tuple[int, int]:
     end = aware(until or datetime.now(UTC))
-    start = aware(since) if since else end - timedelta(seconds=default_s)
+    start = aware(since) if since else max(end - timedelta(seconds=default_s), _FIRST)
     if start > end:
         raise InvalidInput("since must not be after until")
     return to_ms(start), to_ms(end)

@@ -8,7 +8,6 @@ history's ``failures.parquet`` takes them over the failures derived from events
 
 from __future__ import annotations
 
-from datetime import datetime
 from typing import Annotated, Any, Literal
 
 from anyio import to_thread
@@ -16,7 +15,7 @@ from fastapi import APIRouter, Path, Query
 from pydantic import BaseModel, ConfigDict, Field
 
 from api.deps import StoreDep, require
-from api.routes._common import Since, Until, aware, iso, now_ms
+from api.routes._common import Since, Timestamp, Until, aware, iso, now_ms
 from forewarn.errors import InvalidInput, NotFound
 from forewarn.wire import Name, to_ms
 from store import control as db
@@ -36,7 +35,7 @@ class FailureCreate(BaseModel):
 
     node: Name
     gpu: int | None = Field(default=None, ge=0, le=255, description="None: the whole node.")
-    ts: datetime = Field(description="When it failed (ISO 8601 with a zone).")
+    ts: Timestamp = Field(description="When it failed (ISO 8601 with a zone).")
     kind: Kind
     note: str | None = Field(default=None, max_length=2000)
 

@@ -18,7 +18,7 @@ from sqlalchemy import text
 
 from api.deps import StoreDep, require
 from api.routes._common import now_ms, stamp
-from forewarn.errors import NotFound
+from forewarn.errors import InvalidInput, NotFound
 from forewarn.wire import JobHeartbeat, JobRegistration, MigrationCommand, Placement
 from store import control as db
 
@@ -82,6 +82,14 @@ def _resolve(c: Any, p: Placement) -> tuple[str, int | None]:
     summary="Register a job and its placement (job agents; the full placement each time)",
 )
 async def register_job(store: StoreDep, body: JobRegistration) -> dict[str, Any]:
+    slots = [p.slot if p.slot is not None else i for i, p in enumerate(body.placement)]
+    if len(set(slots)) != len(slots):
+        clash = sorted({s for s in slots if slots.count(s) > 1})
+        raise InvalidInput(
+            f"placement: slot {clash[0]} is given to more than one process "
+            "(a slot defaults to the entry's position)"
+        )
+
     def write() -> dict[str, Any]:
         ts = now_ms()
         with store.begin() as c:

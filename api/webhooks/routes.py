@@ -170,7 +170,7 @@ async def deliveries(
     store: StoreDep,
     status: Literal["pending", "succeeded", "failed"] | None = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
-    before_id: int | None = None,
+    before_id: Annotated[int | None, Query(ge=1, le=2**63 - 1)] = None,
 ) -> DeliveriesPublic:
     def read(connection: Any) -> list[dict[str, Any]]:
         _found(wstore.get_webhook(connection, webhook_id), webhook_id)

@@ -25,8 +25,8 @@ from api.settings import Settings
 OPEN = {
     ("GET", "/healthz"): "liveness for the orchestrator: says only that the process is up",
     ("GET", "/readyz"): "readiness for load balancers: ready or not, no database details",
-    ("GET", "/metrics"): "Prometheus scrapes it; request and fleet counters, no secrets "
-    "(restrict at the proxy where node names are sensitive: SECURITY.md)",
+    ("GET", "/metrics"): "Prometheus scrapes it; request and fleet counters, no secrets; "
+    "per-GPU series (node names, risks) only with a read token (SECURITY.md)",
 }
 
 ANY_TOKEN = {

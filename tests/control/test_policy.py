@@ -45,14 +45,27 @@ def test_breaker_stops_preventive_but_not_unplanned() -> None:
     assert run(Policy(), s, "unplanned").action == "request"
 
 
-def test_cooldown_per_gpu() -> None:
-    s = situation(last_request_ms={("n0", 1): 1_000_000 - 60_000})
+def test_cooldown_per_job_and_gpu() -> None:
+    s = situation(last_request_ms={("j", "n0", 1): 1_000_000 - 60_000})
     assert run(Policy(cooldown_s=600), s).action == "declined"
     assert "cooldown" in run(Policy(cooldown_s=600), s).reason
     assert run(Policy(cooldown_s=30), s).action == "request"
-    assert run(Policy(cooldown_s=600), situation(last_request_ms={("n0", 2): 0})).action == (
+    assert run(Policy(cooldown_s=600), situation(last_request_ms={("j", "n0", 2): 0})).action == (
         "request"
     )
+    other_job = situation(last_request_ms={("k", "n0", 1): 1_000_000 - 60_000})
+    assert run(Policy(cooldown_s=600), other_job).action == "request"
+
+
+def test_a_cooldown_reads_the_same_at_every_tick() -> None:
+    """The loop audits a decision when its reason changes: a reason that counted seconds
+    wrote a row every tick."""
+    last = {("j", "n0", 1): 1_000_000 - 60_000}
+    reasons = {
+        run(Policy(cooldown_s=600), situation(now_ms=now, last_request_ms=last)).reason
+        for now in (1_000_000, 1_001_000, 1_030_000)
+    }
+    assert len(reasons) == 1
 
 
 def test_in_flight_caps_per_job_and_fleet() -> None:

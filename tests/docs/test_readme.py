@@ -83,7 +83,7 @@ CASES: dict[str, Case] = {
         expect=(
             "dashboard   http://127.0.0.1:@port@/",
             "tokens      read demo-read-token-00001",
-            "serving http://127.0.0.1:@port@/ until Ctrl-C",
+            "serving http://127.0.0.1:@port@/ for 2 s",
         ),
         slow=True,
         why="the parts and the banner; the story itself is tests/demo/test_demo.py",
@@ -111,13 +111,15 @@ CASES: dict[str, Case] = {
         expect=("--speed", "--wear-lead-s"),
         why="the whole story at --speed 60 --wear-lead-s 45 is tests/demo/test_demo.py",
     ),
-    "forewarn serve --host 0.0.0.0 --port 8765": Case(
-        "exec forewarn serve --host 127.0.0.1 --port @port@ --data-dir serve-var", mode="serve"
-    ),
+    "forewarn serve": Case("exec forewarn serve --port @port@", mode="serve"),
     "forewarn token create --name rack-12-collectors --scope ingest": Case(
         "forewarn token create --name rack-12-collectors --scope ingest", expect=("shown once",)
     ),
     "forewarn token list": Case("forewarn token list", expect=("rack-12-collectors",)),
+    # As written, after the token step, in the same directory (./var holds the token).
+    "forewarn serve --host 0.0.0.0 --port 8765": Case(
+        "exec forewarn serve --host 0.0.0.0 --port @port@", mode="serve"
+    ),
     'forewarn collect --source auto --service http://forewarn:8765 --token "$INGEST_TOKEN" '
     "--kernel-log /dev/kmsg": Case(
         "forewarn collect --help", expect=("--kernel-log",), why="needs a GPU"
@@ -197,26 +199,48 @@ CASES: dict[str, Case] = {
         expect=("checkpoint-restart", "peer-replica", "forewarn"),
         why="the full run (two sizes, both sources, sanity check) is tests/goodput/",
     ),
-    "FOREWARN_DATABASE_URL=postgresql://forewarn@db:5432/forewarn forewarn serve --host "
-    "0.0.0.0 --workers 2": Case(
-        "FOREWARN_DATABASE_URL=@pg@ exec forewarn serve --host 127.0.0.1 --port @port@ --workers 2",
+    "FOREWARN_DATABASE_URL=postgresql://forewarn@db:5432/forewarn "
+    'FOREWARN_ADMIN_TOKEN="$ADMIN_TOKEN" forewarn serve --host 0.0.0.0 --workers 2': Case(
+        "export ADMIN_TOKEN=admin-token-0123456789\nFOREWARN_DATABASE_URL=@pg@ "
+        'FOREWARN_ADMIN_TOKEN="$ADMIN_TOKEN" exec forewarn serve --host 0.0.0.0 --port @port@ '
+        "--workers 2",
         mode="serve",
         slow=True,
     ),
     "FOREWARN_WEBHOOK_ALLOW=127.0.0.1 forewarn serve": Case(
-        "FOREWARN_WEBHOOK_ALLOW=127.0.0.1 exec forewarn serve --port @port@ --data-dir hook-var",
-        mode="serve",
+        # The walk-through as a newcomer runs it, a free port for each of its two services.
+        'hook=$(python -c \'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); '
+        "print(s.getsockname()[1])')\n"
+        "FOREWARN_WEBHOOK_ALLOW=127.0.0.1 forewarn serve --port @port@ --data-dir hook-var "
+        "& svc=$!\n"
+        "trap 'kill $svc $recv 2>/dev/null' EXIT\n"
+        "for _ in $(seq 240); do curl -sf http://127.0.0.1:@port@/readyz >/dev/null && break; "
+        "sleep 0.5; done\n"
+        "curl -s -X POST http://127.0.0.1:@port@/v1/webhooks -H 'Authorization: Bearer "
+        "forewarn-dev-token' -H 'content-type: application/json' -d '{\"url\": "
+        '"http://127.0.0.1:\'$hook\'/", "event_types": ["node.drained", '
+        '"migration.completed"]}\' > subscription.json\n'
+        "FOREWARN_WEBHOOK_SECRET=$(python -c 'import json; print(json.load(open("
+        '"subscription.json"))["secret"])\') python @repo@/examples/webhook_receiver.py '
+        "--port $hook > receiver.log & recv=$!\n"
+        "for _ in $(seq 60); do grep -q listening receiver.log && break; sleep 0.5; done\n"
+        "curl -s -X POST http://127.0.0.1:@port@/v1/nodes/gpu-node-17/drain -H "
+        "'Authorization: Bearer forewarn-dev-token'\n"
+        "for _ in $(seq 120); do grep -q node.drained receiver.log && break; sleep 0.5; done\n"
+        "cat receiver.log",
+        expect=("listening on http://127.0.0.1:", "node.drained"),
     ),
     "curl -s -X POST http://127.0.0.1:8765/v1/webhooks -H 'Authorization: Bearer "
     "forewarn-dev-token' -H 'content-type: application/json' -d '{\"url\": "
-    '"http://127.0.0.1:9000/", "event_types": ["migration.completed"]}\'': Case(
-        "curl -s -X POST @service@/v1/webhooks -H 'Authorization: Bearer forewarn-dev-token' "
-        '-H \'content-type: application/json\' -d \'{"url": "http://127.0.0.1:9000/", '
-        '"event_types": ["migration.completed"]}\'',
-        expect=('"secret":"whsec_',),
+    '"http://127.0.0.1:9000/", "event_types": ["node.drained", "migration.completed"]}\' > '
+    "subscription.json": Case("FOREWARN_WEBHOOK_ALLOW=127.0.0.1 forewarn serve", mode="same"),
+    "FOREWARN_WEBHOOK_SECRET=$(python -c 'import json; print(json.load(open(\"subscription.json"
+    '"))["secret"])\') python examples/webhook_receiver.py --port 9000 &': Case(
+        "FOREWARN_WEBHOOK_ALLOW=127.0.0.1 forewarn serve", mode="same"
     ),
-    "FOREWARN_WEBHOOK_SECRET=whsec_... python examples/webhook_receiver.py --port 9000": Case(
-        "python @repo@/examples/webhook_receiver.py --help", expect=("--port",)
+    "curl -s -X POST http://127.0.0.1:8765/v1/nodes/gpu-node-17/drain -H 'Authorization: "
+    "Bearer forewarn-dev-token'": Case(
+        "FOREWARN_WEBHOOK_ALLOW=127.0.0.1 forewarn serve", mode="same"
     ),
 }
 
