@@ -36,6 +36,7 @@ __all__ = [
     "read_failures",
     "read_manifest",
     "replay",
+    "split_at",
     "steps",
 ]
 
@@ -217,6 +218,39 @@ def replay(
         if progress is not None:
             progress(k + 1)
     return state
+
+
+def split_at(dataset: Dataset, cut_ms: int) -> tuple[Dataset, Dataset]:
+    """The dataset before ``cut_ms`` (samples and events with ``ts_ms <= cut_ms``) and after
+    it, in memory. Both keep every failure (so that labels near the cut see the failure just
+    past it), but each counts only its own (``in_window``): a failure of the other part only
+    makes an alarm before it true."""
+    cut = int(cut_ms)
+    if not dataset.start_ms < cut < dataset.end_ms:
+        raise InvalidInput("the cut must fall inside the dataset's time range")
+    s = int(np.searchsorted(dataset.samples.ts_ms, cut, side="right"))
+    ev_ts = dataset.events["ts_ms"].to_numpy(dtype=np.int64)
+    e = int(np.searchsorted(ev_ts, cut, side="right"))
+    f = dataset.failures
+    own = f["in_window"].astype(bool) if "in_window" in f else pd.Series(True, index=f.index)
+    early = (f["ts_ms"] <= cut).to_numpy()
+    parts = []
+    for lo, hi, ev, mine, span in (
+        (0, s, dataset.events.iloc[:e], early, (dataset.start_ms, cut)),
+        (s, len(dataset.samples), dataset.events.iloc[e:], ~early, (cut, dataset.end_ms)),
+    ):
+        manifest = {**dataset.manifest, "start_ms": span[0], "end_ms": span[1]}
+        failures = f.assign(in_window=own.to_numpy() & mine)
+        parts.append(
+            Dataset(
+                dataset.path,
+                manifest,
+                dataset.samples[lo:hi],
+                ev.reset_index(drop=True),
+                failures,
+            )
+        )
+    return parts[0], parts[1]
 
 
 def steps(dataset: Dataset, step_s: float) -> int:

@@ -6,6 +6,12 @@ a table per failure kind, for the model and the baseline in the same replay; a
 recall-versus-false-alarm PNG for both. With ``--json`` stdout holds one object
 ``{"model": {...}, "baseline": {...}, "threshold": ...}`` (plus the comparison at the
 baseline's false-alarm rate and what was evaluated).
+
+Prequential (``--adapt-days D``): the first D days of the fleet are given to the model as the
+fleet's own history — a model is trained on top of it (:func:`predictor.lifecycle.adapt`, as
+the service's retraining does) — and the rest is scored live with the budget by both, the
+unadapted and the adapted model, beside the rules; ``--json`` then prints
+``{"adapt_days", "unadapted": {...}, "adapted": {...} | null, "adapt_error": ...}``.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from tqdm import tqdm
 
@@ -55,6 +62,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="where to write the curve (default: ./recall-vs-false-alarms.png; '' for none)",
     )
     parser.add_argument(
+        "--adapt-days",
+        type=float,
+        default=0.0,
+        metavar="D",
+        help="prequential: train on top of the model with the first D days of the fleet, "
+        "then judge the unadapted and the adapted model on the rest (default 0: off)",
+    )
+    parser.add_argument(
         "--no-progress",
         action="store_true",
         help="no progress bar (never one when stderr is not a terminal)",
@@ -66,6 +81,8 @@ def _tick(bar: tqdm) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.adapt_days:
+        return _prequential(args)
     try:
         # The default directory with no model of the operator's: the shipped one.
         if args.model == "models" and not registry.list_models("models"):
@@ -102,4 +119,48 @@ def run(args: argparse.Namespace) -> int:
         print(format_table(report.summary))
         if png is not None:
             print(f"\ncurve: {png}")
+    return 0
+
+
+def _prequential(args: argparse.Namespace) -> int:
+    from forewarn.errors import InvalidInput
+    from predictor.dataset import split_at
+    from predictor.lifecycle import adapt
+
+    # the default directory with no model of the operator's: the shipped one
+    none_here = args.model == "models" and not registry.list_models("models")
+    base_path = registry.SHIPPED_DIR if none_here else Path(args.model)
+    try:
+        model = registry.load(base_path)
+        ds = load_dataset(args.data)
+        history, rest = split_at(ds, ds.start_ms + int(args.adapt_days * 86_400_000))
+        step_s = args.step_s or float(model.card.get("training", {}).get("step_s", 60.0))
+        params = evaluate.Params(args.lead_min_s, args.horizon_s, args.merge_s)
+        kw = {"threshold": args.threshold, "budget": args.budget or None, "step_s": step_s}
+        unadapted = evaluate_dataset(rest, model, params=params, **kw).summary
+        adapted: dict[str, object] | None = None
+        error = None
+        try:
+            new = adapt(base_path, [history])
+            adapted = evaluate_dataset(rest, new, params=params, **kw).summary
+        except InvalidInput as exc:  # e.g. no failure with precursors in the first days
+            error = exc.message
+    except ForewarnError as exc:
+        print(f"forewarn evaluate: {exc.message}", file=sys.stderr)
+        return 2
+    out = {
+        "adapt_days": args.adapt_days,
+        "unadapted": unadapted,
+        "adapted": adapted,
+        "adapt_error": error,
+    }
+    if args.json:
+        print(json.dumps(evaluate.json_safe(out), allow_nan=False))
+    else:
+        print(f"the first {args.adapt_days:g} days given as the fleet's own history; the rest:")
+        print("\n== unadapted ==\n" + format_table(unadapted))
+        if adapted is not None:
+            print("\n== adapted ==\n" + format_table(adapted))
+        else:
+            print(f"\nnot adapted: {error}")
     return 0

@@ -15,7 +15,10 @@ turned into plain words (:mod:`predictor.reasons`). Families:
 - events: Xid counts by class, ECC storms, link down, stalls, resets (5 min, 1 h, 24 h) and the
   time since the last of each (capped at 7 days);
 - telemetry staleness (seconds since the last sample, against the node) and the sample rate
-  of the last 5 min against the last day (missing data);
+  of the last 5 min against the last day (missing data); the structure of the stream: the
+  time-weighted mean gap between samples over the last hour, and against the GPU's own day,
+  and how many readings the GPU reported before are missing now (in its latest sample, and
+  per sample over 5 min: metrics that vanished);
 - the rules of the baseline (:mod:`predictor.baseline`) as features (``rule_*``, and how many
   fire), so the trees start from what DCGM and NVSentinel already know.
 
@@ -95,6 +98,10 @@ def _specs() -> list[Feature]:
         Feature("staleness_s", "telemetry", "staleness"),
         Feature("staleness_vs_node", "telemetry", "vs_node"),
         Feature("sample_rate_5m_vs_24h", "telemetry", "sample_rate", "5m"),
+        Feature("gap_len_1h", "telemetry", "gap_len", "1h"),
+        Feature("gap_len_1h_vs_24h", "telemetry", "gap_len_vs_own", "1h"),
+        Feature("metrics_vanished_now", "telemetry", "vanished_now"),
+        Feature("metrics_vanished_5m", "telemetry", "vanished", "5m"),
     ]
     for e in EVENT_CHANNELS:
         out += [Feature(f"{e}_{w}", e, "count", w) for w in ("5m", "1h", "24h")]
@@ -216,6 +223,15 @@ def compute(state: FleetState, now_ms: int | None = None) -> np.ndarray:
         cols["sample_rate_5m_vs_24h"] = (acc[:, COLUMN["n:5m"]] / norm["5m"]) / (
             acc[:, COLUMN["n:24h"]] / norm["24h"]
         )
+        # Gap lengths weighted by time: the mean length of the gap a moment of the window
+        # falls in (the sampling interval when nothing is missing).
+        gap_1h = acc[:, COLUMN["gap2:1h"]] / acc[:, COLUMN["gap:1h"]]
+        cols["gap_len_1h"] = gap_1h
+        cols["gap_len_1h_vs_24h"] = gap_1h / (
+            acc[:, COLUMN["gap2:24h"]] / acc[:, COLUMN["gap:24h"]]
+        )
+        cols["metrics_vanished_now"] = state.vanished_now[:n]
+        cols["metrics_vanished_5m"] = acc[:, COLUMN["vanish:5m"]] / acc[:, COLUMN["n:5m"]]
         for e in EVENT_CHANNELS:
             for w in ("5m", "1h", "24h"):
                 cols[f"{e}_{w}"] = acc[:, COLUMN[f"ev:{e}:{w}"]].copy()

@@ -207,8 +207,10 @@ def format_table(results: list[dict[str, Any]]) -> str:
         "budget in hindsight | rules at the same FA rate | "
         "rules at their own setting: recall / FA | kinds where the model (at the rules' FA "
         "rate) catches fewer than the rules | model OR rule (live): recall / FA | kinds where "
-        "model OR rule catches fewer than the best rule setting within its FA rate |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "model OR rule catches fewer than the best rule setting within its FA rate | "
+        "model, rules as a floor (live): recall / FA | kinds where it catches fewer than the "
+        "rules (own setting or the same FA rate) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in results:
         s = r["summary"]
@@ -232,7 +234,7 @@ def format_table(results: list[dict[str, Any]]) -> str:
             f"| {_pct(rules['recall_with_precursors'])} / "
             f"{_fa(rules['false_alarms_per_1000_gpu_days'])} "
             f"| {', '.join(fewer) or 'none'} "
-            f"| {_union_cells(s)} |"
+            f"| {_union_cells(s)} | {_floor_cells(s)} |"
         )
     return "\n".join(lines)
 
@@ -256,6 +258,21 @@ def _union_cells(s: dict[str, Any]) -> str:
     return (
         f"{'/'.join(union['rules'])}: {_pct(union['recall_with_precursors'])} / "
         f"{_fa(union['false_alarms_per_1000_gpu_days'])} | {fewer}"
+    )
+
+
+def _floor_cells(s: dict[str, Any]) -> str:
+    floor = s.get("model_floor_at_budget")
+    if floor is None:
+        return "- | -"
+    below = [
+        f"{k} {d['model_floor']} < {max(d['rules'], d['rules_at_rate'] or 0)}"
+        for k, d in s.get("floor_vs_rules_by_kind", {}).items()
+        if k in s.get("floor_kinds_below_rules", [])
+    ]
+    return (
+        f"{_pct(floor['recall_with_precursors'])} / "
+        f"{_fa(floor['false_alarms_per_1000_gpu_days'])} | {', '.join(below) or 'none'}"
     )
 
 
@@ -296,6 +313,9 @@ def card_section(results: list[dict[str, Any]], cfg: LofoConfig) -> dict[str, An
                 "union": brief(s.get("union")),
                 "union_rules": (s.get("union") or {}).get("rules"),
                 "baseline_at_union_rate": brief(s.get("baseline_at_union_rate")),
+                "model_floor_at_budget": brief(s.get("model_floor_at_budget")),
+                "baseline_at_floor_rate": brief(s.get("baseline_at_floor_rate")),
+                "floor_vs_rules_by_kind": s.get("floor_vs_rules_by_kind"),
                 "model_at_baseline_false_alarm_rate_by_kind": {
                     k: d["caught"]
                     for k, d in (s.get("model_at_baseline_false_alarm_rate_by_kind") or {}).items()

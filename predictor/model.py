@@ -5,6 +5,15 @@
 one); ``risk`` maps it through the isotonic calibration fitted on held-out data, so a risk of
 0.2 means about one GPU in five with that score fails within the horizon. ``threshold`` is the
 alarm threshold on ``risk`` chosen at training time for the false-alarm budget in the card.
+
+An isotonic fit is a staircase: every raw score within a step gets the same risk, and a GPU
+whose raw score climbs for an hour shows a flat risk that jumps to the next step in one tick
+(the card's threshold being one of those steps, a value the model emits as a constant). The
+map is therefore drawn through the middle of each step, piecewise linear and strictly
+increasing between them (centred isotonic regression): the same order, about the same
+calibration, and a risk that rises as the raw score does. The threshold on ``risk`` is where
+the card's ``raw_threshold`` maps, so it alarms on the same raw scores as the card says. Below
+the first step's middle the map runs down to (0, 0), above the last one up to (1, 1).
 """
 
 from __future__ import annotations
@@ -58,6 +67,21 @@ def fit_booster(
     return lgb.train(merged, data, num_boost_round=rounds)
 
 
+def _centred(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Knots through the middle of each step of an isotonic staircase (its ``X_thresholds_``
+    and ``y_thresholds_``, where a step is a run of equal ``y``), and the ends of the raw
+    scale: 0 maps to 0 and 1 to 1, so that the map climbs over the whole scale (a threshold in
+    the first or last step included) rather than staying flat there."""
+    if len(x) < 2:
+        return x, y
+    new = np.r_[True, np.diff(y) != 0]
+    block = np.cumsum(new) - 1
+    kx = np.bincount(block, weights=x) / np.bincount(block)
+    ky = y[new]
+    lo, hi = min(0.0, float(kx[0])), max(1.0, float(kx[-1]))
+    return np.r_[lo, kx, hi], np.r_[min(0.0, float(ky[0])), ky, max(1.0, float(ky[-1]))]
+
+
 @dataclass
 class RiskModel:
     """A trained model as the scorer and the evaluation use it."""
@@ -69,6 +93,10 @@ class RiskModel:
     card: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        self._knots = _centred(np.asarray(self.calibration_x), np.asarray(self.calibration_y))
+        raw_thr = self.card.get("raw_threshold")
+        if raw_thr is not None and len(self.calibration_x):
+            self.threshold = float(self.calibrate(np.array([float(raw_thr)]))[0])
         names = tuple(self.booster.feature_name())
         # A model trained on an earlier feature list still loads when this version computes
         # every feature it knows: its columns are picked by name.
@@ -92,10 +120,11 @@ class RiskModel:
         return np.asarray(self.booster.predict(self._own(x), num_threads=2), dtype=np.float64)
 
     def calibrate(self, raw: np.ndarray) -> np.ndarray:
-        """Map booster probabilities to calibrated risk (isotonic, piecewise linear)."""
+        """Map booster probabilities to calibrated risk (isotonic, through the middle of each
+        step: strictly increasing between the first and the last step)."""
         if not len(self.calibration_x):
             return raw
-        return np.interp(raw, self.calibration_x, self.calibration_y)
+        return np.interp(raw, *self._knots)
 
     def risk(self, x: np.ndarray) -> np.ndarray:
         """Calibrated probability that the GPU fails within the horizon, per row."""

@@ -118,6 +118,14 @@ def describe(feature: Feature, value: float) -> str:
         return f"{what} {_duration(value)} ago"
     if m == "staleness":
         return f"no telemetry for {_duration(value)}"
+    if m == "gap_len":
+        return f"gaps of {_duration(value)} between samples over the last hour"
+    if m == "gap_len_vs_own":
+        return f"gaps between samples {value:.0f}x this GPU's usual"
+    if m == "vanished_now":
+        return f"{value:.0f} readings this GPU reported before now missing"
+    if m == "vanished":
+        return f"{value:.1f} readings it reported before missing per sample over the last 5 min"
     if m == "sample_rate":
         return f"only {value * 100:.0f} % of the usual samples in the last 5 min"
     if m == "total":

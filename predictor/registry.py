@@ -39,6 +39,7 @@ def save(model: RiskModel, models_dir: str | Path, stem: str | None = None) -> P
     stem = stem or "forewarn-risk-" + datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     booster_path = out / f"{stem}{BOOSTER_SUFFIX}"
     card = dict(model.card)
+    card["model_id"] = stem
     card["threshold"] = float(model.threshold)
     card["booster_file"] = booster_path.name
     card.setdefault("created_at", datetime.now(UTC).isoformat(timespec="seconds"))
@@ -86,6 +87,7 @@ def load(path: str | Path) -> RiskModel:
     if not booster_path.is_file():
         raise NotFound(f"model card {p} names a missing booster file {booster_path.name}")
     booster = lgb.Booster(model_file=str(booster_path))
+    card["model_id"] = p.name[: -len(CARD_SUFFIX)]  # which model scored: its card's stem
     cal = card.get("calibration", {})
     return RiskModel(
         booster,

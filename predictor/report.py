@@ -21,6 +21,7 @@ from predictor import baseline, evaluate
 from predictor.budget import AlarmBudget, logit, replay
 from predictor.dataset import Dataset
 from predictor.features import FEATURE_NAMES, FEATURES, RULES
+from predictor.floor import FLOOR_SCORE, floor_hits
 from predictor.model import RiskModel
 from predictor.scored import Scored, score_dataset
 
@@ -95,7 +96,14 @@ def _scorers(model: RiskModel, cause_floor: float) -> dict[str, Callable[[np.nda
             out[hot] = _SUBJECT[np.argmax(contrib, axis=1)]
         return out
 
-    out: dict[str, Callable[[np.ndarray], Any]] = {"model_raw": raw, "cause": cause}
+    def floor(x: np.ndarray) -> np.ndarray:
+        return np.asarray(floor_hits(x).any(axis=1), dtype=np.float64)
+
+    out: dict[str, Callable[[np.ndarray], Any]] = {
+        "model_raw": raw,
+        "cause": cause,
+        "floor": floor,
+    }
     for r in RULES:
         out[f"rule_{r}"] = _column(FEATURE_NAMES.index(f"rule_{r}"))
     return out
@@ -142,8 +150,13 @@ def evaluate_dataset(
         progress=progress,
     )
     scored.rows["model"] = model.calibrate(scored.rows["model_raw"].to_numpy())
+    hit = scored.rows["floor"].to_numpy() > 0
+    scored.rows["model_floor"] = np.where(
+        hit, np.fmax(scored.rows["model"].to_numpy(), thr), scored.rows["model"].to_numpy()
+    )
     table = evaluate.ScoreTable(scored.rows, scored.failures, step_s=step_s, params=params)
     m = evaluate.metrics(table, "model", thr, cause="cause", causes=CAUSES)
+    m_floor = evaluate.metrics(table, "model_floor", thr)
     b = evaluate.metrics(table, "baseline", baseline.THRESHOLD)
     m_curve = evaluate.curve(table, "model")
     raw_curve = evaluate.curve(table, "model_raw")
@@ -152,6 +165,7 @@ def evaluate_dataset(
     at_base = _at_rate(table, "model_raw", raw_curve, fa_base)
     summary = {
         "model": m,
+        "model_floor": m_floor,
         "baseline": b,
         "threshold": thr,
         "model_at_baseline_false_alarm_rate": _best_recall_within(m_curve, fa_base),
@@ -171,6 +185,7 @@ def evaluate_dataset(
     if budget is not None:
         summary.update(_budget_figures(table, scored, raw_curve, b_curve, budget, raw_thr))
         summary.update(_union_figures(table, union_rules))
+        summary.update(_floor_figures(table, scored, budget, raw_thr))
     return Report(summary, m_curve, b_curve, scored)
 
 
@@ -216,6 +231,67 @@ def live_budget_metrics(
     at_budget["threshold_final"] = live.threshold
     at_budget["budget"] = live.summary()
     return at_budget
+
+
+def _floor_figures(
+    table: evaluate.ScoreTable, scored: Scored, budget: float, fallback: float
+) -> dict[str, Any]:
+    """The model with the rules as a floor (:mod:`predictor.floor`), met live by the budget:
+    the budget observes a floored row at :data:`FLOOR_SCORE` (the rules' false alarms use up
+    the budget too), and a floored row is alarmed at any threshold. Beside it the rules at
+    the same operating point (the best rule setting within its realised false-alarm rate)
+    and at their own (any rule), caught per failure kind."""
+    rows = table.rows
+    hit = rows["floor"].to_numpy() > 0
+    raw = rows["model_raw"].to_numpy()
+    f = scored.failures[scored.failures["slot"] >= 0]
+    live = AlarmBudget(budget, fallback=fallback)
+    thr = replay(
+        live,
+        rows["ts_ms"].to_numpy(),
+        rows["slot"].to_numpy(),
+        np.where(hit, FLOOR_SCORE, raw),
+        failures=(f["ts_ms"].to_numpy(np.int64), f["slot"].to_numpy(np.int64)),
+    )
+    margin = logit(raw) - logit(thr)
+    rows["model_floor_budget"] = np.where(hit, np.fmax(margin, 0.0), margin)
+    at_budget = evaluate.metrics(table, "model_floor_budget", 0.0, cause="cause", causes=CAUSES)
+    at_budget["threshold_final"] = live.threshold
+    fa = at_budget["false_alarms_per_1000_gpu_days"] or 0.0
+    within = [
+        (n, m)
+        for n, m in _rule_settings(table)
+        if (m["false_alarms_per_1000_gpu_days"] or 0.0) <= fa + 1e-9
+    ]
+    rules_at = None
+    if within:
+        name, best = max(
+            within,
+            key=lambda nm: (nm[1]["recall_with_precursors"] or 0.0, nm[1]["recall"] or 0.0),
+        )
+        rules_at = {**best, "setting": name}
+    rules_own = evaluate.metrics(table, "baseline", baseline.THRESHOLD)
+    kinds = sorted(set(at_budget["by_kind"]) | set(rules_own["by_kind"]))
+    by_kind = {
+        k: {
+            "failures": at_budget["by_kind"].get(k, {}).get("failures", 0),
+            "model_floor": at_budget["by_kind"].get(k, {}).get("caught", 0),
+            "rules_at_rate": None
+            if rules_at is None
+            else rules_at["by_kind"].get(k, {}).get("caught", 0),
+            "rules": rules_own["by_kind"].get(k, {}).get("caught", 0),
+        }
+        for k in kinds
+    }
+    below = [
+        k for k, d in by_kind.items() if d["model_floor"] < max(d["rules"], d["rules_at_rate"] or 0)
+    ]
+    return {
+        "model_floor_at_budget": at_budget,
+        "baseline_at_floor_rate": rules_at,
+        "floor_vs_rules_by_kind": by_kind,
+        "floor_kinds_below_rules": below,
+    }
 
 
 def _rule_settings(table: evaluate.ScoreTable) -> list[tuple[str, dict[str, Any]]]:
@@ -342,6 +418,19 @@ def _budget_lines(summary: dict[str, Any]) -> list[str]:
             f"  rules      recall w/ prec {_pct(rules['recall_with_precursors'])}, "
             f"FA/1k GPU-d {_num(rules['false_alarms_per_1000_gpu_days'], 6, 2).strip()}"
         )
+    floor = summary.get("model_floor_at_budget")
+    if floor is not None:
+        out.append(
+            f"  model, rules as a floor: recall w/ prec "
+            f"{_pct(floor['recall_with_precursors'])}, "
+            f"FA/1k GPU-d {_num(floor['false_alarms_per_1000_gpu_days'], 6, 2).strip()}"
+        )
+        out.append(f"    {'kind':12} {'failures':>8} {'floor':>6} {'rules@FA':>8} {'rules':>6}")
+        for kind, d in summary["floor_vs_rules_by_kind"].items():
+            at = "-" if d["rules_at_rate"] is None else str(d["rules_at_rate"])
+            out.append(
+                f"    {kind:12} {d['failures']:8d} {d['model_floor']:6d} {at:>8} {d['rules']:6d}"
+            )
     union = summary.get("union")
     if union is not None:
         out.append(

@@ -15,6 +15,10 @@ folded the same way); the 24 h features are normalised by how long each GPU has 
 Reasons (up to three plain-word sentences) are computed only for GPUs whose risk is at least
 ``reason_floor`` (default: half the alarm threshold): attributions cost more than a predict, and
 a GPU at 0.1 % risk needs no explanation.
+
+The rules are a floor (:mod:`predictor.floor`): a GPU with hard evidence (a row remap pending,
+an uncorrectable ECC error, a fatal Xid, ...) is alarmed whatever the model says, its risk
+raised to the threshold, and the rule is named first among its reasons.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import numpy as np
 import pandas as pd
 
 from predictor.features import compute
+from predictor.floor import floor_hits, floor_kinds, floor_reasons, floored
 from predictor.model import RiskModel
 from predictor.reasons import MAX_REASONS
 from predictor.state import FleetState, SampleBlock
@@ -76,9 +81,12 @@ class Scorer:
 
         Returns:
             a frame with ``node``, ``gpu``, ``risk`` (calibrated probability of a failure
-            within the model's horizon), ``alarm`` (risk >= the model's threshold),
-            ``reasons`` (list of up to ``max_reasons`` sentences; empty below the floor),
-            ``score`` (the booster's own output, finer than the stepwise calibrated risk: the
+            within the model's horizon, raised to the model's threshold where a rule of
+            :mod:`predictor.floor` trips), ``model_risk`` (the model's own, before the floor),
+            ``floor`` (a rule trips), ``floor_kinds`` (the failure kinds the tripped rules
+            foretell), ``alarm`` (risk >= the model's threshold), ``reasons`` (list of up to
+            ``max_reasons`` sentences, the tripped rules first; empty below the floor),
+            ``score`` (the booster's own output, before the calibration map: the
             scale :class:`predictor.budget.AlarmBudget` keeps its threshold on),
             ``last_seen_ms`` and ``staleness_s``.
         """
@@ -105,14 +113,18 @@ def score_fleet(
     """Risk and reasons for the feature matrix ``x`` of ``state``'s slots."""
     n = state.size
     raw = model.raw(x)
-    risk = model.calibrate(raw)
+    own = model.calibrate(raw)
+    hits = floor_hits(x)
+    hit = hits.any(axis=1)
+    risk = floored(own, hit, model.threshold)
     floor = model.threshold / 2 if reason_floor is None else reason_floor
     said: list[list[str]] = [[] for _ in range(n)]
     if reasons:
-        hot = np.flatnonzero(risk >= floor)
+        rules = floor_reasons(x, hits)
+        hot = np.flatnonzero((own >= floor) | hit)
         if len(hot):
             for i, r in zip(hot, model.reasons(x[hot], max_reasons), strict=True):
-                said[i] = r
+                said[i] = (rules[i] + r)[: max(max_reasons, len(rules[i]))]
     now = state.now_ms or 0
     last = state.last_ms[:n]
     return pd.DataFrame(
@@ -120,6 +132,9 @@ def score_fleet(
             "node": np.asarray(state.nodes, dtype=object)[state.node_of[:n]],
             "gpu": state.gpu_of[:n],
             "risk": risk,
+            "model_risk": own,
+            "floor": hit,
+            "floor_kinds": floor_kinds(x, hits),
             "score": raw,
             "alarm": risk >= model.threshold,
             "reasons": said,

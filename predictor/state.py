@@ -87,6 +87,9 @@ def _layout() -> tuple[dict[str, int], np.ndarray]:
         names += [(f"flag:{f}:{w}", WINDOWS[w]) for f, _ in FLAGS]
         names.append((f"den:throttle:{w}", WINDOWS[w]))
     names += [(f"n:{w}", WINDOWS[w]) for w in ("5m", "1h", "24h")]
+    for q in ("gap", "gap2"):  # seconds since the GPU's previous sample, and its square
+        names += [(f"{q}:{w}", WINDOWS[w]) for w in ("1h", "24h")]
+    names += [(f"vanish:{w}", WINDOWS[w]) for w in ("5m", "1h")]
     for e in EVENT_CHANNELS:
         names += [(f"ev:{e}:{w}", WINDOWS[w]) for w in ("5m", "1h", "24h")]
     return {n: i for i, (n, _) in enumerate(names)}, np.array([t for _, t in names])
@@ -114,7 +117,7 @@ def _base_layout() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     which time constant (event columns are fed by ``_fold_events`` and get base -1)."""
     base = [f"inc:{c}" for c in COUNTER_FIELDS] + ["reset"]
     base += [f"num:{g}" for g in GAUGES] + [f"den:{g}" for g in GAUGES]
-    base += [f"flag:{f}" for f, _ in FLAGS] + ["den:throttle", "n"]
+    base += [f"flag:{f}" for f, _ in FLAGS] + ["den:throttle", "n", "gap", "gap2", "vanish"]
     taus = np.unique(TAU)
     base_of = np.zeros(len(TAU), dtype=np.int64)
     tau_of = np.zeros(len(TAU), dtype=np.int64)
@@ -208,6 +211,8 @@ class FleetState:
         self.last_ms = grow(g(self, "last_ms", None), (cap,), np.nan)
         self.node_of = grow(g(self, "node_of", None), (cap,), -1).astype(np.int64)
         self.gpu_of = grow(g(self, "gpu_of", None), (cap,), -1).astype(np.int64)
+        self.reported = grow(g(self, "reported", None), (cap, len(VALUE_COLUMNS)), 0).astype(bool)
+        self.vanished_now = grow(g(self, "vanished_now", None), (cap,), 0.0)
         self.capacity = cap
 
     def slots(self, node: np.ndarray, gpu: np.ndarray, *, create: bool = True) -> np.ndarray:
@@ -328,6 +333,23 @@ class FleetState:
         inc = np.where(valid & ~np.isnan(prev), inc, 0.0)
         last_c = vals if single else _last_valid(vals, starts, ends)
         self.last_counter[uslot] = np.where(np.isnan(last_c), self.last_counter[uslot], last_c)
+        # Structure of the stream: the gap before each sample, and how many of the readings
+        # this GPU reported before are missing from it (metrics that vanished).
+        prev_t = (
+            self.last_ms[slot]
+            if single
+            else np.where(np.arange(len(t)) > gstart, np.r_[np.nan, t[:-1]], self.last_ms[slot])
+        )
+        gap = np.where(np.isnan(prev_t), 0.0, (t - prev_t) / 1000.0)
+        has = ~np.isnan(values)
+        if single:
+            before = self.reported[slot]
+        else:
+            upto = np.cumsum(has, axis=0) - has
+            before = self.reported[slot] | ((upto - upto[gstart]) > 0)
+        vanished = (before & ~has).sum(axis=1).astype(np.float64)
+        self.reported[uslot] |= has if single else np.logical_or.reduceat(has, starts, axis=0)
+        self.vanished_now[uslot] = vanished[ends]
         tf = t.astype(np.float64)
         for key, cols in _SBE_DBE:
             hit = np.where((inc[:, cols] > 0).any(axis=1), tf, -np.inf)
@@ -351,6 +373,9 @@ class FleetState:
                 flags,
                 thr_ok,
                 np.ones(len(t)),
+                gap,
+                gap * gap,
+                vanished,
             ]
         )
         decay = np.exp(-((now - t) / 1000.0)[:, None] / _TAUS[None, :])

@@ -83,7 +83,8 @@ class BlockBuffer:
             elif c == "pcie_link_gen":
                 arr = pa.array(np.full(rows, int(m.params["fleet"]["pcie_link_gen"])))
             else:
-                arr = pa.array(self.cols[c][:n].ravel()[mask]).cast(f.type)
+                # from_pandas: a NaN (a reading that vanished) is written as a null
+                arr = pa.array(self.cols[c][:n].ravel()[mask], from_pandas=True).cast(f.type)
             arrays.append(arr)
         return pa.Table.from_arrays(arrays, schema=schema)
 

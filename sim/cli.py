@@ -53,6 +53,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         metavar="SEED",
         help="draw every parameter with a range from this seed (sim.randomised)",
     )
+    parser.add_argument(
+        "--telemetry-collapse",
+        action="store_true",
+        help="GPUs that fall off the bus (gpu_lost) show telemetry collapse first: growing "
+        "gaps, then readings that vanish (sim.config.TELEMETRY_COLLAPSE)",
+    )
     parser.add_argument("--interval", type=float, help="sampling period, s (live default 1)")
     parser.add_argument(
         "--inject",
@@ -119,9 +125,11 @@ def parse_inject(text: str) -> dict[str, Any]:
 
 
 def _params(args: argparse.Namespace) -> dict[str, Any]:
-    from sim.config import load_params, randomised
+    from sim.config import TELEMETRY_COLLAPSE, load_params, randomised
 
-    base = load_params(args.params)
+    base = load_params(
+        args.params, TELEMETRY_COLLAPSE if getattr(args, "telemetry_collapse", False) else None
+    )
     return randomised(args.randomised, base) if args.randomised is not None else base
 
 

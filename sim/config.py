@@ -26,6 +26,7 @@ from forewarn.errors import InvalidInput
 
 __all__ = [
     "FAILURE_KINDS",
+    "TELEMETRY_COLLAPSE",
     "Params",
     "default_params",
     "get",
@@ -34,6 +35,16 @@ __all__ = [
 ]
 
 Params = dict[str, Any]
+
+TELEMETRY_COLLAPSE: dict[str, Any] = {
+    "kinds.gpu_lost.collapse": True,
+    "kinds.gpu_lost.precursor_prob": 0.7,
+    "kinds.gpu_lost.lead_median_s": 1200.0,
+    "kinds.gpu_lost.lead_sigma": 0.5,
+}
+"""Overrides that turn on the failure mode "detachment preceded by telemetry collapse": 70 %
+of the GPUs that fall off the bus show it, over about 20 min (``forewarn simulate
+--telemetry-collapse``; ``generate_dataset(params=TELEMETRY_COLLAPSE)``)."""
 
 FAILURE_KINDS: tuple[str, ...] = (
     "memory",

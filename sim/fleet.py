@@ -167,6 +167,8 @@ class FleetModel:
         kind = cal.class_kind[cls]
         prec_p = np.array([self.params["kinds"][k]["precursor_prob"] for k in FAILURE_KINDS])
         has = rng.random(idx.size) < prec_p[kind]
+        if not self.params["kinds"]["gpu_lost"].get("collapse", False):  # no sign of it at all
+            has &= kind != GPU_LOST
         lead = self._lead(kind)
         onset = fail - lead
         if not initial:
@@ -226,7 +228,10 @@ class FleetModel:
             return lead_f / self.speed
         g = node * self.gpn + gpu
         self.fail_f[g], self.cls[g], self.kind[g] = self.tf + lead_f, cls, k
-        self.has_prec[g] = lead_f > 0 and kind in ("memory", "thermal", "nvlink", "pcie")
+        collapse = kind == "gpu_lost" and bool(spec.get("collapse", False))
+        self.has_prec[g] = lead_f > 0 and (
+            kind in ("memory", "thermal", "nvlink", "pcie") or collapse
+        )
         self.onset_f[g] = self.tf if self.has_prec[g] else np.inf
         self.width_drop[g] = True
         self.storm_sent[g] = False
@@ -256,7 +261,11 @@ class FleetModel:
         cols["pcie_link_width"] = width
         stalled = np.repeat(self.t < self.stall_until, self.gpn)
         missing = self.rng.random(self.g) < self.params["sampling"]["missing_sample_prob"]
-        present = live & ~stalled & ~missing
+        dropped, vanished = precursors.collapse(self, live)
+        if vanished.any():
+            for k in precursors.COLLAPSE_VANISH:
+                cols[k] = np.where(vanished, np.nan, cols[k].astype(np.float64))
+        present = live & ~stalled & ~missing & ~dropped
         return Tick(ts_ms, present, cols, events)
 
     def _record(self, g: int, ts_ms: int, cls: int, incident: int, injected: bool) -> None:

@@ -16,7 +16,12 @@ solder joint or a dirty optical connector gets worse with each thermal cycle).
   link down.
 - pcie: replays, and often a retrain to fewer lanes; the failure is Xid 79 (fallen off the
   bus) and the GPU is lost.
-- no warning (power_loss, gpu_lost, other): nothing before; the GPU or node just goes.
+- no warning (power_loss, gpu_lost, other): nothing before; the GPU or node just goes. With
+  ``kinds.gpu_lost.collapse`` on, a share ``kinds.gpu_lost.precursor_prob`` of the GPUs that
+  fall off the bus show telemetry collapse first (:func:`collapse`): samples go missing more
+  and more often (gaps), and past half-way the readings a dying driver stops answering
+  (power, memory temperature, memory clock and utilisation, memory used) vanish from the
+  samples that still arrive; no counter rises.
 
 Benign noise follows in ``apply``: isolated corrected errors, a lone row remap, NVLink and
 PCIe retry bursts (retried in hardware, the job does not notice), and application Xids.
@@ -31,9 +36,14 @@ import numpy as np
 if TYPE_CHECKING:
     from sim.fleet import EventRow, FleetModel
 
-__all__ = ["app_xids", "apply", "terminal"]
+__all__ = ["COLLAPSE_VANISH", "app_xids", "apply", "collapse", "terminal"]
 
-MEMORY, THERMAL, NVLINK, PCIE = 0, 1, 2, 3
+MEMORY, THERMAL, NVLINK, PCIE, GPU_LOST = 0, 1, 2, 3, 5
+COLLAPSE_VANISH = ("power_w", "temp_mem_c", "mem_clock_mhz", "util_mem_pct", "mem_used_mib")
+"""The readings that vanish in a telemetry collapse (NVML calls a failing GPU stops
+answering first)."""
+_COLLAPSE_DROP = 0.9  # share of samples missing at the end of a collapse (grows as p^2)
+_COLLAPSE_VANISH_FROM = 0.5  # progress after which COLLAPSE_VANISH are null
 _BURST = 15.0  # corrected errors per cluster, memory shape "bursts"
 # progress after which a remap stays pending / the PCIe link drops lanes, per shape
 # (absent: the kind's own parameter; above 1: never)
@@ -70,6 +80,22 @@ def _bursts(rng: np.random.Generator, hit: np.ndarray, mean: float) -> np.ndarra
     if k.size:
         out[k] = 1 + rng.poisson(max(mean - 1.0, 0.0), k.size)
     return out
+
+
+def collapse(m: FleetModel, live: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Telemetry collapse before a GPU falls off the bus (``kinds.gpu_lost.collapse``):
+    which GPUs' samples are missing this tick, and which report no :data:`COLLAPSE_VANISH`."""
+    g = m.g
+    drop, vanish = np.zeros(g, dtype=bool), np.zeros(g, dtype=bool)
+    if not m.params["kinds"]["gpu_lost"].get("collapse", False):
+        return drop, vanish
+    idx = np.flatnonzero(live & m.has_prec & (m.tf >= m.onset_f) & (m.kind == GPU_LOST))
+    if idx.size:
+        span = np.maximum(m.fail_f[idx] - m.onset_f[idx], 1e-9)
+        p = np.clip((m.tf - m.onset_f[idx]) / span, 0, 1)
+        drop[idx] = m.rng.random(idx.size) < _COLLAPSE_DROP * p * p
+        vanish[idx] = p >= _COLLAPSE_VANISH_FROM
+    return drop, vanish
 
 
 def apply(

@@ -57,7 +57,8 @@ def tick_rows(model: FleetModel, tick: Tick) -> tuple[list[dict[str, Any]], list
             "pcie_link_gen": int(fleet["pcie_link_gen"]),
         }
         for k in names:
-            row[k] = cols[k][j]
+            v = cols[k][j]
+            row[k] = None if v != v else v  # NaN: a reading that vanished
         samples.append(row)
     events = []
     for ts_ms, n, gpu, kind, xid, msg, src in tick.events:

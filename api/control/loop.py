@@ -4,7 +4,8 @@ Every ``control_tick_s`` the replica that holds the leadership (:mod:`api.contro
 
 1. reads the samples and events the store received since the last tick, by arrival order
    (:class:`ArrivalCursor`), folds them into the :class:`predictor.scoring.Scorer` and scores
-   every GPU it has seen;
+   every GPU it has seen; a GPU with hard evidence (:mod:`predictor.floor`) is raised to the
+   threshold in force, and counts at the top of the alarm budget's scale;
 2. updates each GPU's streak of alarming scores (hysteresis), its crossed/cleared, stale and
    failed flags, writes the latest risk and a bounded history, and announces changes
    (``risk.threshold_crossed``, ``risk.cleared``, ``gpu.stale``, ``gpu.failed``);
@@ -40,6 +41,7 @@ from api.control.leader import Leadership
 from api.control.policy import Policy, Situation, breaker_should_trip, decide
 from api.threads import to_thread_to_end
 from predictor.budget import AlarmBudget
+from predictor.floor import FLOOR_SCORE, floored
 from store import Store
 from store import control as db
 from store.outbox import emit_event
@@ -114,6 +116,9 @@ class ControlLoop:
         store: the open store.
         model: a :class:`predictor.model.RiskModel`, or None (no scoring: jobs, migrations and
             drains still work, and GPUs show no risk).
+        lifecycle: a :class:`predictor.lifecycle.ModelLifecycle`, or None: the model in force
+            is read from it at every tick and swapped in when an operator pinned or rolled
+            back another, or a retrained one was promoted (the scorer keeps its windows).
         defaults: the policy from the settings (an operator's ``PUT /v1/policy`` overrides).
         registry: the Prometheus registry for the loop's metrics.
     """
@@ -131,9 +136,11 @@ class ControlLoop:
         history_days: float = 7.0,
         ack_timeout_s: float = 120.0,
         agent_timeout_s: float = 60.0,
+        lifecycle: Any = None,
     ) -> None:
         self.store = store
         self.model = model
+        self.lifecycle = lifecycle
         self.defaults = defaults
         self.tick_s = tick_s
         self.warm_window_s = warm_window_s
@@ -251,9 +258,34 @@ class ControlLoop:
         stored = db.read_policy(connection)
         return Policy.model_validate(stored) if stored is not None else self.defaults
 
+    @property
+    def model_id(self) -> str | None:
+        """The model that scores (its card's stem), recorded with every crossing and decision."""
+        card = getattr(self.model, "card", None) or {}
+        model_id = card.get("model_id")
+        return None if model_id is None else str(model_id)
+
+    def _follow_lifecycle(self) -> None:
+        """Swap in the lifecycle's model in force when it changed."""
+        if self.lifecycle is None:
+            return
+        try:
+            wanted = self.lifecycle.in_force_id()
+            if wanted == self.model_id:
+                return
+            model = self.lifecycle.load_in_force()
+        except Exception:
+            log.exception("cannot read the model in force; scoring on with %s", self.model_id)
+            return
+        log.info("model in force: %s (was %s)", wanted, self.model_id)
+        self.model = model
+        if self.scorer is not None:
+            self.scorer.model = model
+
     def tick(self, now_ms: int | None = None) -> None:
         started = time.perf_counter()
         now_ms = int(time.time() * 1000) if now_ms is None else now_ms
+        self._follow_lifecycle()
         with self.store.engine.connect() as c:
             samples, sample_seqs = db.samples_after(c, self.samples.position)
             events, event_seqs = db.events_after(c, self.events.position)
@@ -323,7 +355,13 @@ class ControlLoop:
                 for n, g in zip(scores["node"].tolist(), scores["gpu"].tolist(), strict=True)
             ]
             risk = np.full(len(slots), np.nan)
-            risk[index] = scores["risk"].to_numpy(dtype=np.float64)
+            # A GPU the rules floor counts at the top of the scale: the rules' false alarms
+            # use up the budget too, and the model's threshold leaves room for them.
+            risk[index] = np.where(
+                scores["floor"].to_numpy(dtype=bool),
+                FLOOR_SCORE,
+                scores["model_risk"].to_numpy(dtype=np.float64),
+            )
             healthy = np.ones(len(slots), dtype=bool)
             stale_ms = policy.stale_after_s * 1000
             last_seen = scores["last_seen_ms"].to_numpy(dtype=np.float64)
@@ -392,10 +430,12 @@ class ControlLoop:
         history: list[dict[str, Any]] = []
         stale_ms = policy.stale_after_s * 1000
         if scores is not None:
+            # The rules are a floor: hard evidence alarms at the threshold in force.
+            acted = floored(scores["model_risk"], scores["floor"], threshold)
             for node, gpu, risk, reasons, last_ms in zip(
                 scores["node"].tolist(),
                 scores["gpu"].tolist(),
-                scores["risk"].tolist(),
+                acted.tolist(),
                 scores["reasons"].tolist(),
                 scores["last_seen_ms"].tolist(),
                 strict=True,
@@ -419,6 +459,7 @@ class ControlLoop:
                             "threshold": threshold,
                             "reasons": reasons,
                             "consecutive": st.streak,
+                            "model": self.model_id,
                         },
                         node=node,
                     )
@@ -453,7 +494,7 @@ class ControlLoop:
                     st.crossed_ms = now_ms
                 elif not st.crossed:
                     st.crossed_ms = None
-                # Most scores repeat (the calibration map is a step function): a row is written
+                # Most scores repeat (a sum of trees is a step function): a row is written
                 # when anything in it changed, and at least every REFRESH_MS.
                 shown = (float(risk), bool(alarm), stale, st.streak, st.crossed, st.failed)
                 if shown != st.written or now_ms - st.written_ms >= REFRESH_MS or reasons:
@@ -497,11 +538,7 @@ class ControlLoop:
                     c, "gpu.failed", {"node": key[0], "gpu": key[1], "cause": what}, node=key[0]
                 )
         if scores is not None:  # exported at scrape time (a gauge child per GPU costs a second)
-            self._latest = (
-                scores["node"].tolist(),
-                scores["gpu"].tolist(),
-                scores["risk"].tolist(),
-            )
+            self._latest = (scores["node"].tolist(), scores["gpu"].tolist(), acted.tolist())
         db.upsert_risk(c, rows)
         db.append_history(c, history)
         window_ms = policy.breaker_window_s * 1000
@@ -592,6 +629,7 @@ class ControlLoop:
                 "job_id": r["job_id"],
                 "rank": r["rank"],
                 "trigger": trigger,
+                "model": self.model_id,
                 "risk": risk_row.get("risk"),
                 "reasons": risk_row.get("reasons", []),
                 "source": {"node": key[0], "gpu": key[1]},
@@ -613,6 +651,9 @@ class ControlLoop:
                     target=decision.target,
                     risk=risk_row.get("risk"),
                     reasons=risk_row.get("reasons", []),
+                    detail=f"scored by model {self.model_id}"
+                    if trigger == "preventive" and self.model_id
+                    else None,
                     why=decision.reason,
                 )
                 situation.inflight_by_job[r["job_id"]] = by_job.get(r["job_id"], 0) + 1

@@ -15,10 +15,13 @@ from store import control as db
 
 
 class FakeScorer:
-    """Stands in for ``predictor.scoring.Scorer``: ``risk[(node, gpu)]`` is what it scores."""
+    """Stands in for ``predictor.scoring.Scorer``: ``risk[(node, gpu)]`` is what the model
+    scores, ``floor[(node, gpu)]`` the rule that trips there (the floor of
+    :mod:`predictor.floor`), if any."""
 
     def __init__(self) -> None:
         self.risk: dict[tuple[str, int], float] = {}
+        self.floor: dict[tuple[str, int], str] = {}
         self.state = SimpleNamespace(now_ms=None, size=0)
 
     def update(self, samples: Any, events: Any = None, *, now_ms: int) -> None:
@@ -27,13 +30,23 @@ class FakeScorer:
 
     def score(self) -> pd.DataFrame:
         keys = sorted(self.risk)
+        hit = [k in self.floor for k in keys]
         return pd.DataFrame(
             {
                 "node": [k[0] for k in keys],
                 "gpu": [k[1] for k in keys],
-                "risk": [self.risk[k] for k in keys],
-                "alarm": [self.risk[k] >= 0.5 for k in keys],
-                "reasons": [["ECC errors rising"] if self.risk[k] >= 0.5 else [] for k in keys],
+                "risk": [
+                    max(self.risk[k], 0.5) if h else self.risk[k]
+                    for k, h in zip(keys, hit, strict=True)
+                ],
+                "model_risk": [self.risk[k] for k in keys],
+                "floor": hit,
+                "alarm": [self.risk[k] >= 0.5 or h for k, h in zip(keys, hit, strict=True)],
+                "reasons": [
+                    ([f"rule {self.floor[k]}"] if h else [])
+                    + (["ECC errors rising"] if self.risk[k] >= 0.5 else [])
+                    for k, h in zip(keys, hit, strict=True)
+                ],
                 "last_seen_ms": [self.state.now_ms] * len(keys),
             }
         )

@@ -221,3 +221,75 @@ def test_the_alarm_budget_survives_a_restart_of_the_service(registered: Store) -
     assert fresh.budget is not None and not fresh.budget.warm
     assert fresh.threshold_in_force == fresh.budget.fallback  # until the fleet is seen again
     fresh.leadership.release()
+
+
+def test_hard_evidence_crosses_at_any_threshold_with_the_rule_named(registered: Store) -> None:
+    """The rules are a floor: a GPU whose model risk is low but which trips a rule (a row
+    remap pending) is alarmed at the threshold in force, even one the operator set high, and
+    the rule is among the reasons of its crossing and of its migration."""
+    loop, scorer = make_loop(registered, hysteresis=2, threshold=0.95)
+    scorer.floor[("n0", 1)] = "remap: row remap pending or failed (memory)"
+    for k in range(3):
+        loop.tick(NOW + k * 1000)
+    (m,) = migrations(registered)
+    assert (m["source_node"], m["source_gpu"], m["trigger"]) == ("n0", 1, "preventive")
+    assert m["risk"] == 0.95 and m["reasons"][0].startswith("rule remap")
+    with registered.engine.connect() as c:
+        rows = {(r["node"], r["gpu"]): r for r in db.risk_rows(c)}
+    assert rows[("n0", 1)]["alarm"] and rows[("n0", 1)]["risk"] == 0.95
+    assert not rows[("n0", 0)]["alarm"] and rows[("n0", 0)]["risk"] == 0.01
+
+
+def test_the_floors_false_alarms_use_up_the_alarm_budget(registered: Store) -> None:
+    """A floored GPU counts at the top of the budget's scale: with as many rule hits on
+    healthy GPUs as the budget allows, the model's own threshold rises above the healthy tail
+    it would otherwise sit in."""
+    import numpy as np
+
+    def run(floor_every: int) -> float:
+        loop, scorer = make_loop(registered, hysteresis=1, alarm_budget=2.0)
+        rng = np.random.default_rng(0)
+        for k in range(8):
+            for g in range(2100):
+                scorer.risk[(f"h{g // 8}", g % 8)] = float(rng.uniform(0.01, 0.05))
+                if floor_every and g % floor_every == 0:
+                    scorer.floor[(f"h{g // 8}", g % 8)] = "thermal"
+            loop.tick(NOW + k * 3_600_000)
+        threshold = loop.threshold_in_force
+        loop.leadership.release()
+        assert threshold is not None
+        return threshold
+
+    assert run(700) > run(0)
+
+
+def test_the_loop_follows_the_model_in_force_and_records_which_model_scored(
+    registered: Store, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    """An operator's pin (or a promotion, or a rollback) reaches the loop at its next tick;
+    the crossing's event and the migration say which model scored."""
+    from predictor import registry
+    from predictor.lifecycle import ModelLifecycle
+
+    shipped = registry.load_latest(registry.SHIPPED_DIR)
+    for stem in ("forewarn-risk-20260101T000000Z", "forewarn-risk-20260102T000000Z"):
+        registry.save(shipped, tmp_path, stem=stem)
+    life = ModelLifecycle(tmp_path)
+    loop, scorer = make_loop(registered, hysteresis=1, threshold=0.5)
+    loop.lifecycle = life
+    loop.tick(NOW)
+    assert loop.model_id == "forewarn-risk-20260102T000000Z"  # the newest, nothing pinned
+    life.pin("forewarn-risk-20260101T000000Z")
+    scorer.risk[("n0", 1)] = 0.9
+    loop.tick(NOW + 1000)
+    assert loop.model_id == "forewarn-risk-20260101T000000Z"
+    with registered.engine.connect() as c:
+        crossed = [
+            e for e in events_after(c, 0, limit=100) if e["type"] == "risk.threshold_crossed"
+        ]
+    assert crossed[0]["data"]["model"] == "forewarn-risk-20260101T000000Z"
+    (m,) = migrations(registered)
+    assert m["detail"] == "scored by model forewarn-risk-20260101T000000Z"
+    life.rollback()
+    loop.tick(NOW + 2000)
+    assert loop.model_id == "forewarn-risk-20260102T000000Z"

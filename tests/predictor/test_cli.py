@@ -74,3 +74,22 @@ def test_evaluate_refuses_a_directory_that_is_not_a_dataset(tmp_path, tiny_model
         )
         == 2
     )
+
+
+@pytest.mark.timeout(360)
+def test_evaluate_prequential_adapts_on_the_first_days_and_judges_the_rest(
+    tiny_dir, tiny_model_path, capsys
+) -> None:
+    """``--adapt-days``: the first days are the fleet's own history, a model is trained on
+    top of the given one with them, and both are judged on the rest beside the rules."""
+    args = ["evaluate", "--data", str(tiny_dir), "--model", str(tiny_model_path)]
+    assert main([*args, "--json", "--plot", "", "--adapt-days", "0.3"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["adapt_days"] == 0.3 and report["adapt_error"] is None
+    for side in ("unadapted", "adapted"):
+        s = report[side]
+        # judged on the rest only: the failures of the first 0.3 days are not counted
+        assert s["model"]["failures"] == report["unadapted"]["model"]["failures"]
+        assert 0 < s["model"]["failures"] < 8
+        assert "model_floor_at_budget" in s and "floor_vs_rules_by_kind" in s
+        assert s["dataset"]["days"] == pytest.approx(0.2, abs=0.01)

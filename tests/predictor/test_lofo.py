@@ -48,7 +48,12 @@ def test_table_and_card_section(tiny, tiny_model) -> None:
     assert union["rules"] == ["remap"] and fold["union_rules"] == ["remap"]
     for kind, caught in report.summary["rule_settings"]["rule remap"]["by_kind"].items():
         assert union["by_kind"][kind]["caught"] >= caught
-    assert len(table.splitlines()[-1].split(" | ")) == 9
+    assert len(table.splitlines()[-1].split(" | ")) == 11
+    # the rules as a floor: every kind caught at least as often as by the rules, at their own
+    # setting and at the same false-alarm rate
+    for kind, d in fold["floor_vs_rules_by_kind"].items():
+        assert d["model_floor"] >= max(d["rules"], d["rules_at_rate"] or 0), kind
+    assert table.splitlines()[-1].endswith("| none |")
 
 
 def test_a_given_model_is_judged_on_the_held_out_fleet_without_training(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pandas as pd
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -85,6 +86,8 @@ def test_features_do_not_depend_on_how_rows_are_split(cuts, seed) -> None:
                     "temp_gpu_c": 50 + rng.normal() + (k if g == 3 else 0),
                     "ecc_sbe_volatile": int(k * (g + 1) * rng.integers(0, 3)),
                     "throttle_reasons": int(rng.choice([0, 0x20, 0x4])),
+                    # a reading that comes and goes (vanished metrics)
+                    "power_w": np.nan if rng.random() < 0.3 else 300.0,
                 }
             )
     frame = pd.DataFrame(rows)
@@ -140,3 +143,23 @@ def test_node_level_event_reaches_every_gpu_of_the_node() -> None:
     x = compute(state)
     assert (x[:, FEATURE_NAMES.index("xid_bus_1h")] > 0.99).all()
     assert (x[:, FEATURE_NAMES.index("since_fatal_xid_s")] == 0).all()
+
+
+def test_gaps_and_vanished_readings_are_features() -> None:
+    """Gap lengths (time-weighted, over the hour and against the GPU's own day) and readings
+    reported before but missing now."""
+    ts = [T0 + k * 10_000 for k in range(30)] + [T0 + 600_000, T0 + 900_000]
+    frame = _frame(ts, list(range(len(ts))))
+    frame["power_w"] = [300.0] * 30 + [np.nan, np.nan]
+    state = FleetState()
+    state.update(frame, now_ms=ts[-1])
+    x = compute(state)[0]
+    col = FEATURE_NAMES.index
+    assert x[col("metrics_vanished_now")] == 1  # power was reported, is not now
+    assert 0 < x[col("metrics_vanished_5m")] < 1
+    # 29 gaps of 10 s, one of 310 s and one of 300 s: the moments in gaps of ~300 s dominate
+    assert 200 < x[col("gap_len_1h")] < 310
+    fresh = FleetState()
+    fresh.update(_frame(ts[:30], list(range(30))), now_ms=ts[29])
+    assert compute(fresh)[0, col("gap_len_1h")] == pytest.approx(10.0)
+    assert compute(fresh)[0, col("metrics_vanished_now")] == 0
