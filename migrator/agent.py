@@ -83,6 +83,8 @@ class AgentConfig:
     http_port: int | None = 0
     """Port of the local command endpoint; 0 picks one, None serves none."""
     service_url: str | None = None
+    service_timeout_s: float = 5.0
+    """Bound on each post to ``service_url`` (sent from a thread, never from the watch loop)."""
     faults: FaultPlan | None = None
     log_dir: Path | None = None
     report_path: Path | None = None
@@ -133,7 +135,9 @@ class Agent:
         self.reports: list[MigrationReport] = []
         self.agent_url: str | None = None
         self._refills: list[tuple[int, float]] = []  # (freed slot, kill it after)
+        self._aborted: list[tuple[Migration, float]] = []  # (move, report it by then)
         self._endpoint: Any = None
+        self._outbox: Any = None  # migrator.service_link.Outbox, once something is posted
         self.monitor: NodeMonitor | None = None  # the other nodes (several launchers)
         self._slot_config: dict[str, Any] = {}
 
@@ -408,6 +412,7 @@ class Agent:
         if self.monitor is not None and self.store.check(["job/stop"]):
             raise StopRequested("another node's launcher was stopped")
         self._progress_migration()
+        self._report_aborted(now)
         self._do_refills()
         self.recovery.progress(now)
         if self.table.status == "failed":
@@ -431,10 +436,28 @@ class Agent:
         # abort that every rank waiting at the handover step is looking for.
         self.store.delete_key(P.cmd_key(m.gen))
         self.store.set(f"m/{m.migration_id}/aborted", "spare died")
-        self.finish(
-            m, "failed", error="the spare died during the handover; the source kept training"
-        )
         self.table.inflight = None
+        # Reported once the ranks standing at S say how long they stood there.
+        self._aborted.append((m, time.monotonic() + self.cfg.timeout_s))
+
+    def _report_aborted(self, now: float) -> None:
+        """Report each aborted move once every rank wrote its pause at the handover step S
+        (or ``timeout_s`` after the abort: a rank lost meanwhile says nothing)."""
+        for item in list(self._aborted):
+            m, deadline = item
+            ranks = range(self.table.world_size) if m.stop is not None else range(0)
+            keys = [f"m/{m.migration_id}/pause/{r}" for r in ranks]
+            have = [k for k in keys if self.store.check([k])]
+            if len(have) < len(keys) and now < deadline:
+                continue
+            self._aborted.remove(item)
+            self.finish(
+                m,
+                "failed",
+                step=m.stop,
+                pause_s=max((float(self.store.get(k)) for k in have), default=0.0),
+                error="the spare died during the handover; the source kept training",
+            )
 
     def _progress_migration(self) -> None:
         m = self.table.inflight
@@ -563,14 +586,15 @@ class Agent:
             self._post("/v1/jobs", self.registration().model_dump(mode="json"))
 
     def _post(self, path: str, body: dict[str, Any]) -> None:
+        """Queue a post to ``service_url`` (sent by the outbox's thread, never under the
+        lock: a silent service must not stall the watch loop)."""
         if not self.cfg.service_url:
             return
-        import httpx
+        if self._outbox is None:
+            from migrator.service_link import Outbox
 
-        try:
-            httpx.post(self.cfg.service_url.rstrip("/") + path, json=body, timeout=5.0)
-        except httpx.HTTPError as exc:  # the job must not stop because the service is down
-            log.warning("could not reach the service at %s: %s", self.cfg.service_url, exc)
+            self._outbox = Outbox(self.cfg.service_url, timeout_s=self.cfg.service_timeout_s)
+        self._outbox.post(path, body)
 
     def _shutdown(self) -> None:
         for slot in self.table.slots:
@@ -593,3 +617,5 @@ class Agent:
         if self._endpoint is not None:
             self._endpoint.shutdown()
             self._endpoint.server_close()
+        if self._outbox is not None:
+            self._outbox.close()

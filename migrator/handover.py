@@ -234,6 +234,7 @@ class Handover:
                 log.warning("sending rank %d to the spare failed: %s", src, exc)
             got = P.first_present(self.store, outcomes, timeout_s=self._bound, what="the spare")
             if got.endswith("/aborted"):  # the spare died: this rank trains on
+                self.store.set(f"{base}/pause/{member.rank}", repr(time.perf_counter() - t0))
                 member.commands.abort(mid)
                 self.stop, self.cmd = None, None
                 return
@@ -242,7 +243,8 @@ class Handover:
             member.leave(broken=False)
             raise SystemExit(0)
         got = P.first_present(self.store, outcomes, timeout_s=self._bound, what="the spare")
-        if got.endswith("/aborted"):
+        if got.endswith("/aborted"):  # the pause this rank stood at S, for the report
+            self.store.set(f"{base}/pause/{member.rank}", repr(time.perf_counter() - t0))
             member.commands.abort(mid)
             self.stop, self.cmd = None, None
             return

@@ -82,7 +82,7 @@ from migrator.state import (
     restore_rank_state,
 )
 
-__all__ = ["Job", "Step", "is_peer_failure"]
+__all__ = ["CollectiveFailed", "Job", "Step", "is_peer_failure", "spare_may_help"]
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ class Step:
             if self.job.rank is not None:
                 self.job.hooks.fire("step_end", self.job.rank, self.index)
             return False
-        if is_peer_failure(exc):
+        if self.job.group is not None and is_peer_failure(exc):
             self.redo = self.job._recover(exc, self.index)
             return self.redo
         # The script's own error (a bug, an out-of-memory): it propagates unchanged, and the
@@ -127,32 +127,62 @@ class Step:
         return False
 
 
-# What a collective raises when a peer died, wedged or closed its connection (gloo raises
-# plain RuntimeErrors; NCCL and the store raise torch.distributed.DistError subclasses).
-_PEER_MARKERS = (
-    "gloo",
-    "nccl",
-    "connection reset",
-    "connection closed",
-    "broken pipe",
-    "timed out",
-    "timeout",
-    "processgroup",
-    "c10d",
-)
+# Where a failed collective surfaces in Python: torch.distributed itself (a collective's
+# wait, the store, FSDP's hooks), DDP's reducer, or the autograd engine, which runs DDP's
+# bucket all-reduces inside ``loss.backward()``. gloo raises plain RuntimeErrors there;
+# NCCL and the store raise torch.distributed.DistError subclasses.
+_COLLECTIVE_MODULES = ("torch.distributed", "torch.nn.parallel", "torch.autograd", "torch._tensor")
+
+
+class CollectiveFailed(RuntimeError):
+    """A collective the job ran on its process group failed (:meth:`Job.all_reduce`): a
+    peer died, wedged or closed its connection."""
+
+
+def _raised_in(exc: BaseException) -> str:
+    """The module of the innermost Python frame ``exc`` went through ("" if none)."""
+    tb = exc.__traceback__
+    if tb is None:
+        return ""
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return str(tb.tb_frame.f_globals.get("__name__", ""))
 
 
 def is_peer_failure(exc: BaseException) -> bool:
     """True when ``exc`` is a failed collective (a lost or wedged peer), not the script's
-    own error. An out-of-memory error, or any RuntimeError without a communication
-    library's signature, is the script's and propagates."""
-    if isinstance(exc, torch.OutOfMemoryError) or not isinstance(exc, RuntimeError):
-        return False
+    own error.
+
+    Told by the exception's type and where it was raised, never by its words: a
+    ``torch.distributed.DistError``, a :class:`CollectiveFailed` (:meth:`Job.all_reduce`), or
+    a plain ``RuntimeError`` raised out of
+    torch.distributed, DDP or the autograd engine (gloo's failures). A ``RuntimeError``
+    the script raises itself ("... timed out" included), any subclass of it (an
+    out-of-memory error, ``NotImplementedError``) and every other exception are the
+    script's and propagate.
+    """
     dist_error = getattr(dist, "DistError", None)
-    if dist_error is not None and isinstance(exc, dist_error):
+    if isinstance(exc, CollectiveFailed) or (
+        dist_error is not None and isinstance(exc, dist_error)
+    ):
         return True
-    text = str(exc).lower()
-    return any(marker in text for marker in _PEER_MARKERS)
+    if type(exc) is not RuntimeError:
+        return False
+    module = _raised_in(exc)
+    return any(module == m or module.startswith(m + ".") for m in _COLLECTIVE_MODULES)
+
+
+def spare_may_help(exc: BaseException) -> bool:
+    """Whether a spare redoing the step could succeed where this process raised ``exc``.
+
+    A ``RuntimeError`` can be the device's (a CUDA or driver error): a spare on another GPU
+    may not raise it, so the agent lets one try once (the same error again is a crash loop).
+    An out-of-memory error, ``NotImplementedError``, ``RecursionError`` and every other
+    exception (``ValueError``, ``KeyError``, ...) are the script's: the spare would redo the
+    same step on the same data and raise them again.
+    """
+    deterministic = (torch.OutOfMemoryError, NotImplementedError, RecursionError)
+    return isinstance(exc, RuntimeError) and not isinstance(exc, deterministic)
 
 
 class Job:
@@ -431,7 +461,10 @@ class Job:
         self._mirror_ahead()
         opts = dist.AllreduceOptions()
         opts.reduceOp = op
-        self.group.allreduce([tensor], opts).wait(timedelta(seconds=self.timeout_s))
+        try:
+            self.group.allreduce([tensor], opts).wait(timedelta(seconds=self.timeout_s))
+        except RuntimeError as exc:  # converted here, where it is known to be the group's
+            raise CollectiveFailed(f"all_reduce on generation {self.gen}: {exc}") from exc
         return tensor
 
     # -- the loop ---------------------------------------------------------------------------
@@ -605,6 +638,7 @@ class Job:
             "rank": self.rank,
             "step": step,
             "type": type(exc).__name__,
+            "retryable": spare_may_help(exc),
             "message": str(exc)[:2000],
             "traceback": "".join(traceback.format_exception(exc))[-8000:],
         }

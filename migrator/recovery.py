@@ -26,6 +26,7 @@ the script errors seen; the rest is the table's. Call it only with the agent's l
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 import uuid
 from pathlib import Path
@@ -90,6 +91,8 @@ class Recovery:
         """The recovery in progress: generation, detection deadline, the decision once made."""
         self.pause_deadline: float | None = None
         self.script_errors: list[dict[str, Any]] = []
+        self._weighed: dict[int, int] = {}
+        """Per generation, the survivors' reports a decision already weighed."""
         self.checkpoint: dict[str, Any] | None = None
         """The stop checkpoint the survivors were asked to write (see :meth:`fail`)."""
 
@@ -128,13 +131,16 @@ class Recovery:
                 and self.table.roster.get(s.rank) == s.index
             ]
             reported = int(self.store.add(P.alive_count_key(g), 0))
-            if not lost and not reported:
+            # Reports already weighed by a decision of this generation start nothing new:
+            # only a newly lost rank or a new report does.
+            if not lost and reported <= self._weighed.get(g, 0):
                 return
             grace = self.cfg.detect_grace_s
             self.current = {
                 "gen": g,
                 "deadline": now + (self.cfg.timeout_s if grace is None else grace),
                 "decided": False,
+                "seen": {},
             }
             self.store.set(P.suspect_key(g), "1")  # ranks waiting for S join the recovery
             log.warning(
@@ -148,32 +154,55 @@ class Recovery:
         alive: dict[int, dict[str, Any]] = {}
         dead: list[int] = []
         for rank, index in self.table.roster.items():
-            if self.store.check([P.alive_key(g, rank)]):
-                alive[rank] = P.get_json(self.store, P.alive_key(g, rank))
-            elif self.table.slots[index].role in ("dead", "retired", "done"):
+            # The process first: a rank that reported and exited since is lost, its report
+            # is no survivor's.
+            if self.table.slots[index].role in ("dead", "retired", "done"):
                 dead.append(rank)
+            elif self.store.check([P.alive_key(g, rank)]):
+                alive[rank] = P.get_json(self.store, P.alive_key(g, rank))
+                rec["seen"].setdefault(rank, now)
         undecided = [r for r in self.table.roster if r not in alive and r not in dead]
         if undecided and now < rec["deadline"]:
             return
         for rank in undecided:  # neither reported nor exited within the bound: wedged
             log.warning("rank %d did not answer within the bound: declared lost", rank)
-            slot = self.table.slots[self.table.roster[rank]]
-            self.supervisor.kill(slot)
-            slot.role = "dead"
-            dead.append(rank)
+            self._declare_lost(rank, dead)
+        if not dead and len(alive) > 1:
+            # Every rank reported a failed collective and none exited: one was stalled (a
+            # SIGSTOP, a swapping host) past the others' timeout and came back. The last to
+            # report is the one the others waited for; it is replaced like a wedged rank.
+            late = max(alive, key=lambda r: (rec["seen"][r], r))
+            log.warning(
+                "every rank reported a failed collective and none exited: rank %d, the last "
+                "to report, was the one the others waited for: declared lost",
+                late,
+            )
+            del alive[late]
+            self._declare_lost(late, dead)
         rec["decided"] = True
         rec["dead"] = sorted(dead)
         rec["alive"] = alive
+        self._weighed[g] = int(self.store.add(P.alive_count_key(g), 0))
         errors = self._script_errors_of(dead)
         if dead and not alive:
-            self.fail(self._nobody_left(sorted(dead), errors), code="script_error")
+            code = "script_error" if errors else "no_replica"
+            self.fail(self._nobody_left(sorted(dead), errors), code=code)
             return
         for info in errors:
+            if not info.get("retryable", True):
+                # An out-of-memory error, a ValueError: the spare would redo the same step on
+                # the same data and raise it again. Stop now, no spare used.
+                self.fail(
+                    f"{self._describe(info)}; the script's own error, which a spare would "
+                    "raise again: no spare was used",
+                    code="script_error",
+                    checkpoint=True,
+                )
+                return
             if any(_same_error(info, seen) for seen in self.script_errors):
                 self.fail(
-                    f"crash loop: rank {info['rank']} raised {info['type']} at step "
-                    f"{info['step']} again after a spare took it over; the error is the "
-                    f"script's, not the GPU's. Its traceback:\n{info['traceback']}",
+                    f"crash loop: {self._describe(info)}, again after a spare took the rank "
+                    "over; the error is the script's, not the GPU's",
                     code="crash_loop",
                     checkpoint=True,
                 )
@@ -202,6 +231,12 @@ class Recovery:
             )
             return
         self._place_spares(now)
+
+    def _declare_lost(self, rank: int, dead: list[int]) -> None:
+        slot = self.table.slots[self.table.roster[rank]]
+        self.supervisor.kill(slot)
+        slot.role = "dead"
+        dead.append(rank)
 
     def _place_spares(self, now: float) -> None:
         rec = self.current
@@ -309,28 +344,47 @@ class Recovery:
                 out.append(P.get_json(self.store, key))
         return out
 
+    def _describe(self, info: dict[str, Any]) -> str:
+        """What a rank's script raised, said once: its traceback (which ends with the type
+        and message) when the ranks write to log files, else the type and message (the
+        rank printed its traceback on the launcher's stderr itself)."""
+        head = f"rank {info['rank']} raised {info['type']} at step {info['step']}"
+        if self.cfg.log_dir is not None and info.get("traceback"):
+            return f"{head}; its traceback:\n{info['traceback'].rstrip()}"
+        return f"{head}: {info['message']}"
+
     def _nobody_left(self, dead: list[int], errors: list[dict[str, Any]]) -> str:
         """Why a job whose every rank died at once cannot go on (no replica is left)."""
         if errors:
-            first = errors[0]
-            return (
-                f"every rank exited at once; rank {first['rank']} raised {first['type']} at "
-                f"step {first['step']}: {first['message']}\n{first['traceback']}"
-            )
+            return f"every rank exited at once; {self._describe(errors[0])}"
         slots = {r: self.table.slots[self.table.roster[r]] for r in dead}
-        said = ", ".join(
-            f"rank {r}: " + ("finished" if s.role == "done" else f"exit {s.proc.returncode}")
-            for r, s in slots.items()
-        )
+
+        def how(s: Slot) -> str:
+            if s.role == "done":
+                return "finished"
+            code = s.proc.returncode if s.proc is not None else None
+            if isinstance(code, int) and code < 0:
+                try:
+                    return f"killed by {signal.Signals(-code).name}"
+                except ValueError:
+                    return f"killed by signal {-code}"
+            return f"exit {code}"
+
+        said = ", ".join(f"rank {r}: {how(s)}" for r, s in slots.items())
         where = f" (their output: {self.cfg.log_dir})" if self.cfg.log_dir else ""
+        if all(how(s).startswith("killed") for s in slots.values()):
+            return (
+                f"every rank was lost at once ({said}): no replica is left to rebuild from; "
+                f"restart from a checkpoint{where}"
+            )
         tail = ""
         if self.cfg.log_dir is not None:
             path = self.cfg.log_dir / f"slot{self.table.roster[dead[0]]}.log"
             if path.exists():
                 tail = "\n" + "\n".join(path.read_text(errors="replace").splitlines()[-15:])
         return (
-            f"no rank is left to rebuild from ({said}); the script's own error, or the "
-            f"ranks' exit after their last step{where}{tail}"
+            f"no rank is left to rebuild from ({said}); the script exited without "
+            f"reporting an error{where}{tail}"
         )
 
     def _retry_paused(self, now: float) -> None:
@@ -387,10 +441,9 @@ class Recovery:
         checkpoint directory and the survivors' state allows one, :meth:`_checkpoint_plan`);
         :attr:`checkpoint` holds its plan for the agent to wait on.
         """
-        log.error("%s", message)
-        print(
-            f"forewarn launch: job {self.cfg.job_id} failed: {message}", file=sys.stderr, flush=True
-        )
+        # One line in the log; the whole message (a traceback, say) is the job's final
+        # status, which its launcher prints once when it exits.
+        log.error("job %s failed: %s", self.cfg.job_id, message.splitlines()[0])
         self.table.status, self.table.message = "failed", message
         if self.current is not None:
             decision: dict[str, Any] = {"status": "failed", "code": code, "message": message}

@@ -42,7 +42,7 @@ from forewarn.wire import (
     Placement,
 )
 
-__all__ = ["ServiceLink", "ServiceRefused", "parse_placement"]
+__all__ = ["Outbox", "ServiceLink", "ServiceRefused", "parse_placement"]
 
 log = logging.getLogger(__name__)
 
@@ -311,3 +311,47 @@ class ServiceLink:
         self._seen.add(command.migration_id)
         self.progress(command.migration_id, "acknowledged")
         return True
+
+
+class Outbox:
+    """Posts to the service from a thread of its own, for an agent without a link.
+
+    ``forewarn launch --service URL`` without a token's link still tells the service of the
+    job and its migrations; the agent calls :meth:`post` under its lock, which only queues,
+    so a service that is down, or that accepts the connection and never answers, cannot
+    stall the agent's watch loop (failure detection). Each post is tried once, bounded by
+    ``timeout_s``; a failed one is logged and dropped.
+
+    Args:
+        url: the service's base URL.
+        timeout_s: bound on each request (connect and answer).
+        transport: an httpx transport (tests); default a real connection.
+    """
+
+    def __init__(
+        self, url: str, *, timeout_s: float = 5.0, transport: httpx.BaseTransport | None = None
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.timeout_s = timeout_s
+        self._client = httpx.Client(base_url=self.url, timeout=timeout_s, transport=transport)
+        self._queue: queue.Queue[tuple[str, dict[str, Any]] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._send_loop, name="service-outbox", daemon=True)
+        self._thread.start()
+
+    def post(self, path: str, body: dict[str, Any]) -> None:
+        """Queue one POST of ``body`` to ``path``; returns at once."""
+        self._queue.put((path, body))
+
+    def close(self, *, drain_s: float = 5.0) -> None:
+        """Send what is queued (at most ``drain_s`` more seconds), then stop the thread."""
+        self._queue.put(None)
+        self._thread.join(timeout=drain_s)
+        self._client.close()
+
+    def _send_loop(self) -> None:
+        while (item := self._queue.get()) is not None:
+            path, body = item
+            try:
+                self._client.post(path, json=body)
+            except httpx.HTTPError as exc:  # the job must not stop because the service is down
+                log.warning("could not reach the service at %s: %s", self.url, exc)

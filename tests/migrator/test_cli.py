@@ -149,3 +149,27 @@ def test_a_stopped_launcher_ends_its_ranks_quietly(how: str, tmp_path: Path) -> 
         text = log.read_text()
         assert "KeyboardInterrupt" not in text and "Traceback" not in text, text
     assert not [p for p in pids if _alive(p)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_failing_script_is_said_once(tmp_path: Path) -> None:
+    """A script that raises on every rank: its message and traceback are on the launcher's
+    stderr once (the ranks write theirs to --log-dir), with the launcher's final line."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env["FOREWARN_RUN_DIR"] = str(tmp_path / "run")
+    launch = _forewarn(
+        "launch", "--nproc", "2", "--spares", "1", "--job-id", "typo", "--timeout-s", "5",
+        "--log-dir", str(tmp_path / "logs"), "--", sys.executable, str(SCRIPT),
+        "--out", str(tmp_path / "out"), "--mode", "plain", "--crash-all-at", "2",
+        env=env,
+    )  # fmt: skip
+    try:
+        _, stderr = launch.communicate(timeout=240)
+    finally:
+        if launch.poll() is None:
+            launch.kill()
+    assert launch.returncode == 1, stderr
+    assert stderr.count("Traceback (most recent call last)") == 1, stderr
+    assert stderr.count("ValueError: a typo on every rank") == 1, stderr
+    assert "job typo failed: every rank exited at once" in stderr, stderr

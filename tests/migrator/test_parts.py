@@ -3,29 +3,56 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from forewarn.errors import Conflict, NotFound
 from migrator import endpoint
-from migrator.job import is_peer_failure
+from migrator.job import CollectiveFailed, is_peer_failure, spare_may_help
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_a_failed_collective_is_told_from_the_scripts_own_error() -> None:
-    gloo = RuntimeError(
-        "[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer"
-    )
-    assert is_peer_failure(gloo)
-    assert is_peer_failure(RuntimeError("Operation timed out!"))
-    assert not is_peer_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    """By type and origin, never by words (the gloo failures of real processes are in
+    test_handover and test_defects)."""
+    port = _unused_port()
+    with pytest.raises(dist.DistError) as lost_store:  # a real DistNetworkError
+        dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=0.5))
+    assert is_peer_failure(lost_store.value)
+    assert is_peer_failure(CollectiveFailed("all_reduce on generation 0: Connection reset"))
+    for words in ("Operation timed out!", "gloo: connection reset by peer", "c10d timeout"):
+        try:
+            raise RuntimeError(words)  # the script's own, whatever it says
+        except RuntimeError as exc:
+            assert not is_peer_failure(exc)
     assert not is_peer_failure(torch.OutOfMemoryError("CUDA out of memory (timeout)"))
     assert not is_peer_failure(ValueError("gloo"))
+    assert not is_peer_failure(NotImplementedError("nccl"))
+
+
+def test_a_spare_is_tried_only_where_it_could_help() -> None:
+    assert spare_may_help(RuntimeError("CUDA error: an illegal memory access"))
+    for exc in (
+        torch.OutOfMemoryError("CUDA out of memory"),
+        ValueError("a typo"),
+        KeyError("x"),
+        NotImplementedError(),
+    ):
+        assert not spare_may_help(exc)
+
+
+def _unused_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def test_two_jobs_with_one_name_keep_their_own_files(

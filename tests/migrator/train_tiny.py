@@ -30,11 +30,14 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=32)
     ap.add_argument("--unique", action="store_true", help="declare rank-unique state")
     ap.add_argument("--raise-at", metavar="RANK:STEP", help="RuntimeError there, every time")
+    ap.add_argument("--raise-text", help="the --raise-at error's message")
+    ap.add_argument("--oom-at", metavar="RANK:STEP", help="torch.OutOfMemoryError there")
     ap.add_argument("--cuda", action="store_true", help="train on the job's GPU (NCCL)")
     ap.add_argument("--crash-all-at", type=int, help="ValueError on every rank at this step")
     ap.add_argument("--step-sleep", type=float, default=0.0, help="seconds per step, slept")
     args = ap.parse_args()
     raise_at = tuple(int(v) for v in args.raise_at.split(":")) if args.raise_at else None
+    oom_at = tuple(int(v) for v in args.oom_at.split(":")) if args.oom_at else None
 
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -75,7 +78,9 @@ def main() -> None:
             x = x_all[idx] * (1 + 0.01 * random.random()) + noise
             loss = torch.nn.functional.mse_loss(net(x), y_all[idx])
             if raise_at == (job.rank, step.index):
-                raise RuntimeError(f"user bug on rank {job.rank}")
+                raise RuntimeError(args.raise_text or f"user bug on rank {job.rank}")
+            if oom_at == (job.rank, step.index):
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
             if args.crash_all_at == step.index:
                 raise ValueError("a typo on every rank")
             opt.zero_grad(set_to_none=True)
