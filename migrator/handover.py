@@ -323,7 +323,8 @@ class Handover:
         self.registry.zero_grad()
         mid = decision["migration_id"]
         for lost in decision["replacements"]:
-            self._await_spare(mid, lost, step, sender=rank == decision["replica"])
+            sender = decision.get("senders", {}).get(str(lost), decision["replica"])
+            self._await_spare(mid, lost, step, sender=rank == sender)
         self._join(decision["gen"], rank, layouts)
         self.store.set(f"m/{mid}/pause/{rank}", repr(time.perf_counter() - t0))
         self.note("recovered", rank=rank, step=step, migration=mid)
@@ -412,7 +413,8 @@ class Handover:
         except (RuntimeError, MigrationError) as exc:
             if a["mode"] == "peer":
                 log.warning("spare: the source of rank %d failed mid-transfer: %s", rank, exc)
-            if self.registry.rank_unique:
+            holders = self.registry.holders
+            if self.registry.rank_unique and (holders is None or len(holders(rank)) < 2):
                 msg = f"rank {rank} holds rank-unique state and its source is gone"
                 failure = {"code": StateNotReplicated.code, "message": msg}
                 P.put_json(self.store, f"{base}/failed", failure)

@@ -71,6 +71,7 @@ from migrator.ddp import ElasticDDP
 from migrator.faults import FaultPlan
 from migrator.fsdp import ElasticFSDP
 from migrator.handover import Handover, PlanHooks
+from migrator.layouts import MeshLayout, publish_layout
 from migrator.membership import Membership
 from migrator.state import (
     LAYOUTS,
@@ -295,6 +296,8 @@ class Job:
         self._started = False
         self._published = False  # the manifest, for the spares (see _publish_manifest)
         self._boundary_t = 0.0
+        self.mesh_layout: MeshLayout | None = None
+        """How the job's ranks hold its state (set by :meth:`register`)."""
 
     # The membership's view, as the script reads it.
 
@@ -380,7 +383,7 @@ class Job:
 
         Returns:
             The guarantees the layout allows (also logged and noted as ``registered``):
-            replicated, rank-unique or FSDP2 (docs/migration.md, "What each layout is
+            replicated, rank-unique, FSDP2 or HSDP (docs/migration.md, "What each layout is
             guaranteed").
 
         Raises:
@@ -399,12 +402,23 @@ class Job:
         reg.rank_unique = rank_unique or bool(sharded)
         for opt in self.registry.optimizers:
             opt.register_step_post_hook(self._on_optimizer_step)
-        layout = LAYOUTS["fsdp2" if sharded else "rank_unique" if rank_unique else "replicated"]
+        self.mesh_layout = self._mesh_layout(rank_unique)
+        reg.holders = self.mesh_layout.holders
+        layout = LAYOUTS[self.mesh_layout.kind]
         log.info("%s", layout)
         self.note(
             "registered", layout=layout.kind, planned=layout.planned, unplanned=layout.unplanned
         )
         return layout
+
+    def _mesh_layout(self, rank_unique: bool) -> MeshLayout:
+        """The job's layout, read from how its state is held (its mesh)."""
+        replicate = max((f.replicate for f in self.member.fsdps), default=0)
+        if replicate > 1:
+            return MeshLayout.of("hsdp", self.world_size, replicate=replicate)
+        if replicate == 1:
+            return MeshLayout.of("fsdp2", self.world_size)
+        return MeshLayout.of("rank_unique" if rank_unique else "replicated", self.world_size)
 
     def _on_optimizer_step(self, *_: Any) -> None:
         self._stepped = True
@@ -418,7 +432,12 @@ class Job:
         return wrapped
 
     def fsdp(
-        self, module: torch.nn.Module, *, layers: Sequence[torch.nn.Module] = (), **kwargs: Any
+        self,
+        module: torch.nn.Module,
+        *,
+        layers: Sequence[torch.nn.Module] = (),
+        replicate: int = 1,
+        **kwargs: Any,
     ) -> torch.nn.Module:
         """Shard ``module`` with FSDP2's ``fully_shard`` on the job's group, whatever it
         becomes; returns ``module`` (sharded in place). Call before building the optimizer
@@ -429,12 +448,19 @@ class Job:
         module is sharded when the spare is given its rank (a rank's shards depend on it),
         and the registered optimizers are then pointed at the sharded parameters.
 
-        The shards are this rank's own: planned and preventive moves carry them, bit for
-        bit; a rank lost without warning cannot be rebuilt (``state_not_replicated``).
+        ``replicate=R`` (HSDP) shards on a two-dimensional mesh ``(R, world_size / R)``:
+        rank ``r * S + s`` holds shard ``s`` in replica group ``r``; gradients are
+        reduce-scattered within a replica group and all-reduced across them.
+
+        The shards are this rank's own within its replica group: planned and preventive
+        moves carry them, bit for bit. A rank lost without warning is rebuilt under HSDP
+        from the rank with its shard index in another replica group; without a replica
+        group (``replicate=1``) it cannot be (``state_not_replicated``).
 
         Raises:
             MigrationError: the module already holds DTensor parameters (tensor
                 parallelism; not supported) or this torch lacks what rebinding needs.
+            ValueError: ``replicate`` does not divide the job's ranks.
         """
         from torch.distributed.tensor import DTensor
 
@@ -445,10 +471,18 @@ class Job:
                 "job.fsdp: the module already holds DTensor parameters (tensor parallelism "
                 "or fully_shard applied before): not supported"
             )
+        if replicate < 1 or self.world_size % replicate:
+            raise ValueError(
+                f"job.fsdp(replicate={replicate}): the {self.world_size} ranks do not split "
+                "into that many replica groups"
+            )
         device_type = self.device.type if self.device is not None else "cpu"
-        sharded = ElasticFSDP(module, layers=layers, device_type=device_type, **kwargs)
-        if self.rank is not None:
-            sharded.shard(self.rank, self.world_size, self.group, self.registry.optimizers)
+        sharded = ElasticFSDP(
+            module, layers=layers, device_type=device_type, replicate=replicate, **kwargs
+        )
+        if self.rank is not None:  # the job's groups are bound when it joins generation 0
+            groups = [self.group] if self.group is not None and replicate == 1 else None
+            sharded.shard(self.rank, self.world_size, groups, self.registry.optimizers)
         self.member.fsdps.append(sharded)
         return module
 
@@ -486,6 +520,8 @@ class Job:
         self._install_fault_hooks()
         if self.registry.rank_unique:
             self.store.set(f"slot{self.slot}/unique", "1")
+        if self.rank is not None and self.mesh_layout is not None:
+            publish_layout(self.store, self.mesh_layout)
         if self.rank is None:
             self._next = self.handover.serve_as_spare()
             return

@@ -26,7 +26,7 @@ import array
 import pickle
 import random
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -95,7 +95,7 @@ class Layout:
     """What a job's registered state allows, stated at registration (``job.register``
     returns it and logs it; docs/migration.md, "What each layout is guaranteed")."""
 
-    kind: str  # "replicated", "rank_unique" or "fsdp2"
+    kind: str  # "replicated", "rank_unique", "fsdp2" or "hsdp"
     planned: str  # planned and preventive moves
     unplanned: str  # a rank lost without warning
 
@@ -124,6 +124,12 @@ LAYOUTS = {
         "fsdp2",
         "bitwise equal, 0 steps lost: the rank sends its own shards",
         _REFUSED.format(what="shards (no replica group)"),
+    ),
+    "hsdp": Layout(
+        "hsdp",
+        "bitwise equal, 0 steps lost: the rank sends its own shards",
+        "bitwise equal, 1 step lost, rebuilt from the rank with the same shard index in "
+        "another replica group (refused only if every rank of that shard index is lost)",
     ),
 }
 
@@ -160,6 +166,9 @@ class Registry:
     scaler: Any = None
     data: DataPosition | None = None
     rank_unique: bool = False
+    holders: Callable[[int], list[int]] | None = None
+    """The ranks that hold the same state as a rank (:meth:`MeshLayout.holders`); None
+    before registration."""
     # Optimizer state allocated ahead of a transfer (see preallocate), by manifest name.
     ahead: dict[str, torch.Tensor] = field(default_factory=dict)
 
