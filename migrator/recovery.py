@@ -35,6 +35,7 @@ from forewarn.errors import NoSpareAvailable, StateNotReplicated
 from forewarn.wire import MigrationReason
 from migrator import protocol as P
 from migrator.layouts import read_layout, senders
+from migrator.peercopy import rewind_plan
 from migrator.table import JobTable, Migration, Slot
 
 __all__ = ["Recovery", "RecoverySettings", "Supervisor"]
@@ -92,6 +93,7 @@ class Recovery:
         self.pause_deadline: float | None = None
         self.script_errors: list[dict[str, Any]] = []
         self.checkpoint: dict[str, Any] | None = None
+        self.why_not = ""  # why the lost ranks' state is in no healthy rank (peer copies)
         """The stop checkpoint the survivors were asked to write (see :meth:`fail`)."""
 
     def clear(self) -> None:
@@ -118,10 +120,17 @@ class Recovery:
 
     def _unrebuildable(self, dead: list[int]) -> list[int]:
         """The lost ranks whose state no healthy rank holds: by the job's published layout
-        (an HSDP rank has holders in the other replica groups), else every lost rank when
-        a rank registered rank-unique state."""
+        (an HSDP rank has holders in the other replica groups; a peer-copy rank a copy in
+        its buddy's memory), else every lost rank when a rank registered rank-unique
+        state."""
         layout = read_layout(self.store)
         roster = self.table.roster
+        if layout is not None and layout.kind == "peer_copy":
+            healthy = [r for r in range(self.table.world_size) if r not in dead]
+            _, _, why = rewind_plan(self.store, self.table.world_size, dead, healthy)
+            if why:
+                self.why_not = why
+            return list(dead) if why else []
         if layout is None or layout.kind == "replicated":
             unique = any(self.store.check([f"slot{roster[r]}/unique"]) for r in roster)
             return list(dead) if unique else []
@@ -205,10 +214,12 @@ class Recovery:
             P.put_json(self.store, P.recovery_key(g), {"status": "none"})
             self.current = None
             return
+        self.why_not = ""
         if self._unrebuildable(dead):
             self.fail(
                 f"rank(s) {dead} lost; the job registered rank-unique state, which no "
-                "replica holds: restart from a checkpoint",
+                f"replica holds{self.why_not and ' (' + self.why_not + ')'}: restart from a "
+                "checkpoint",
                 code=StateNotReplicated.code,
             )
             return
@@ -250,7 +261,11 @@ class Recovery:
         mid = planned.migration_id if planned is not None else uuid.uuid4().hex[:12]
         replica = self.replica_for(set(dead))
         healthy = [r for r in range(self.table.world_size) if r not in dead]
-        sources = senders(read_layout(self.store), dead, healthy)
+        layout = read_layout(self.store)
+        sources = senders(layout, dead, healthy)
+        rewind = None
+        if layout is not None and layout.kind == "peer_copy":  # from the buddies' copies
+            sources, rewind, _ = rewind_plan(self.store, self.table.world_size, dead, healthy)
         targets = {}
         for rank, spare in zip(dead, spares, strict=False):
             spare.role, spare.rank = "assigned", rank
@@ -270,6 +285,7 @@ class Recovery:
                 "replacements": dead,
                 "replica": replica,
                 "senders": {str(r): sources.get(r, replica) for r in dead},
+                "rewind": rewind,
                 "migration_id": mid,
             },
         )
@@ -287,7 +303,7 @@ class Recovery:
             mid,
             dead,
             list(targets.values()),
-            replica,
+            ", ".join(str(sources.get(r, replica)) for r in dead),
         )
 
     def retarget(self, m: Migration, dead_spare: Slot) -> None:
