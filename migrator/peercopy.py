@@ -3,7 +3,9 @@
 For a job whose state no other rank holds (FSDP2 shards, rank-unique tensors), a rank lost
 without warning could only be restarted from a checkpoint. With peer copies
 (``job.register(..., peer_copy_every=k)``) every rank, at each boundary ``c`` that is a
-positive multiple of ``k``:
+positive multiple of ``k`` (``peer_copy_every="auto"``: ``k`` derived :data:`PROBE` steps
+after the start, so that the copy into memory costs under 1 % of a step, spread over its
+k steps; copies from then on):
 
 1. copies its whole state (every registered tensor, a DTensor's local shard; the optimizer
    hyper-parameters, schedulers and scaler; its RNG states, data position and step) into
@@ -33,6 +35,7 @@ threads, then left in the job's graveyard (:mod:`migrator.groups`).
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -49,6 +52,12 @@ from migrator.transport import PGTransport
 __all__ = ["Copy", "PeerCopies", "buddy_of", "held_key", "rewind_plan"]
 
 log = logging.getLogger(__name__)
+
+
+PROBE = 5
+"""With ``every="auto"``, the steps timed from the start before k is known."""
+EVERY_KEY = "pc/every"
+"""The store key of the k rank 0 derived."""
 
 
 def buddy_of(rank: int, world: int) -> int:
@@ -113,6 +122,8 @@ class PeerCopies:
         where: the current (generation, rank) of this process.
         backend: the copies' groups' backend (``"gloo"``: host memory).
         graveyard: where each copy's groups go when its round ends.
+        cost_target: with ``every="auto"``, the share of a step the copy into memory may
+            take, spread over the k steps (default 1 %).
     """
 
     def __init__(
@@ -121,21 +132,26 @@ class PeerCopies:
         registry: Registry,
         channels: Channels,
         *,
-        every: int,
+        every: int | str,
         world: int,
         timeout_s: float,
         where: Callable[[], tuple[int, int | None]],
         backend: str = "gloo",
         graveyard: Graveyard | None = None,
+        cost_target: float = 0.01,
     ) -> None:
-        if every < 1:
-            raise ValueError(f"peer_copy_every must be >= 1, not {every}")
+        if every != "auto" and (not isinstance(every, int) or every < 1):
+            raise ValueError(f"peer_copy_every must be >= 1 or 'auto', not {every!r}")
         if world < 2:
             raise ValueError("peer copies need a second rank to hold them")
         self.store = store
         self.registry = registry
         self.channels = channels
-        self.every = every
+        self.every: int | None = every if isinstance(every, int) else None
+        """k; None until derived (``"auto"``: :meth:`_derive`)."""
+        self.cost_target = cost_target
+        self._probe: list[float] = []  # rank 0's boundary times while k is derived
+        self._first = 1 if self.every is not None else -1  # the first step a copy may be at
         self.world = world
         self.timeout_s = timeout_s
         self.where = where
@@ -147,7 +163,36 @@ class PeerCopies:
         self.copy_s = 0.0  # the last round's time at the boundary (copy and groups)
 
     def due(self, step: int) -> bool:
-        return step > 0 and step % self.every == 0
+        return self.every is not None and step >= self._first and step % self.every == 0
+
+    def _derive(self, step: int, rank: int) -> None:
+        """``every="auto"``: the active ranks start together at some step s; rank 0 times
+        the steps up to boundary ``s + PROBE`` and one copy of its state into memory, and
+        publishes ``k = ceil(copy / (cost_target * step))``; every rank reads it at that
+        boundary (a spare that joins later, at once), so all agree."""
+        if self._first < 0:
+            self._first = step + PROBE
+            if self.store.check([EVERY_KEY]):  # a spare joining a running job
+                self.every, self._first = int(self.store.get(EVERY_KEY)), step
+                return
+        if rank == 0:
+            self._probe.append(time.perf_counter())
+            if step == self._first:
+                gaps = sorted(b - a for a, b in zip(self._probe, self._probe[1:], strict=False))
+                step_s = gaps[len(gaps) // 2]
+                t0 = time.perf_counter()
+                _take(self.registry, step, b"")
+                copy_s = time.perf_counter() - t0
+                every = max(1, math.ceil(copy_s / (self.cost_target * step_s)))
+                self.store.set(EVERY_KEY, str(every))
+                log.info(
+                    "peer copies every %d steps: a copy takes %.1f ms, a step %.1f ms",
+                    every,
+                    copy_s * 1e3,
+                    step_s * 1e3,
+                )
+        if step == self._first:
+            self.every = int(self.store.get(EVERY_KEY))  # waits for rank 0 (store timeout)
 
     def at_boundary(self, step: int, rank_state: bytes) -> None:
         """At boundary ``step``: when a copy is due, take this rank's own copy, build the
@@ -159,10 +204,12 @@ class PeerCopies:
         on each other. Even ranks build the group to their buddy first, odd ranks the one
         from their ward first, so the ring of rendezvous never waits on itself.
         """
-        if not self.due(step):
-            return
         gen, rank = self.where()
         if rank is None:
+            return
+        if self.every is None:
+            self._derive(step, rank)
+        if not self.due(step):
             return
         self.wait()
         t0 = time.perf_counter()

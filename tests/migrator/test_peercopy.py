@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -110,3 +111,43 @@ def test_rank_lost_with_its_buddy_stops_naming_both(tmp_path: Path) -> None:
     assert "rank 1 and its buddy rank 2 were lost together" in run.agent.message
     assert "restart from a checkpoint" in run.agent.message
     assert run.reports == []
+
+
+def test_auto_k_is_derived_by_rank_0_and_read_by_every_rank() -> None:
+    """``peer_copy_every="auto"``: rank 0 times the first steps and one copy into memory
+    and publishes k; another rank reads the same k at the same boundary, a spare joining
+    later at once; no copy is due before k is known."""
+    from migrator.peercopy import EVERY_KEY, PROBE, PeerCopies
+    from migrator.state import Registry
+
+    store = dist.HashStore()
+    registry = Registry(models=[torch.nn.Linear(64, 64)])
+
+    def copies(rank: int) -> PeerCopies:
+        return PeerCopies(
+            store,
+            registry,
+            channels=None,  # type: ignore[arg-type]
+            every="auto",
+            world=2,
+            timeout_s=5,
+            where=lambda: (0, rank),
+        )
+
+    first, second = copies(0), copies(1)
+    for step in range(PROBE + 1):
+        assert not first.due(step) and not second.due(step)
+        first._derive(step, 0)
+        second._derive(step, 1)
+        time.sleep(0.01)  # a step
+    assert first.every is not None and first.every >= 1
+    assert second.every == first.every == int(store.get(EVERY_KEY))
+    at = -(-PROBE // first.every) * first.every  # the first multiple of k from PROBE on
+    assert first.due(at) and not first.due(PROBE - 1)
+    late = copies(1)
+    late._derive(12, 1)
+    assert late.every == first.every
+    with pytest.raises(ValueError, match="'auto'"):
+        PeerCopies(
+            store, registry, channels=None, every=0, world=2, timeout_s=1, where=lambda: (0, 0)
+        )  # type: ignore[arg-type]
