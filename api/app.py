@@ -21,7 +21,7 @@ from api import dashboard, fleet, ingest, tokens
 from api.control.service import install_control, start_control
 from api.deps import authorize
 from api.docs import install_docs
-from api.errors import CatchAll, error_body, install_error_handlers
+from api.errors import CatchAll, document_errors, error_body, install_error_handlers
 from api.guard import RequestGuard
 from api.metrics import Metrics, MetricsView, TimingMiddleware
 from api.settings import DEV_TOKEN, Settings
@@ -110,6 +110,7 @@ def create_app(settings: Settings | None = None, *, store: Store | None = None) 
     install_control(app, settings)
     install_webhooks(app, settings)
     app.include_router(dashboard.router)
+    document_errors(app)
 
     @app.get("/healthz", tags=["ops"], summary="The process is up")
     async def healthz() -> dict[str, str]:

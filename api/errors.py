@@ -16,8 +16,10 @@ from starlette.responses import JSONResponse
 from forewarn.errors import ForewarnError, StoreUnavailable
 
 __all__ = [
+    "ERROR_SCHEMA",
     "RETRY_AFTER_S",
     "CatchAll",
+    "document_errors",
     "error_body",
     "install_error_handlers",
     "store_unavailable",
@@ -107,7 +109,8 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = _HTTP_CODES.get(exc.status_code, "http_error")
-        return JSONResponse(error_body(code, str(exc.detail)), exc.status_code)
+        # The exception's headers are part of the answer: a 405's Allow (RFC 9110).
+        return JSONResponse(error_body(code, str(exc.detail)), exc.status_code, headers=exc.headers)
 
     async def _database(_: Request, exc: Exception) -> JSONResponse:
         if store_unavailable(exc):
@@ -160,3 +163,66 @@ class CatchAll:
                 log.exception("unhandled error", exc_info=exc)
                 response = JSONResponse(error_body("internal", "internal error"), 500)
             await response(scope, receive, send)
+
+
+ERROR_SCHEMA = {
+    "title": "ErrorBody",
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["code", "message", "retryable"],
+            "properties": {
+                "code": {"type": "string", "description": "Stable; branch on it."},
+                "message": {"type": "string"},
+                "retryable": {"type": "boolean"},
+                "details": {"description": "Per-field errors, or what the code is about."},
+            },
+        }
+    },
+}
+"""The JSON schema of every error answer (``{"error": {...}}``; ingest's 422 adds ``result``)."""
+
+
+def _error_codes(path: str, method: str, operation: dict[str, Any]) -> dict[int, str]:
+    """The error statuses an operation can answer, from what every route shares: the guard
+    (token, body), validation, the database, and the resource its path names."""
+    codes = {
+        401: "Missing or unknown token",
+        403: "The token lacks the operation's scope",
+        422: "Invalid input (`error.details` lists each problem)",
+        503: "The database is unavailable (retryable; `Retry-After`)",
+    }
+    if "requestBody" in operation or path == "/v1/ingest":
+        codes[400] = "The body is not JSON"
+        codes[413] = "The body is too large"
+    names = "{" in path or (method != "get" and path.startswith("/v1/migrations"))
+    if names:  # a path parameter, or a migration or job named in the body
+        codes[404] = "No such resource"
+    if method != "get" and names:
+        codes[409] = "The resource's state does not allow it"
+    return codes
+
+
+def document_errors(app: FastAPI) -> None:
+    """Declare in the OpenAPI document, on every ``/v1`` operation, the error answers it can
+    give and their one schema (a client, or a fuzzer, finds no undocumented status)."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        document = build()
+        schemas = document.setdefault("components", {}).setdefault("schemas", {})
+        schemas["ErrorBody"] = ERROR_SCHEMA
+        content = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}
+        for path, item in document.get("paths", {}).items():
+            if not path.startswith("/v1/"):
+                continue
+            for method, operation in item.items():
+                responses = operation.setdefault("responses", {})
+                for status, why in _error_codes(path, method, operation).items():
+                    declared = responses.setdefault(str(status), {"description": why})
+                    declared["content"] = content  # FastAPI's default 422 shape is not ours
+        return document
+
+    app.openapi = openapi  # type: ignore[method-assign]

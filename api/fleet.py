@@ -136,9 +136,35 @@ async def list_gpus(
         records = records[:limit]
         next_cursor = encode_cursor([records[-1]["node"], int(records[-1]["gpu"])])
     risk = await to_thread.run_sync(lambda: gpu_risk_fields(store, node=node))
+    failures = await to_thread.run_sync(lambda: _failures(store, node))
     for record in records:
-        record.update(risk.get((record["node"], record["gpu"]), gpu_risk_fields.UNSCORED))  # type: ignore[arg-type, attr-defined]
+        key = (record["node"], record["gpu"])
+        record.update(risk.get(key, gpu_risk_fields.UNSCORED))  # type: ignore[arg-type, attr-defined]
+        record.update(_failure_fields(record, failures.get(key)))
     return _page(records, next_cursor)
+
+
+def _failures(store: Any, node: str | None) -> dict[tuple[str, int], tuple[int, str]]:
+    from api.dashboard.cells import FAILURE_LOOKBACK_MS, last_failures
+
+    since_ms = int(datetime.now(UTC).timestamp() * 1000) - FAILURE_LOOKBACK_MS
+    with store.engine.connect() as connection:
+        return last_failures(connection, since_ms=since_ms, node=node)
+
+
+def _failure_fields(record: dict[str, Any], failure: tuple[int, str] | None) -> dict[str, Any]:
+    """``failed`` (a fatal event, no sample since), ``recovered`` (samples again after it)
+    and ``failure`` (its cause and time), as the fleet map has them."""
+    if failure is None:
+        return {"failed": False, "recovered": False, "failure": None}
+    seen_ms = to_ms(datetime.fromisoformat(str(record["ts"]).replace("Z", "+00:00")))
+    back = seen_ms > failure[0] + RECOVERED_AFTER_MS
+    cause = {"cause": failure[1], "at": _iso(failure[0])}
+    return {"failed": not back, "recovered": back, "failure": cause}
+
+
+RECOVERED_AFTER_MS = 30_000
+"""A GPU that sends samples for longer than this after a fatal event has recovered."""
 
 
 def _aware(ts: datetime) -> datetime:

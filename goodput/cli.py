@@ -3,6 +3,7 @@
     forewarn goodput                                  # 1,024 and 16,384 GPUs, both sources
     forewarn goodput --gpus 4096 --source trace --trace ../shared/data/stepfun-fault-trace
     forewarn goodput --json --no-png
+    forewarn goodput --layout ddp hsdp sharded peer-copy   # each layout's strategies
 
 Prints every assumption, the predictor's figures it uses, the table (ETTR, GPU-hours lost per
 day, share of failures handled with nothing lost) and the 64xH200 sanity check; writes a PNG.
@@ -19,6 +20,8 @@ from pathlib import Path
 
 from goodput import trace as trace_mod
 from goodput.compare import Row, Scenario, compare, model_mttf_h, write_png
+from goodput.costs import group_formation, group_formation_s
+from goodput.layouts import LAYOUTS
 from goodput.model import Assumptions
 from goodput.profile import DEFAULT_PROFILE, KINDS, PredictorProfile, find_card, from_card
 from goodput.published import PUBLISHED_MIN, run_sanity_check
@@ -32,8 +35,8 @@ _FLAGS = {  # Assumptions field -> (flag, unit conversion from the flag to secon
     "detect_s": ("--detect-s", 1.0),
     "rank_state_gb": ("--rank-state-gb", 1.0),
     "transfer_gb_s": ("--transfer-gb-s", 1.0),
-    "regroup_s": ("--regroup-s", 1.0),
     "wrapper_overhead": ("--wrapper-overhead", 1.0),
+    "peer_copy_overhead": ("--peer-copy-overhead", 1.0),
 }
 
 
@@ -92,6 +95,39 @@ def configure(parser: argparse.ArgumentParser) -> None:
             help=f"(default {getattr(d, name) / unit:g})",
         )
     parser.add_argument(
+        "--regroup-s",
+        type=float,
+        default=None,
+        help="seconds to form a process-group generation (default: the measured rule at the "
+        "job's size, goodput/data/group_formation.json)",
+    )
+    parser.add_argument(
+        "--formation-overlapped",
+        action="store_true",
+        help="what-if: preventive moves form the next process group while training goes on "
+        "(their stall is the transfer alone); the migrator forms it in the pause today",
+    )
+    parser.add_argument(
+        "--layout",
+        nargs="+",
+        choices=sorted(LAYOUTS),
+        default=[],
+        help="compare per parallel layout: ddp (replicated), hsdp, sharded (no replica), "
+        "peer-copy (sharded with in-memory copies); each with its strategies and Forewarn",
+    )
+    parser.add_argument(
+        "--shard-ranks",
+        type=int,
+        default=d.shard_ranks,
+        help=f"ranks a replica is sharded over in the sharded layouts (default {d.shard_ranks})",
+    )
+    parser.add_argument(
+        "--peer-copy-every-steps",
+        type=int,
+        default=d.peer_copy_every_steps,
+        help=f"peer-copy layout: steps between copies (default {d.peer_copy_every_steps})",
+    )
+    parser.add_argument(
         "--ckpt-interval-min",
         type=float,
         default=None,
@@ -106,10 +142,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def _assumptions(args: argparse.Namespace) -> Assumptions:
-    values = {name: getattr(args, name) * unit for name, (_, unit) in _FLAGS.items()}
+    values: dict[str, float | int | None] = {
+        name: getattr(args, name) * unit for name, (_, unit) in _FLAGS.items()
+    }
+    values["regroup_s"] = args.regroup_s
+    values["shard_ranks"] = args.shard_ranks
+    values["peer_copy_every_steps"] = args.peer_copy_every_steps
+    values["formation_overlapped"] = args.formation_overlapped
     if args.ckpt_interval_min is not None:
         values["ckpt_interval_s"] = args.ckpt_interval_min * 60.0
-    return Assumptions(**values)
+    return Assumptions(**values)  # type: ignore[arg-type]
 
 
 def _profile(args: argparse.Namespace) -> PredictorProfile:
@@ -128,7 +170,7 @@ def _profile(args: argparse.Namespace) -> PredictorProfile:
     return profile
 
 
-def _describe_assumptions(a: Assumptions) -> list[str]:
+def _describe_assumptions(a: Assumptions, gpus: list[int]) -> list[str]:
     docs = {
         "step_s": "training step",
         "ckpt_interval_s": "checkpoint-restart interval",
@@ -139,7 +181,11 @@ def _describe_assumptions(a: Assumptions) -> list[str]:
         "transfer_gb_s": "transfer bandwidth, GB/s",
         "pause_per_transfer": "pause per ideal transfer second (measured, loopback)",
         "pause_fixed_s": "fixed pause (measured, loopback)",
-        "regroup_s": "new process-group generation at scale (assumed)",
+        "regroup_s": "new process-group generation (None: measured rule, below)",
+        "shard_ranks": "sharded layouts: ranks a replica is sharded over",
+        "peer_copy_every_steps": "peer-copy layout: steps between a rank's copies",
+        "peer_copy_overhead": "peer-copy layout: per-step cost of the copies (goal bound)",
+        "formation_overlapped": "what-if: preventive moves form the group ahead (not today)",
         "wrapper_overhead": "per-step cost of the Migratable wrapper (measured 0.02 %)",
         "migrating_ckpt_interval_s": "checkpoints a migrating job still keeps",
         "replica_step_overhead": "extra per-step cost of the peer-replica baseline",
@@ -147,13 +193,27 @@ def _describe_assumptions(a: Assumptions) -> list[str]:
     lines = []
     for f in fields(a):
         value = getattr(a, f.name)
-        shown = "Young/Daly optimum sqrt(2 x save x MTTF)" if value is None else f"{value:g}"
+        if value is None:
+            shown = {
+                "ckpt_interval_s": "Young/Daly optimum sqrt(2 x save x MTTF)",
+                "regroup_s": "measured",
+            }.get(f.name, "none")
+        else:
+            shown = str(value) if isinstance(value, bool) else f"{value:g}"
         lines.append(f"  {f.name:<27} {shown:<12} {docs.get(f.name, '')}")
-    lines.append(f"  {'=> preventive pause':<27} {a.migration_pause_s():<12.1f} s, nothing lost")
-    lines.append(
-        f"  {'=> replica recovery':<27} {a.replica_recovery_s():<12.1f} "
-        "s + the step in flight (uniform over one step)"
-    )
+    if a.regroup_s is None:
+        rule = group_formation()
+        lines.append(
+            f"  {'=> group formation':<27} {rule.a_s:.4f} + {rule.b_s_per_rank:.6f} x ranks s "
+            f"(measured at {', '.join(map(str, rule.measured_ranks))} ranks, extrapolated "
+            f"linearly; {rule.source})"
+        )
+    for g in gpus:
+        lines.append(
+            f"  {'=> at ' + f'{g:,}' + ' GPUs':<27} group {a.regroup_at(g):.2f} s, preventive "
+            f"pause {a.migration_pause_s(g):.2f} s (nothing lost), replica recovery "
+            f"{a.replica_recovery_s(g):.2f} s + the step in flight"
+        )
     lines.append(
         "  failures stop the whole (synchronous) job; a warm spare is always free; "
         "a false alarm costs one preventive pause"
@@ -163,7 +223,7 @@ def _describe_assumptions(a: Assumptions) -> list[str]:
 
 def _table(rows: list[Row]) -> list[str]:
     head = (
-        f"{'GPUs':>6} {'source':<6} {'MTTF h':>7} {'fail/d':>6} {'strategy':<19} "
+        f"{'GPUs':>6} {'source':<6} {'MTTF h':>7} {'fail/d':>6} {'layout':<9} {'strategy':<19} "
         f"{'ETTR':>7} {'GPU-h lost/d':>12} {'no loss':>7} {'<=1 step':>8}"
     )
     lines = [head, "-" * len(head)]
@@ -171,8 +231,25 @@ def _table(rows: list[Row]) -> list[str]:
         spread = "" if r.ettr_min == r.ettr_max else f" ({r.ettr_min:.4f}-{r.ettr_max:.4f})"
         lines.append(
             f"{r.gpus:>6} {r.source:<6} {r.mttf_h:>7.2f} {r.failures_per_day:>6.1f} "
-            f"{r.strategy:<19} {r.ettr:>7.4f} {r.gpu_hours_lost_per_day:>12,.0f} "
+            f"{r.layout:<9} {r.strategy:<19} {r.ettr:>7.4f} {r.gpu_hours_lost_per_day:>12,.0f} "
             f"{r.no_loss_share:>7.0%} {r.at_most_one_step_share:>8.0%}{spread}"
+        )
+    return lines
+
+
+def _layout_summary(rows: list[Row]) -> list[str]:
+    """Per cluster, source and layout: Forewarn against the best other strategy."""
+    lines = ["Where prediction pays (Forewarn's ETTR minus the best other strategy's):"]
+    keys = list(dict.fromkeys((r.gpus, r.source, r.layout) for r in rows))
+    for gpus, source, layout in keys:
+        sel = [r for r in rows if (r.gpus, r.source, r.layout) == (gpus, source, layout)]
+        fw = next(r for r in sel if r.strategy == "forewarn")
+        best = max((r for r in sel if r.strategy != "forewarn"), key=lambda r: r.ettr)
+        gain = fw.ettr - best.ettr
+        lines.append(
+            f"  {gpus:>6} {source:<6} {layout:<9} {gain * 100:+.2f} points against "
+            f"{best.strategy} ({gain * gpus * 24:+,.0f} GPU-h/day); YOCO ratio "
+            f"{fw.no_loss_share:.0%}"
         )
     return lines
 
@@ -182,12 +259,16 @@ def run(args: argparse.Namespace) -> int:
     profile = _profile(args)
     trace_path = args.trace or trace_mod.find_trace_dir()
     faults, trace_source = trace_mod.load(trace_path) if "trace" in args.source else ([], "")
-    scenario = Scenario(tuple(args.gpus), tuple(args.source), args.days, args.seed, args.runs)
+    scenario = Scenario(
+        tuple(args.gpus), tuple(args.source), args.days, args.seed, args.runs, tuple(args.layout)
+    )
     rows = compare(scenario, assumptions, profile, faults)
     sanity = run_sanity_check(args.sanity_seeds, args.seed) if args.sanity_seeds > 0 else None
     png, png_note = None, ""
     if args.no_png:
         pass
+    elif args.layout:
+        png_note = "PNG skipped: it shows the three strategies without --layout"
     elif importlib.util.find_spec("matplotlib") is None:
         png_note = "PNG skipped: matplotlib is not installed (pip install 'forewarn[server]')"
     else:
@@ -197,8 +278,14 @@ def run(args: argparse.Namespace) -> int:
         doc = {
             "scenario": asdict(scenario),
             "assumptions": asdict(assumptions),
-            "migration_pause_s": assumptions.migration_pause_s(),
-            "replica_recovery_s": assumptions.replica_recovery_s(),
+            "migration_pause_s": {str(g): assumptions.migration_pause_s(g) for g in args.gpus},
+            "replica_recovery_s": {str(g): assumptions.replica_recovery_s(g) for g in args.gpus},
+            "group_formation": None
+            if assumptions.regroup_s is not None
+            else {
+                **asdict(group_formation()),
+                "at": {str(g): group_formation_s(g) for g in args.gpus},
+            },
             "fleet_model_mttf_h": {str(g): model_mttf_h(g) for g in args.gpus},
             "trace": trace_source,
             "predictor": {**asdict(profile), "notes": list(profile.notes)},
@@ -227,14 +314,15 @@ def run(args: argparse.Namespace) -> int:
         f"{scenario.runs} run(s) per row"
     )
     out("\nAssumptions (seconds unless stated):")
-    for line in _describe_assumptions(assumptions):
+    for line in _describe_assumptions(assumptions, args.gpus):
         out(line)
     out("\nFailure sources:")
     if "fleet" in args.source:
         mttfs = ", ".join(f"{g:,} GPUs {model_mttf_h(g):.2f} h" for g in args.gpus)
         out(
-            f"  fleet: the simulator's calibration (7.9 h job MTTF at 1,024 GPUs, per-GPU "
-            f"rate constant; kinds in the StepFun mix): {mttfs}"
+            f"  fleet: Meta FAIR's published job MTTF (HPCA 2025: 7.9 h at 1,024 GPUs, 1.8 h "
+            f"at 16,384, 14 min at 131,072; a power law between them; kinds in the StepFun "
+            f"mix): {mttfs}"
         )
     if "trace" in args.source:
         out(
@@ -254,8 +342,13 @@ def run(args: argparse.Namespace) -> int:
         out(line)
     out(
         "  ETTR: training kept / wall time. 'no loss': failures moved away before they "
-        "happened (nothing recomputed); '<=1 step': at most the step in flight redone."
+        "happened (nothing recomputed: the YOCO ratio); '<=1 step': at most the step in "
+        "flight redone."
     )
+    if args.layout:
+        out("")
+        for line in _layout_summary(rows):
+            out(line)
     if sanity is not None:
         out(
             f"\nSanity check, 64xH200 (published schedule: 3,000 steps, checkpoint every 100 "
@@ -274,7 +367,7 @@ def run(args: argparse.Namespace) -> int:
         out(
             f"  assumed (not published): step {sa.step_s:g} s, save {sa.ckpt_save_s:g} s, "
             f"restart {sa.restart_s / 60:g} min, replica recovery "
-            f"{sa.replica_recovery_s():.0f} s; peer-replica = TorchFT's per-step overhead "
+            f"{sa.replica_recovery_s(64):.0f} s; peer-replica = TorchFT's per-step overhead "
             f"taken from the published ratio (+{PUBLISHED_MIN['peer-replica'] / 405 - 1:.0%})"
         )
     if png is not None:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
+from goodput.layouts import LAYOUTS, simulate_layout
 from goodput.model import STRATEGIES, Assumptions, simulate, young_daly_interval_s
 from goodput.profile import PredictorProfile
 from goodput.schedule import Failure, fleet_schedule, job_mttf_h, trace_schedule
@@ -27,6 +28,9 @@ class Scenario:
     days: float = 349.0
     seed: int = 0
     runs: int = 1
+    layouts: tuple[str, ...] = ()
+    """Parallel layouts (:data:`goodput.layouts.LAYOUTS`); empty: the three strategies of
+    replicated data parallelism, as before layouts were modelled."""
 
 
 @dataclass
@@ -47,6 +51,7 @@ class Row:
     at_most_one_step_share: float
     false_alarms_per_day: float
     lost_hours_per_day: dict[str, float] = field(default_factory=dict)
+    layout: str = "ddp"
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -75,7 +80,8 @@ def compare(
     rows = []
     for gpus in scenario.gpus:
         for source in scenario.sources:
-            outs: dict[str, list] = {s: [] for s in STRATEGIES}
+            cases = _cases(scenario)
+            outs: dict[tuple[str, str], list] = {c: [] for c in cases}
             counts, intervals = [], []
             for run in range(scenario.runs):
                 rng = np.random.default_rng([scenario.seed, gpus, run, source == "trace"])
@@ -87,20 +93,34 @@ def compare(
                     assumptions.ckpt_save_s, mttf_s
                 )
                 intervals.append(interval)
-                for strategy in STRATEGIES:
-                    out = simulate(
-                        strategy,
-                        failures,
-                        assumptions,
-                        gpus=gpus,
-                        rng=np.random.default_rng([scenario.seed, gpus, run, 7]),
-                        profile=profile,
-                        horizon_s=horizon_s,
-                        mttf_s=mttf_s,
-                    )
-                    outs[strategy].append(out)
+                for layout, strategy in cases:
+                    rng = np.random.default_rng([scenario.seed, gpus, run, 7])
+                    if scenario.layouts:
+                        out = simulate_layout(
+                            LAYOUTS[layout],
+                            strategy,
+                            failures,
+                            assumptions,
+                            gpus=gpus,
+                            rng=rng,
+                            profile=profile,
+                            horizon_s=horizon_s,
+                            mttf_s=mttf_s,
+                        )
+                    else:
+                        out = simulate(
+                            strategy,
+                            failures,
+                            assumptions,
+                            gpus=gpus,
+                            rng=rng,
+                            profile=profile,
+                            horizon_s=horizon_s,
+                            mttf_s=mttf_s,
+                        )
+                    outs[(layout, strategy)].append(out)
             n = float(np.mean(counts))
-            for strategy, runs in outs.items():
+            for (layout, strategy), runs in outs.items():
                 ettrs = [o.ettr for o in runs]
                 lost: dict[str, float] = {}
                 for o in runs:
@@ -127,9 +147,20 @@ def compare(
                         false_alarms_per_day=float(np.mean([o.false_alarms for o in runs]))
                         / scenario.days,
                         lost_hours_per_day=lost,
+                        layout=layout,
                     )
                 )
     return rows
+
+
+def _cases(scenario: Scenario) -> list[tuple[str, str]]:
+    """(layout, strategy) pairs to simulate, in the order rows are printed."""
+    if not scenario.layouts:
+        return [("ddp", s) for s in STRATEGIES]
+    unknown = [name for name in scenario.layouts if name not in LAYOUTS]
+    if unknown:
+        raise ValueError(f"unknown layout(s) {unknown} (one of {sorted(LAYOUTS)})")
+    return [(name, s) for name in scenario.layouts for s in LAYOUTS[name].strategies]
 
 
 def model_mttf_h(gpus: int) -> float:

@@ -64,8 +64,9 @@ class Assumptions:
     """Pause per second of ideal transfer (bytes / bandwidth), from the migration benchmark."""
     pause_fixed_s: float = 0.16
     """Fixed part of the pause, from the migration benchmark (three ranks, loopback)."""
-    regroup_s: float = 10.0
-    """New process-group generation on a large job (NCCL communicators): not measured here."""
+    regroup_s: float | None = None
+    """A new process-group generation; None: measured, at the job's size
+    (:func:`goodput.costs.group_formation_s`, ``benchmarks/group_formation.py``)."""
     wrapper_overhead: float = 0.001
     """Per-step cost of the ``Migratable`` wrapper: the benchmark measured 0.13 ms a step
     (0.02 % of a 0.7 s step); 0.1 % leaves room for a shared store under thousands of ranks."""
@@ -73,15 +74,43 @@ class Assumptions:
     """Checkpoints a migrating job still keeps (for a disaster); None: none."""
     replica_step_overhead: float = 0.0
     """Extra per-step cost of the peer-replica baseline (0: Forewarn's own replica path)."""
+    shard_ranks: int = 8
+    """Sharded layouts (HSDP, sharded, peer-copy): ranks one replica is sharded over; a rank
+    holds ``rank_state_gb / shard_ranks`` (``rank_state_gb`` is a whole replica's state)."""
+    peer_copy_every_steps: int = 10
+    """Peer-copy layout: a rank's state is copied to its buddy's memory every k steps; a
+    rank lost without warning replays up to k steps from that copy."""
+    peer_copy_overhead: float = 0.01
+    """Peer-copy layout: per-step cost of the copies (the layout's goal bound, < 1 %)."""
+    formation_overlapped: bool = False
+    """What-if: a preventive or planned move forms the next generation while training goes
+    on, so its stall is the transfer alone (the migrator forms it in the pause today)."""
 
-    def migration_pause_s(self) -> float:
-        """One preventive (or planned) migration: the job waits this long, nothing is lost."""
+    def regroup_at(self, ranks: int | None) -> float:
+        """Seconds to form a new generation of ``ranks`` ranks (measured rule unless set)."""
+        if self.regroup_s is not None:
+            return self.regroup_s
+        if ranks is None:
+            raise ValueError("the measured group formation needs the job's size (ranks)")
+        from goodput.costs import group_formation_s
+
+        return group_formation_s(ranks)
+
+    def _moved_s(self) -> float:
         transfer = self.rank_state_gb / self.transfer_gb_s
-        return self.pause_per_transfer * transfer + self.pause_fixed_s + self.regroup_s
+        return self.pause_per_transfer * transfer + self.pause_fixed_s
 
-    def replica_recovery_s(self) -> float:
-        """One unplanned recovery from a replica, before the step in flight is redone."""
-        return self.detect_s + self.migration_pause_s()
+    def migration_pause_s(self, ranks: int | None = None) -> float:
+        """One preventive (or planned) migration of a job of ``ranks`` ranks: the job waits
+        this long, nothing is lost. With ``formation_overlapped`` the new generation was
+        formed while training went on, and only the transfer stalls the job."""
+        regroup = 0.0 if self.formation_overlapped else self.regroup_at(ranks)
+        return self._moved_s() + regroup
+
+    def replica_recovery_s(self, ranks: int | None = None) -> float:
+        """One unplanned recovery from a replica, before the step in flight is redone: it
+        always forms a new generation while the job stands still."""
+        return self.detect_s + self._moved_s() + self.regroup_at(ranks)
 
 
 def young_daly_interval_s(save_s: float, mttf_s: float) -> float:
@@ -102,6 +131,8 @@ class Outcome:
     restarts: int = 0
     false_alarms: int = 0
     lost_s: dict[str, float] = field(default_factory=dict)
+    redo_steps: int = 1
+    """Steps a recovery may redo (1: the step in flight; k: a peer copy's replay)."""
 
     @property
     def ettr(self) -> float:
@@ -115,7 +146,10 @@ class Outcome:
     @property
     def at_most_one_step_share(self) -> float:
         """Failures that cost at most the step in flight (preventive or replica)."""
-        return (self.preventive + self.replica_recoveries) / self.failures if self.failures else 1.0
+        if not self.failures:
+            return 1.0
+        one_step = self.replica_recoveries if self.redo_steps == 1 else 0
+        return (self.preventive + one_step) / self.failures
 
     def gpu_hours_lost_per_day(self, gpus: int) -> float:
         return (1.0 - self.ettr) * gpus * 24.0
@@ -243,11 +277,20 @@ def _migrating(
     gpus: int,
     rng: np.random.Generator,
     clock: _Clock,
+    *,
+    redo_steps: int = 1,
+    extra_overhead: float = 0.0,
 ) -> Outcome:
-    rate = 1.0 / (1.0 + a.wrapper_overhead + (a.replica_step_overhead if profile is None else 0))
+    """Replica (``redo_steps`` 1) or peer-copy recovery (``redo_steps`` k: the steps since
+    the buddy's copy are replayed) of what the predictor misses; with a profile, preventive
+    moves of what it catches and one pause per false alarm."""
+    overhead = a.wrapper_overhead + (a.replica_step_overhead if profile is None else 0)
+    rate = 1.0 / (1.0 + overhead + extra_overhead)
     if a.migrating_ckpt_interval_s:  # saves kept for a disaster slow the job evenly
         rate *= a.migrating_ckpt_interval_s / (a.migrating_ckpt_interval_s + a.ckpt_save_s)
-    pause = a.migration_pause_s()
+    pause = a.migration_pause_s(gpus)
+    recovery = a.replica_recovery_s(gpus)
+    redo_max_s = a.step_s * redo_steps
     # One stream per kind of draw, so that a strategy with no predictor draws the same steps
     # in flight as one whose predictor catches nothing.
     catch_rng, alarm_rng, step_rng = rng.spawn(3)
@@ -272,9 +315,10 @@ def _migrating(
             break
         counts[what] += 1
         if what == "replica":
-            clock.down(a.replica_recovery_s(), "replica recovery")
-            redo = float(step_rng.uniform(0.0, a.step_s))
-            clock.discard(min(redo, clock.useful), "step in flight")
+            clock.down(recovery, "replica recovery" if redo_steps == 1 else "peer-copy recovery")
+            redo = float(step_rng.uniform(0.0, redo_max_s))
+            what_redone = "step in flight" if redo_steps == 1 else "steps replayed from the copy"
+            clock.discard(min(redo, clock.useful), what_redone)
         else:
             clock.down(pause, "preventive migration" if what == "preventive" else "false alarm")
     clock.compute(math.inf, rate)
@@ -287,6 +331,7 @@ def _migrating(
         replica_recoveries=counts["replica"],
         false_alarms=counts["false alarm"],
         lost_s=clock.lost,
+        redo_steps=redo_steps,
     )
 
 

@@ -38,7 +38,6 @@ ASSUMED = Assumptions(
     detect_s=30.0,
     rank_state_gb=109e9 * 16 / 64 / 1e9,  # bf16 weights + fp32 master and Adam moments, /64
     transfer_gb_s=25.0,
-    regroup_s=10.0,
     migrating_ckpt_interval_s=CKPT_EVERY_STEPS * 7.5,  # every run kept the 100-step saves
 )
 

@@ -39,6 +39,7 @@ from forewarn.errors import Conflict, InvalidInput, NoSpareAvailable
 from forewarn.wire import JobRegistration, MigrationReason, MigrationReport
 from migrator import protocol as P
 from migrator.commands import handover_step
+from migrator.endpoint import serve
 from migrator.faults import FaultPlan
 from migrator.nodes import (
     NodeMonitor,
@@ -336,8 +337,6 @@ class Agent:
     def run(self) -> int:
         """Start the processes and supervise the job; returns the exit code (0: completed)."""
         if self.cfg.http_port is not None:
-            from migrator.endpoint import serve
-
             self._endpoint = serve(self, self.cfg.host, self.cfg.http_port)
             self.agent_url = f"http://{self.cfg.host}:{self._endpoint.server_port}"
         self._start_slots()

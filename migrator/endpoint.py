@@ -26,17 +26,54 @@ import os
 import re
 import tempfile
 import threading
+from collections.abc import Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from forewarn.errors import Conflict, ForewarnError, InvalidInput, NotFound
 from forewarn.localhttp import JsonHandler
+from forewarn.wire import JobRegistration, MigrationReport
 
-if TYPE_CHECKING:
-    from migrator.agent import Agent
+__all__ = ["EndpointAgent", "job_file", "read_job_file", "serve", "write_job_file"]
 
-__all__ = ["job_file", "read_job_file", "serve", "write_job_file"]
+
+class _InFlight(Protocol):
+    migration_id: str
+
+
+class EndpointAgent(Protocol):
+    """What the endpoint asks of the job agent it serves (:class:`migrator.agent.Agent` is
+    one; the agent imports this module, never the other way round)."""
+
+    @property
+    def status(self) -> str: ...
+
+    @property
+    def message(self) -> str: ...
+
+    @property
+    def gen(self) -> int: ...
+
+    @property
+    def inflight(self) -> _InFlight | None: ...
+
+    @property
+    def reports(self) -> Sequence[MigrationReport]: ...
+
+    def registration(self) -> JobRegistration: ...
+
+    def submit(
+        self,
+        *,
+        rank: int,
+        reason: str = "planned",
+        migration_id: str | None = None,
+        job_id: str | None = None,
+        detail: str | None = None,
+    ) -> str:
+        """Accept a planned or preventive move of ``rank``; returns its migration id."""
+        ...
 
 
 def run_dir() -> Path:
@@ -106,7 +143,7 @@ def read_job_file(job_id: str) -> dict[str, Any]:
     return found[0]
 
 
-def _handler(agent: Agent) -> type[BaseHTTPRequestHandler]:
+def _handler(agent: EndpointAgent) -> type[BaseHTTPRequestHandler]:
     class Handler(JsonHandler):
         def do_GET(self) -> None:
             try:
@@ -158,7 +195,7 @@ def _handler(agent: Agent) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
-def serve(agent: Agent, host: str, port: int) -> ThreadingHTTPServer:
+def serve(agent: EndpointAgent, host: str, port: int) -> ThreadingHTTPServer:
     """Serve the agent's endpoint in a daemon thread; the caller shuts it down."""
     server = ThreadingHTTPServer((host, port), _handler(agent))
     server.daemon_threads = True

@@ -8,14 +8,19 @@ asked for:
 
 - detection: once a rank exits or a survivor reports a failed collective, every rank of the
   generation has ``detect_grace_s`` (default ``timeout_s``) to report its last completed
-  step; one that neither reports nor exits is declared wedged and killed;
+  step; one that neither reports nor exits is declared wedged and killed. A rank's process
+  is looked at before its report (one that reported and exited since is lost); when every
+  rank reported and none exited, the last to report (the one the others waited for, back
+  from a wedge longer than their timeout) is declared lost too;
 - the checks before a rebuild: no rank-unique state (it is in no replica), and survivors
   agreeing on the last completed step;
 - choosing the spares (a warm one first) and the healthy replica they are rebuilt from, and
   posting the recovery plan where the survivors wait for it;
 - the script's own errors: every rank dead at once is the script's failure (its traceback is
-  reported, nothing is rebuilt), and the same error on the same rank and step after a spare
-  took it over is a crash loop (the job stops instead of using up every spare);
+  reported, nothing is rebuilt; ranks killed by a signal are said so), an error a spare
+  would raise again (out of memory, any exception but a ``RuntimeError``) stops the job
+  without using one, and the same error on the same rank and step after a spare took it
+  over is a crash loop (the job stops instead of using up every spare);
 - with too few spares, the pause (said on stderr, on the endpoint and in the store) and the
   failure after ``pause_timeout_s``; and :meth:`Recovery.fail`, which ends the job.
 
@@ -36,6 +41,7 @@ from forewarn.errors import NoSpareAvailable, StateNotReplicated
 from forewarn.wire import MigrationReason
 from migrator import protocol as P
 from migrator.layouts import read_layout, senders
+from migrator.peercopy import rewind_plan
 from migrator.table import JobTable, Migration, Slot
 
 __all__ = ["Recovery", "RecoverySettings", "Supervisor"]
@@ -95,6 +101,7 @@ class Recovery:
         self._weighed: dict[int, int] = {}
         """Per generation, the survivors' reports a decision already weighed."""
         self.checkpoint: dict[str, Any] | None = None
+        self.why_not = ""  # why the lost ranks' state is in no healthy rank (peer copies)
         """The stop checkpoint the survivors were asked to write (see :meth:`fail`)."""
 
     def clear(self) -> None:
@@ -121,10 +128,17 @@ class Recovery:
 
     def _unrebuildable(self, dead: list[int]) -> list[int]:
         """The lost ranks whose state no healthy rank holds: by the job's published layout
-        (an HSDP rank has holders in the other replica groups), else every lost rank when
-        a rank registered rank-unique state."""
+        (an HSDP rank has holders in the other replica groups; a peer-copy rank a copy in
+        its buddy's memory), else every lost rank when a rank registered rank-unique
+        state."""
         layout = read_layout(self.store)
         roster = self.table.roster
+        if layout is not None and layout.kind == "peer_copy":
+            healthy = [r for r in range(self.table.world_size) if r not in dead]
+            _, _, why = rewind_plan(self.store, self.table.world_size, dead, healthy)
+            if why:
+                self.why_not = why
+            return list(dead) if why else []
         if layout is None or layout.kind == "replicated":
             unique = any(self.store.check([f"slot{roster[r]}/unique"]) for r in roster)
             return list(dead) if unique else []
@@ -234,10 +248,12 @@ class Recovery:
             P.put_json(self.store, P.recovery_key(g), {"status": "none"})
             self.current = None
             return
+        self.why_not = ""
         if self._unrebuildable(dead):
             self.fail(
                 f"rank(s) {dead} lost; the job registered rank-unique state, which no "
-                "replica holds: restart from a checkpoint",
+                f"replica holds{self.why_not and ' (' + self.why_not + ')'}: restart from a "
+                "checkpoint",
                 code=StateNotReplicated.code,
             )
             return
@@ -285,7 +301,11 @@ class Recovery:
         mid = planned.migration_id if planned is not None else uuid.uuid4().hex[:12]
         replica = self.replica_for(set(dead))
         healthy = [r for r in range(self.table.world_size) if r not in dead]
-        sources = senders(read_layout(self.store), dead, healthy)
+        layout = read_layout(self.store)
+        sources = senders(layout, dead, healthy)
+        rewind = None
+        if layout is not None and layout.kind == "peer_copy":  # from the buddies' copies
+            sources, rewind, _ = rewind_plan(self.store, self.table.world_size, dead, healthy)
         targets = {}
         for rank, spare in zip(dead, spares, strict=False):
             spare.role, spare.rank = "assigned", rank
@@ -305,6 +325,7 @@ class Recovery:
                 "replacements": dead,
                 "replica": replica,
                 "senders": {str(r): sources.get(r, replica) for r in dead},
+                "rewind": rewind,
                 "migration_id": mid,
             },
         )
@@ -322,7 +343,7 @@ class Recovery:
             mid,
             dead,
             list(targets.values()),
-            replica,
+            ", ".join(str(sources.get(r, replica)) for r in dead),
         )
 
     def retarget(self, m: Migration, dead_spare: Slot) -> None:
@@ -464,7 +485,7 @@ class Recovery:
         """
         # One line in the log; the whole message (a traceback, say) is the job's final
         # status, which its launcher prints once when it exits.
-        log.error("job %s failed: %s", self.cfg.job_id, message.splitlines()[0])
+        log.error("job %s failed: %s", self.cfg.job_id, (message.splitlines() or [""])[0])
         self.table.status, self.table.message = "failed", message
         if self.current is not None:
             decision: dict[str, Any] = {"status": "failed", "code": code, "message": message}

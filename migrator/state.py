@@ -125,6 +125,13 @@ LAYOUTS = {
         "bitwise equal, 0 steps lost: the rank sends its own shards",
         _REFUSED.format(what="shards (no replica group)"),
     ),
+    "peer_copy": Layout(
+        "peer_copy",
+        "bitwise equal, 0 steps lost: the rank sends its own state",
+        "bitwise equal, at most k steps replayed (2k if the last copy had not landed): the "
+        "lost rank's copy comes from its buddy's memory and every rank goes back to that "
+        "copy's step; refused when a rank and its buddy are lost together",
+    ),
     "hsdp": Layout(
         "hsdp",
         "bitwise equal, 0 steps lost: the rank sends its own shards",
@@ -166,6 +173,7 @@ class Registry:
     scaler: Any = None
     data: DataPosition | None = None
     rank_unique: bool = False
+    peer_copies: bool = False  # copied to a buddy every k steps (migrator.peercopy)
     holders: Callable[[int], list[int]] | None = None
     """The ranks that hold the same state as a rank (:meth:`MeshLayout.holders`); None
     before registration."""

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -44,6 +45,7 @@ from predictor.train import train
 __all__ = ["Judgement", "ModelLifecycle", "adapt", "beats", "judge"]
 
 STATE_FILE = "lifecycle.json"
+_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")  # a card's stem, never a path
 
 
 @dataclass(frozen=True)
@@ -154,6 +156,8 @@ class ModelLifecycle:
         return entry
 
     def _path_of(self, model_id: str) -> Path:
+        if not _ID.fullmatch(model_id) or model_id.startswith("."):
+            raise NotFound(f"no model {model_id!r}", details={"model": model_id})
         for base in (self.dir, registry.SHIPPED_DIR):
             path = base / f"{model_id}{registry.CARD_SUFFIX}"
             if path.is_file():
@@ -282,8 +286,11 @@ class ModelLifecycle:
         return self._record(state, "pinned", model=model_id, previous=current, by=by)
 
     def unpin(self, *, by: str = "operator") -> dict[str, Any]:
-        """Let candidates replace the model in force again."""
+        """Let candidates replace the model in force again (nothing is recorded when nothing
+        was pinned)."""
         state = self._state()
+        if not state.get("pinned"):
+            return {"action": "unpinned", "model": self.in_force_id(), "by": by, "noop": True}
         state["pinned"] = False
         return self._record(state, "unpinned", model=self.in_force_id(), by=by)
 

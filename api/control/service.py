@@ -16,17 +16,17 @@ from typing import Any
 from fastapi import FastAPI
 
 from api.control.loop import ControlLoop
-from api.routes import audit, drain, failures, jobs, migrations, policy, risk
+from api.routes import audit, drain, failures, jobs, migrations, models, policy, risk
 from api.settings import Settings
 
-__all__ = ["install_control", "load_model", "start_control"]
+__all__ = ["install_control", "load_model", "model_lifecycle", "start_control"]
 
 log = logging.getLogger("forewarn.control")
 
 
 def install_control(app: FastAPI, settings: Settings) -> None:
     app.state.control = None
-    for module in (risk, jobs, migrations, policy, audit, drain, failures):
+    for module in (risk, jobs, migrations, policy, audit, drain, failures, models):
         app.include_router(module.router)
 
 
@@ -38,10 +38,18 @@ def load_model(settings: Settings) -> Any:
     try:
         if settings.model is not None:
             return registry.load(settings.model)
-        return registry.load_default(settings.models_dir)
+        return model_lifecycle(settings).load_in_force()
     except ForewarnError as exc:
         log.warning("no risk model (%s): GPUs will not be scored", exc)
         return None
+
+
+def model_lifecycle(settings: Settings) -> Any:
+    """The lifecycle of ``models_dir`` (its model in force: pinned, promoted, else the newest,
+    else the shipped one), or None when ``FOREWARN_MODEL`` names the model."""
+    from predictor.lifecycle import ModelLifecycle
+
+    return None if settings.model is not None else ModelLifecycle(settings.models_dir)
 
 
 async def start_control(app: FastAPI) -> list[asyncio.Task[None]]:
@@ -66,6 +74,7 @@ async def start_control(app: FastAPI) -> list[asyncio.Task[None]]:
             history_days=settings.risk_history_days,
             ack_timeout_s=settings.ack_timeout_s,
             agent_timeout_s=settings.agent_timeout_s,
+            lifecycle=model_lifecycle(settings),
         )
         app.state.control = loop
         await loop.run()

@@ -26,6 +26,9 @@ __all__ = ["JobPublic", "router"]
 
 router = APIRouter(tags=["jobs"])
 
+_MAX_GENERATION = 2**31 - 1
+"""A job's generation is stored as a 32-bit integer."""
+
 
 class RankPublic(BaseModel):
     slot: int
@@ -129,6 +132,9 @@ async def register_job(store: StoreDep, body: JobRegistration) -> dict[str, Any]
     summary="A job agent's sign of life",
 )
 async def heartbeat(store: StoreDep, job_id: str, body: JobHeartbeat) -> dict[str, Any]:
+    if body.generation > _MAX_GENERATION:  # the wire allows more than the store's column holds
+        raise InvalidInput(f"generation: at most {_MAX_GENERATION}")
+
     def write() -> dict[str, Any]:
         values = {
             "heartbeat_ms": now_ms(),

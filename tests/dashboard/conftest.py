@@ -39,7 +39,6 @@ WORN = ("sim-node-0001", 3)  # the GPU whose memory wears out
 ARTIFACTS = Path(os.environ.get("FOREWARN_TEST_ARTIFACTS", "var/artifacts/dashboard"))
 
 
-
 def post_rows(
     client: httpx.Client, token: str, samples: list[dict[str, Any]], events: list[dict[str, Any]]
 ) -> None:

@@ -100,3 +100,39 @@ def test_cells_are_parallel_columns_with_reasons_for_the_few(client: TestClient)
     index = {k: i for i, k in enumerate(key)}
     assert reasons[index[("node-a", 1)]] == ["ECC rising", "remap pending"]
     assert index[("node-a", 0)] not in reasons
+
+
+def test_a_dead_gpu_is_failed_and_one_that_came_back_is_recovered(client: TestClient) -> None:
+    """After the demo's story the map called the GPU that died of a double-bit error "27 %,
+    alarm, stale" and the one that came back "failed" (issue 32)."""
+    now = time.time()
+    ingest(client, "node-a", 3, now - 120)
+    ingest(client, "node-a", 1, now - 10)  # only GPU 0 reports still
+    dead = {"node": "node-a", "gpu": 1, "ts": now - 100, "kind": "xid", "xid": 48}
+    lost = {"node": "node-a", "gpu": 0, "ts": now - 100, "kind": "gpu_lost"}
+    r = client.post("/v1/ingest", json={"node": "node-a", "events": [dead, lost]}, headers=INGEST)
+    assert r.status_code == 200, r.text
+    score(
+        client,
+        [
+            risk_row("node-a", 1, 0.272, crossed=True, stale=True, reasons='["ECC rising"]'),
+            risk_row("node-a", 0, 0.01, failed=True),  # the loop's flag stays set
+        ],
+    )
+    body = client.get("/v1/dashboard/cells", headers=READ).json()
+    cols = ["gpu", "alarm", "stale", "failed", "recovered"]
+    rows = zip(*(body[c] for c in cols), strict=True)
+    by_gpu = {row[0]: dict(zip(cols, row, strict=True)) for row in rows}
+    assert by_gpu[1] == {"gpu": 1, "alarm": False, "stale": False, "failed": True,
+                         "recovered": False}  # fmt: skip
+    assert by_gpu[0]["failed"] is False and by_gpu[0]["recovered"] is True
+    assert by_gpu[2]["failed"] is False and by_gpu[2]["recovered"] is False
+    reasons = {int(i): r for i, r in body["reasons"].items()}
+    assert reasons[1] == ["failed: Xid 48"]
+    assert reasons[0] == ["recovered: reporting again after gpu lost"]
+    # the GPU page reads the same from /v1/gpus
+    gpus = {g["gpu"]: g for g in client.get("/v1/gpus?node=node-a", headers=READ).json()["data"]}
+    assert (gpus[1]["failed"], gpus[1]["recovered"]) == (True, False)
+    assert gpus[1]["failure"]["cause"] == "Xid 48"
+    assert (gpus[0]["failed"], gpus[0]["recovered"]) == (False, True)
+    assert gpus[2]["failure"] is None

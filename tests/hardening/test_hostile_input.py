@@ -327,3 +327,14 @@ def test_rows_beside_no_bad_input_are_stored(client: TestClient) -> None:
     body = {"node": "node-0", "samples": rows, "agent": _agent("node-0/sim \u00e9\U0001f600")}
     r = client.post("/v1/ingest", json=body, headers=INGEST)
     assert r.status_code == 200 and r.json()["stored_samples"] == 3
+
+
+def test_a_generation_past_the_stores_column_is_422(client: TestClient) -> None:
+    job = {"job_id": "job-1", "world_size": 1, "spares": 0,
+           "placement": [{"rank": 0, "node": "node-0", "gpu": 0}]}  # fmt: skip
+    assert client.post("/v1/jobs", json=job, headers=OPERATE).status_code == 201
+    beat = {"status": "running", "generation": 2**31}
+    r = client.post("/v1/jobs/job-1/heartbeat", json=beat, headers=OPERATE)
+    assert r.status_code == 422 and "generation" in r.text
+    beat["generation"] = 2**31 - 1
+    assert client.post("/v1/jobs/job-1/heartbeat", json=beat, headers=OPERATE).status_code == 200

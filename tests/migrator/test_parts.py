@@ -101,6 +101,25 @@ def test_cli_and_wire_parts_import_without_torch() -> None:
     assert done.returncode == 0, done.stderr
 
 
+def test_the_agent_and_its_endpoint_import_in_one_direction() -> None:
+    """The agent imports its endpoint; the endpoint names what it needs of the agent as a
+    protocol (EndpointAgent) and imports nothing of the agent's, not even for types."""
+    import ast
+
+    def imported(module: str) -> set[str]:
+        tree = ast.parse((ROOT / "migrator" / f"{module}.py").read_text())
+        names = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names.add(node.module)
+            elif isinstance(node, ast.Import):
+                names.update(a.name for a in node.names)
+        return names
+
+    assert "migrator.endpoint" in imported("agent")
+    assert not {"migrator.agent", "migrator"} & imported("endpoint")
+
+
 class _FakeStore:
     """The few TCPStore calls the launchers' monitor makes, in memory."""
 

@@ -30,6 +30,7 @@ def main() -> None:
     ap.add_argument("--mode", choices=["ddp", "plain", "fsdp"], default="ddp")
     ap.add_argument("--width", type=int, default=32)
     ap.add_argument("--replicate", type=int, default=1, help="fsdp: replica groups (HSDP)")
+    ap.add_argument("--peer-copy", type=int, metavar="K", help="copy to a buddy every K steps")
     ap.add_argument("--unique", action="store_true", help="declare rank-unique state")
     ap.add_argument("--raise-at", metavar="RANK:STEP", help="RuntimeError there, every time")
     ap.add_argument("--raise-text", help="the --raise-at error's message")
@@ -67,7 +68,14 @@ def main() -> None:
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.7)
     batches = ShardedIndices(512, 8, rank=rank, world_size=job.world_size, seed=5)
-    job.register(model=model, optimizer=opt, scheduler=sched, data=batches, rank_unique=args.unique)
+    job.register(
+        model=model,
+        optimizer=opt,
+        scheduler=sched,
+        data=batches,
+        rank_unique=args.unique,
+        peer_copy_every=args.peer_copy,
+    )
     net = job.ddp(model) if args.mode == "ddp" else model
     args.out.mkdir(parents=True, exist_ok=True)
     log = open(args.out / f"log.slot{job.slot}.jsonl", "a")  # noqa: SIM115

@@ -117,6 +117,30 @@ export function withQuery(path, params) {
   return s ? `${base}?${s}` : base;
 }
 
+// ---- what the token may do ---------------------------------------------------------------
+
+let scopes = null;
+let scopesOf = null;
+
+// The token's scopes (GET /v1/token), read once per token.
+export async function loadScopes() {
+  const token = getToken();
+  if (!token || token === scopesOf) return;
+  try {
+    const answer = await get("/v1/token");
+    scopes = new Set(answer.scopes || []);
+    scopesOf = token;
+  } catch {
+    scopes = null;
+    scopesOf = null;
+  }
+}
+
+// true or false once the token's scopes are known; null before (say nothing then).
+export function hasScope(scope) {
+  return scopes && scopesOf === getToken() ? scopes.has(scope) : null;
+}
+
 // ---- which routes this service has -------------------------------------------------------
 
 let routes = null;

@@ -4,7 +4,7 @@
 // calls refresh() of the current view every REFRESH_MS (timed from the start of the previous
 // refresh, never overlapping it), so a slow answer delays the next poll instead of piling up.
 
-import { ApiError, forgetToken, get, getToken, loadRoutes, setToken, whenUnauthorized } from "./api.js";
+import { ApiError, forgetToken, get, getToken, loadRoutes, loadScopes, setToken, whenUnauthorized } from "./api.js";
 import { esc } from "./util.js";
 import * as fleet from "./fleet.js";
 import * as gpu from "./gpu.js";
@@ -13,6 +13,7 @@ import * as jobs from "./jobs.js";
 import * as migrations from "./migrations.js";
 import * as audit from "./audit.js";
 import * as webhooks from "./webhooks.js";
+import * as models from "./models.js";
 
 export const REFRESH_MS = 2000;
 
@@ -25,6 +26,7 @@ const ROUTES = [
   [/^migrations$/, migrations, () => ({})],
   [/^audit$/, audit, () => ({})],
   [/^webhooks$/, webhooks, () => ({})],
+  [/^models$/, models, () => ({})],
 ];
 
 const state = { view: null, timer: null, generation: 0, lastOk: 0 };
@@ -57,6 +59,7 @@ async function route() {
   }
   document.title = `${target.view.title(target.params)} · Forewarn`;
   main.innerHTML = "";
+  await loadScopes(); // hints about a missing scope only where the token lacks it
   state.view = target.view;
   await target.view.mount(main, target.params);
   tick(state.generation);

@@ -29,6 +29,22 @@ function subject(e) {
   return parts.join(" · ");
 }
 
+// An entry's data as "name: value" lines (a GPU as node/index, risks as percentages, lists
+// joined), not as raw JSON; what has no plain form stays JSON.
+function details(data) {
+  if (!data || typeof data !== "object" || !Object.keys(data).length) return "";
+  const plain = (key, v) => {
+    if (v === null || v === undefined || v === "") return "–";
+    if (typeof v === "number" && /risk|threshold/.test(key) && v >= 0 && v <= 1) return `${(v * 100).toFixed(1)} %`;
+    if (Array.isArray(v)) return v.map((x) => plain(key, x)).join("; ");
+    if (typeof v === "object" && "node" in v) return v.gpu !== null && v.gpu !== undefined ? `${v.node}/${v.gpu}${v.slot !== undefined && v.slot !== null ? ` (slot ${v.slot})` : ""}` : String(v.node);
+    if (typeof v === "object") return JSON.stringify(v);
+    return String(v);
+  };
+  return `<dl class="audit-data" data-audit-data>${Object.entries(data)
+    .map(([k, v]) => `<dt>${esc(k.replaceAll("_", " "))}</dt><dd>${esc(plain(k, v))}</dd>`).join("")}</dl>`;
+}
+
 export async function refresh() {
   if (!has("GET /v1/audit")) {
     root.innerHTML = `<section><h1>Audit log</h1>${unavailable("The audit log", "GET /v1/audit")}</section>`;
@@ -46,7 +62,7 @@ export async function refresh() {
     ? `<table class="compact"><thead><tr><th>time</th><th>kind</th><th>action</th><th>reason</th><th>about</th><th>data</th></tr></thead><tbody>
       ${rows.slice(0, 500).map((e) => `<tr data-audit="${esc(e.seq)}"><td>${fmtTime(e.at)}</td><td>${esc(e.kind)}</td>
         <td><strong>${esc(e.action)}</strong></td><td>${esc(e.reason)}</td><td>${subject(e)}</td>
-        <td class="mono small">${esc(e.data && Object.keys(e.data).length ? JSON.stringify(e.data) : "")}</td></tr>`).join("")}
+        <td class="small">${details(e.data)}</td></tr>`).join("")}
       </tbody></table>`
     : `<p class="muted">No audit entry in the last 24 hours${params.migration ? " for this migration" : ""}.</p>`;
 }

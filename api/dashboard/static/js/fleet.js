@@ -51,6 +51,7 @@ export async function mount(el, params) {
           <option value="all">all GPUs</option>
           <option value="at-risk">at risk</option>
           <option value="failed">failed</option>
+          <option value="recovered">recovered</option>
           <option value="stale">stale</option>
           <option value="drained">drained</option>
           <option value="spare">spares</option>
@@ -136,7 +137,8 @@ async function readCells() {
     for (let i = 0; i < c.count; i++) {
       items[i] = {
         node: c.nodes[c.node[i]], gpu: c.gpu[i], risk: c.risk[i], alarm: c.alarm[i],
-        stale: c.stale[i], failed: c.failed[i], seen: c.last_seen_ms[i], reasons: c.reasons[i] || null,
+        stale: c.stale[i], failed: c.failed[i], recovered: c.recovered ? c.recovered[i] : false,
+        seen: c.last_seen_ms[i], reasons: c.reasons[i] || null,
       };
     }
     return items;
@@ -148,7 +150,8 @@ async function readCells() {
     const seen = parseTs(g.ts);
     return {
       node: g.node, gpu: g.gpu, risk: g.risk ?? null, alarm: g.alarm ?? false,
-      stale: g.stale ?? now - seen > STALE_AFTER_MS, failed: g.failed ?? false, seen, reasons: g.reasons || null,
+      stale: g.stale ?? now - seen > STALE_AFTER_MS, failed: g.failed ?? false, recovered: false,
+      seen, reasons: g.reasons || null,
     };
   });
 }
@@ -206,14 +209,19 @@ function derive(items, nodes, drains, jobs, policy, migrations) {
     }
   }
   const n = items.length;
-  const state = new Uint8Array(n); // bit 1 at risk, 2 stale, 4 drained, 8 spare, 16 failed
+  // bit 1 at risk, 2 stale, 4 drained, 8 spare, 16 failed, 32 recovered. A failed GPU is
+  // only failed: its last risk and its silence say nothing more.
+  const state = new Uint8Array(n);
   for (let i = 0; i < n; i++) {
     const it = items[i];
     let s = 0;
-    if (it.alarm || it.failed) s |= 1;
-    if (it.stale) s |= 2;
-    if (drained.has(it.node)) s |= 4;
     if (it.failed) s |= 16;
+    else {
+      if (it.alarm) s |= 1;
+      if (it.stale) s |= 2;
+      if (it.recovered) s |= 32;
+    }
+    if (drained.has(it.node)) s |= 4;
     if (placement.size) {
       const p = placement.get(`${it.node}/${it.gpu}`);
       if (p && p.role === "spare") s |= 8;
@@ -237,6 +245,7 @@ function matches(i) {
   switch (filter.state) {
     case "at-risk": return (s & 1) !== 0;
     case "failed": return (s & 16) !== 0;
+    case "recovered": return (s & 32) !== 0;
     case "stale": return (s & 2) !== 0;
     case "drained": return (s & 4) !== 0;
     case "spare": return (s & 8) !== 0;
@@ -327,12 +336,15 @@ const WORD_DRAINED_EDGE = word("#6ea8fe");
 const WORD_HATCH = word("#3b4452");
 const WORD_RING = word("#ffffff");
 const WORD_SPARE = word("#e8ecf1");
+const WORD_FAILED = word("#2a0d10");
+const WORD_CROSS = word("#ff5d5d");
+const WORD_RECOVERED = word("#4cc38a");
 
 let pixels = null; // reused between updates: {image, words, w, h}
 
 function cellWord(i) {
   const s = data.state[i];
-  if (s & 16) return WORD_RISK[WORD_RISK.length - 1];
+  if (s & 16) return WORD_FAILED;
   if (s & 4) return WORD_DRAINED;
   if (s & 2) return WORD_STALE;
   const b = riskBucket(data.items[i].risk, data.threshold);
@@ -376,7 +388,7 @@ function draw() {
       words.fill(cellWord(i), at, at + side);
     }
     const s = data.state[i];
-    if (s & 15) mark(words, W, x0, y0, side, line, s, ring);
+    if (s & 63) mark(words, W, x0, y0, side, line, s, ring);
   }
   ctx.setTransform(1, 0, 0, 1, 0, 0);
   ctx.putImageData(pixels.image, 0, 0);
@@ -401,10 +413,20 @@ function draw() {
   renderText();
 }
 
-// The marks of one cell, in the pixel buffer too: an outline for a drained node, a diagonal
-// for stale telemetry, a white ring for an alarm, a dot for a spare.
+// The marks of one cell, in the pixel buffer too: a red cross for a failed GPU, an outline
+// for a drained node (blue) or a GPU back from a failure (green), a diagonal for stale
+// telemetry, a white ring for an alarm, a dot for a spare.
 function mark(words, W, x0, y0, side, line, s, ring) {
+  if (s & 16) {
+    for (let r = 0; r < side; r++) {
+      const at = (y0 + r) * W + x0;
+      words.fill(WORD_CROSS, at + r, Math.min(at + r + line, at + side));
+      const back = side - 1 - r;
+      words.fill(WORD_CROSS, at + back, Math.min(at + back + line, at + side));
+    }
+  }
   if (s & 4) outline(words, W, x0, y0, side, 0, line, WORD_DRAINED_EDGE);
+  else if (s & 32) outline(words, W, x0, y0, side, 0, line, WORD_RECOVERED);
   else if (s & 2) {
     for (let r = 0; r < side; r++) {
       const at = (y0 + side - 1 - r) * W + x0 + r;
@@ -457,9 +479,11 @@ function renderText() {
   const { items, state, nodeInfo, policy, migrations, jobIds } = data;
   let atRisk = 0;
   let stale = 0;
+  let failed = 0;
   for (let i = 0; i < items.length; i++) {
     if (state[i] & 1) atRisk++;
     if (state[i] & 2) stale++;
+    if (state[i] & 16) failed++;
   }
   const drainedNodes = data.drained.size;
   let staleAgents = 0;
@@ -483,6 +507,7 @@ function renderText() {
   setHtml("#fleet-summary", `
     <span class="stat">GPUs <strong>${items.length.toLocaleString("en")}</strong></span>
     <span class="stat" data-stat="at-risk">at risk <strong>${atRisk}</strong></span>
+    <span class="stat" data-stat="failed">failed <strong>${failed}</strong></span>
     <span class="stat" data-stat="stale-gpus">stale GPUs <strong>${stale}</strong></span>
     <span class="stat" data-stat="in-flight">migrations in flight ${countText(inFlight)}</span>
     <span class="stat" data-stat="drained">drained nodes ${has("GET /v1/drains") ? `<strong>${drainedNodes}</strong>` : countText(null)}</span>
@@ -513,10 +538,10 @@ function setHtml(selector, html) {
 function topHtml() {
   const { items, state } = data;
   // One pass keeping the best TOP_AT_RISK (alarms first, then risk): no sort of the fleet.
-  const key = (i) => (state[i] & 1 ? 2 : 0) + (items[i].risk ?? -1);
+  const key = (i) => (state[i] & 16 ? 4 : state[i] & 1 ? 2 : 0) + (items[i].risk ?? -1);
   const top = [];
   for (let i = 0; i < items.length; i++) {
-    if (items[i].risk === null && !(state[i] & 1)) continue;
+    if (items[i].risk === null && !(state[i] & 17)) continue;
     const k = key(i);
     if (top.length === TOP_AT_RISK && k <= key(top[top.length - 1])) continue;
     let j = top.length < TOP_AT_RISK ? top.length : TOP_AT_RISK - 1;
@@ -531,10 +556,11 @@ function topHtml() {
   }
   const rows = top.map((i) => {
     const it = items[i];
-    const reason = (it.reasons || [])[0] || (state[i] & 16 ? "failed" : "");
-    return `<tr class="${state[i] & 1 ? "alarm" : ""}">
+    const failed = (state[i] & 16) !== 0;
+    const reason = (it.reasons || [])[0] || (failed ? "failed" : "");
+    return `<tr class="${state[i] & 1 ? "alarm" : ""}${failed ? " failed" : ""}">
       <td><a href="${gpuHref(it.node, it.gpu)}">${esc(it.node)}/${it.gpu}</a></td>
-      <td class="num">${it.risk === null ? "–" : fmtPct(it.risk)}</td>
+      <td class="num">${failed ? "failed" : it.risk === null ? "–" : fmtPct(it.risk)}</td>
       <td class="reason">${esc(reason)}</td></tr>`;
   });
   return `<table class="compact"><thead><tr><th>GPU</th><th>risk</th><th>why</th></tr></thead>
@@ -550,6 +576,8 @@ function legendHtml() {
     swatch("sw-alarm", "alarm (white ring)"),
     swatch("sw-none", "not scored yet"),
     swatch("sw-stale", "stale telemetry"),
+    swatch("sw-failed", "failed (red cross): lost or a fatal Xid, no sample since"),
+    swatch("sw-recovered", "recovered (green edge): reporting again after a failure"),
     swatch("sw-drained", "node drained"),
     swatch("sw-spare", "warm spare (dot)"),
   ].join("");
@@ -577,9 +605,10 @@ function describe(k) {
   const s = data.state[i];
   const p = data.placement.get(`${it.node}/${it.gpu}`);
   const parts = [`${it.node} GPU ${it.gpu}`];
-  parts.push(typeof it.risk === "number" ? `risk ${fmtPct(it.risk)}` : "not scored");
+  if (s & 16) parts.push(`FAILED, last sample ${ago(it.seen)}`);
+  else parts.push(typeof it.risk === "number" ? `risk ${fmtPct(it.risk)}` : "not scored");
+  if (s & 32) parts.push("recovered");
   if (s & 1) parts.push("ALARM");
-  if (s & 16) parts.push("FAILED");
   if (s & 2) parts.push(`stale (last sample ${ago(it.seen)})`);
   if (s & 4) parts.push("node drained");
   if (p) parts.push(`${p.role === "spare" ? "spare of" : "rank " + p.rank + " of"} ${p.job}`);
@@ -658,5 +687,11 @@ function onKey(ev) {
 }
 
 // For the tests: the GPUs drawn, in drawing order.
+// What the map's tooltip says of one GPU (read by the tests).
+window.__forewarnDescribe = (node, gpu) => {
+  if (!layout || !data) return null;
+  const k = layout.order.findIndex((i) => data.items[i].node === node && data.items[i].gpu === gpu);
+  return k < 0 ? null : describe(k);
+};
 window.__forewarnFleetCells = () =>
   layout && data ? [...layout.order].map((i) => `${data.items[i].node}/${data.items[i].gpu}`) : [];

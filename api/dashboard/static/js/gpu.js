@@ -16,6 +16,7 @@ export const section = "fleet";
 export const title = (p) => `${p.node} GPU ${p.gpu}`;
 
 const WINDOWS = [
+  ["5m", 5 * 60],
   ["15m", 15 * 60],
   ["1h", 3600],
   ["6h", 6 * 3600],
@@ -60,7 +61,8 @@ let xRange = [0, 1]; // seconds: the window, shared by every chart
 export async function mount(el, p) {
   root = el;
   params = p;
-  windowS = (WINDOWS.find(([k]) => k === p.window) || WINDOWS[1])[1];
+  const chosen = WINDOWS.find(([k]) => k === p.window);
+  windowS = chosen ? chosen[1] : 3600; // until the data says which window fits (below)
   cols = null;
   risk = { t: [], v: [] };
   riskLatest = null;
@@ -100,6 +102,12 @@ export async function mount(el, p) {
       refresh().catch(() => {});
     });
   }
+  if (!chosen) {
+    windowS = await fittingWindow(p);
+    for (const o of el.querySelectorAll("[data-window]")) {
+      o.setAttribute("aria-pressed", String(Number(o.dataset.window) === windowS));
+    }
+  }
   resize = new ResizeObserver(() => {
     for (const [id, u] of charts) u.setSize(sizeOf(document.getElementById(id)));
   });
@@ -114,6 +122,23 @@ export function unmount() {
 }
 
 const iso = (ms) => new Date(ms).toISOString();
+
+// Without a window in the address: the smallest that holds this GPU's samples of the last
+// day with some room (a demo's few minutes fill the charts instead of their right edge).
+async function fittingWindow(p) {
+  const day = 24 * 3600;
+  try {
+    const first = await get(withQuery(`/v1/gpus/${encodeURIComponent(p.node)}/${p.gpu}/samples`, {
+      since: iso(Date.now() - day * 1000), fields: "temp_gpu_c", limit: 1,
+    }));
+    const ts = first.data && first.data.length ? parseTs(first.data[0].ts) : null;
+    if (ts === null) return 3600;
+    const span = (Date.now() - ts) / 1000;
+    return (WINDOWS.find(([, s]) => s >= span * 1.25) || WINDOWS[WINDOWS.length - 1])[1];
+  } catch {
+    return 3600;
+  }
+}
 
 export async function refresh() {
   const p = params;
@@ -354,11 +379,23 @@ function renderNow(item) {
     el.innerHTML = `<p class="note">No recent sample of this GPU.</p>`;
     return;
   }
+  const failure = item.failure || null;
+  if (item.failed) {
+    el.innerHTML = `
+      <div class="risk-now failed" data-state="failed"><span class="muted">state</span><strong>failed</strong>
+        <span class="badge bad">failed</span>
+        <span class="muted">${failure ? `${esc(failure.cause)} ${ago(failure.at)}` : ""}; last sample ${ago(item.ts)}</span></div>
+      <div class="why"><h2>What now</h2><p>This GPU failed and has sent nothing since: its last risk score no
+        longer applies. Any rank it served was moved (see Migrations below); replace or reset it, and
+        it shows as recovered once its collector reports again.</p></div>`;
+    return;
+  }
   const reasons = item.reasons && item.reasons.length
     ? `<ul class="reasons">${item.reasons.map((r) => `<li>${esc(r)}</li>`).join("")}</ul>`
     : `<p class="muted">${typeof item.risk === "number" ? "Nothing stands out." : "Not scored yet."}</p>`;
   const riskText = typeof item.risk === "number" ? fmtPct(item.risk) : "–";
   const badges = [
+    item.recovered ? `<span class="badge ok" data-state="recovered" title="${failure ? esc(`after ${failure.cause} ${ago(failure.at)}`) : ""}">recovered</span>` : "",
     item.alarm ? `<span class="badge bad">alarm</span>` : "",
     item.stale ? `<span class="badge warn">stale</span>` : "",
   ].join(" ");

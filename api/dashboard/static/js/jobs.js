@@ -1,7 +1,7 @@
 // Jobs: every registered job, and one job's ranks with placement, spares, generation, step,
 // health; a rank can be moved to a spare by hand (operate scope), after a confirmation.
 
-import { get, getAll, has, post, withQuery } from "./api.js";
+import { get, getAll, has, hasScope, post, withQuery } from "./api.js";
 import { ago, confirmAction, errorNote, esc, fmtPct, gpuHref, unavailable } from "./util.js";
 import { jobIdOf, ranksOf } from "./shapes.js";
 
@@ -11,6 +11,9 @@ export const title = (p) => (p.job ? `job ${p.job}` : "Jobs");
 let root = null;
 let params = null;
 let gpuRisk = new Map();
+
+// A job in one of these states has no live rank: nothing of it can move.
+const FINISHED = new Set(["completed", "failed", "stopped"]);
 
 export async function mount(el, p) {
   root = el;
@@ -74,18 +77,26 @@ async function refreshJob(p) {
     ${job.message ? `<dt>message</dt><dd>${esc(job.message)}</dd>` : ""}
     <dt>heartbeat</dt><dd>${ago(job.heartbeat_at)}</dd></dl>`;
   const canMigrate = has("POST /v1/migrations");
+  const finished = FINISHED.has(job.status);
+  const mayMove = canMigrate && !finished; // a token without operate is refused, and told why
+  let next = "";
+  if (finished) {
+    next = `<p class="note" data-next="finished">This job has ${esc(job.status)}: its ranks hold no GPU any more, and there is nothing to move.</p>`;
+  } else if (canMigrate && hasScope("operate") === false) {
+    next = `<p class="note muted" data-scope-hint="operate">Moving a rank to a spare needs a token with the <code>operate</code> scope.</p>`;
+  }
   const el = root.querySelector("#job-ranks");
   el.innerHTML = `<table><thead><tr><th>rank</th><th>role</th><th>GPU</th><th>risk</th><th>generation</th>${steps ? "<th>step</th>" : ""}<th></th></tr></thead><tbody>
     ${ranks.map((r) => {
       const g = r.gpu !== null && r.gpu !== undefined ? gpuRisk.get(`${r.node}/${r.gpu}`) : null;
       const where = r.gpu !== null && r.gpu !== undefined ? `<a href="${gpuHref(r.node, r.gpu)}">${esc(r.node)}/${r.gpu}</a>` : esc(r.node);
-      const action = canMigrate && (r.role || "active") === "active"
+      const action = mayMove && (r.role || "active") === "active"
         ? `<button type="button" data-migrate="${esc(r.rank)}">Move to a spare…</button>` : "";
       return `<tr class="${r.role === "retired" ? "muted" : ""}"><td class="num">${esc(r.rank)}</td><td>${esc(r.role || "active")}</td><td>${where}</td>
         <td class="num">${g && typeof g.risk === "number" ? fmtPct(g.risk) : "–"}${g && g.alarm ? ` <span class="badge bad">alarm</span>` : ""}</td>
         <td class="num">${esc(r.generation ?? job.generation ?? "–")}</td>${steps ? `<td class="num">${esc(r.step ?? job.step ?? "–")}</td>` : ""}<td>${action}</td></tr>`;
     }).join("")}</tbody></table>
-    ${canMigrate ? "" : unavailable("Manual migration", "POST /v1/migrations")}`;
+    ${canMigrate ? next : unavailable("Manual migration", "POST /v1/migrations")}`;
   for (const b of el.querySelectorAll("[data-migrate]")) {
     b.addEventListener("click", () => migrate(p.job, Number(b.dataset.migrate)));
   }

@@ -1,6 +1,6 @@
 // Node page: its GPUs and collectors, and the drain / undrain action (operate scope).
 
-import { getAll, has, post, withQuery } from "./api.js";
+import { getAll, has, hasScope, post, withQuery } from "./api.js";
 import { ago, confirmAction, errorNote, esc, fmtNum, fmtPct, gpuHref, riskClass, unavailable } from "./util.js";
 
 export const section = "fleet";
@@ -50,7 +50,7 @@ function renderActions(drain) {
     <span class="badge ${drained ? "warn" : "ok"}" id="node-state">${drained ? "drained" : "in service"}</span>
     <button type="button" id="drain" class="danger" ${drained ? "disabled" : ""}>Drain node…</button>
     <button type="button" id="undrain" ${drained ? "" : "disabled"}>Undrain</button>
-    <span class="muted">Needs a token with the <code>operate</code> scope.</span>`;
+    ${hasScope("operate") === false ? `<span class="muted" data-scope-hint="operate">Draining needs a token with the <code>operate</code> scope.</span>` : ""}`;
   el.querySelector("#drain").addEventListener("click", () => act("drain"));
   el.querySelector("#undrain").addEventListener("click", () => act("undrain"));
 }

@@ -1,6 +1,6 @@
 // Webhooks: subscriptions and each one's recent deliveries (admin scope).
 
-import { get, getAll, has } from "./api.js";
+import { get, getAll, has, hasScope } from "./api.js";
 import { errorNote, esc, fmtTime, unavailable } from "./util.js";
 
 export const section = "webhooks";
@@ -12,8 +12,10 @@ let selected = null;
 export async function mount(el) {
   root = el;
   selected = null;
-  el.innerHTML = `<section><div class="page-head"><h1>Webhooks</h1>
-    <span class="muted">Reading subscriptions needs a token with the <code>admin</code> scope.</span></div>
+  const hint = hasScope("admin") === false
+    ? `<span class="muted" data-scope-hint="admin">Reading subscriptions needs a token with the <code>admin</code> scope.</span>`
+    : "";
+  el.innerHTML = `<section><div class="page-head"><h1>Webhooks</h1>${hint}</div>
     <div id="wh-list"></div><h2 id="wh-del-title">Recent deliveries</h2><div id="wh-deliveries"></div></section>`;
 }
 

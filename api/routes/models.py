@@ -1,0 +1,217 @@
+"""Model routes: the models the service can score with, which one is in force, the history of
+promotions, pins and rollbacks (``read``); pin, unpin, roll back, retrain (``admin``).
+
+``POST /v1/models/retrain`` trains a candidate on the fleet's own history (the store's Parquet
+history, ``FOREWARN_HISTORY_URL``) on top of the model in force, in a worker thread (never in
+the event loop: ingest goes on), and lets the lifecycle judge it on the history's last
+``holdout_days``; ``GET /v1/models/retrain`` says how the last one went.
+
+A thin layer over :class:`predictor.lifecycle.ModelLifecycle` on ``FOREWARN_MODELS_DIR``; the
+control loop follows the model in force at its next tick. With ``FOREWARN_MODEL`` set, that
+card scores and the lifecycle does not decide: changes are refused (409).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Literal
+
+from anyio import to_thread
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, Field
+
+from api.deps import SettingsDep, require
+from forewarn.errors import Conflict, ForewarnError
+from predictor.lifecycle import ModelLifecycle
+
+__all__ = ["ModelsPublic", "PinRequest", "RetrainPublic", "RetrainRequest", "router"]
+
+router = APIRouter(tags=["models"])
+
+
+class ModelPublic(BaseModel):
+    id: str
+    """The card's stem in the models directory (or the shipped model's)."""
+    created_at: str
+    in_force: bool
+
+
+class ModelsPublic(BaseModel):
+    data: list[ModelPublic]
+    count: int
+    in_force: str
+    """The model the lifecycle puts in force."""
+    scoring: str | None
+    """The model the control loop scored with at its last tick (null on a replica that does
+    not lead, or before the first tick)."""
+    pinned: bool
+    replaced: list[str]
+    """Models replaced by promotions and pins, oldest first: a rollback restores the last."""
+    history: list[dict[str, Any]]
+    """Every decision, oldest first: ``judged`` (a candidate against the model in force, with
+    both judgements and whether it was promoted), ``pinned``, ``unpinned``, ``rolled_back``."""
+
+
+class PinRequest(BaseModel):
+    model_id: str = Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+def _life(settings: Any, *, changing: bool = False) -> ModelLifecycle:
+    if changing and settings.model is not None:
+        raise Conflict(
+            "FOREWARN_MODEL names the model to score with; the models directory's lifecycle "
+            "does not decide",
+            details={"model": str(settings.model)},
+        )
+    return ModelLifecycle(settings.models_dir)
+
+
+def _public(life: ModelLifecycle, request: Request) -> dict[str, Any]:
+    status = life.status()
+    models = life.models()
+    loop = getattr(request.app.state, "control", None)
+    return {
+        "data": models,
+        "count": len(models),
+        "in_force": status["in_force"],
+        "scoring": getattr(loop, "model_id", None),
+        "pinned": status["pinned"],
+        "replaced": status["replaced"],
+        "history": status["history"],
+    }
+
+
+@router.get(
+    "/v1/models",
+    response_model=ModelsPublic,
+    dependencies=[require("read")],
+    summary="The models, the one in force and the history of promotions, pins and rollbacks",
+)
+async def list_models(settings: SettingsDep, request: Request) -> dict[str, Any]:
+    return await to_thread.run_sync(lambda: _public(_life(settings), request))
+
+
+@router.post(
+    "/v1/models/pin",
+    response_model=ModelsPublic,
+    dependencies=[require("admin")],
+    summary="Put a model in force and keep it there (no promotion replaces it)",
+)
+async def pin_model(settings: SettingsDep, request: Request, body: PinRequest) -> dict[str, Any]:
+    def run() -> dict[str, Any]:
+        life = _life(settings, changing=True)
+        life.pin(body.model_id)
+        return _public(life, request)
+
+    return await to_thread.run_sync(run)
+
+
+@router.post(
+    "/v1/models/unpin",
+    response_model=ModelsPublic,
+    dependencies=[require("admin")],
+    summary="Let a better retrained model replace the one in force again",
+)
+async def unpin_model(settings: SettingsDep, request: Request) -> dict[str, Any]:
+    def run() -> dict[str, Any]:
+        life = _life(settings, changing=True)
+        life.unpin()
+        return _public(life, request)
+
+    return await to_thread.run_sync(run)
+
+
+@router.post(
+    "/v1/models/rollback",
+    response_model=ModelsPublic,
+    dependencies=[require("admin")],
+    summary="Put back the model the last promotion or pin replaced (409 when none)",
+)
+async def rollback_model(settings: SettingsDep, request: Request) -> dict[str, Any]:
+    def run() -> dict[str, Any]:
+        life = _life(settings, changing=True)
+        life.rollback()
+        return _public(life, request)
+
+    return await to_thread.run_sync(run)
+
+
+class RetrainRequest(BaseModel):
+    holdout_days: float = Field(default=1.0, gt=0, le=30)
+    """The history's last days, held out of training, on which the candidate and the model in
+    force are judged."""
+
+
+class RetrainPublic(BaseModel):
+    state: Literal["idle", "running", "done", "failed"]
+    started_at: float | None = None
+    """Seconds since the epoch."""
+    finished_at: float | None = None
+    decision: dict[str, Any] | None = None
+    """The lifecycle's decision (``judged``: both judgements, promoted or not)."""
+    error: str | None = None
+
+
+def _retrain_state(request: Request) -> dict[str, Any]:
+    app_state = request.app.state
+    if not hasattr(app_state, "model_retrain"):
+        app_state.model_retrain = {"state": "idle", "lock": threading.Lock()}
+    return app_state.model_retrain  # type: ignore[no-any-return]
+
+
+def _public_retrain(job: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in job.items() if k != "lock"}
+
+
+def _retrain(settings: Any, job: dict[str, Any], holdout_days: float) -> None:
+    from predictor.dataset import load_dataset
+
+    try:
+        url = settings.tier_policy().history_url
+        if url is None:
+            raise Conflict("the service keeps no history (FOREWARN_HISTORY_URL=none)")
+        history = load_dataset(url)
+        decision = _life(settings).retrain_on_history(history, holdout_days=holdout_days)
+        job.update(state="done", decision=decision)
+    except ForewarnError as exc:
+        job.update(state="failed", error=exc.message)
+    except Exception as exc:  # a worker thread must report, not die silently
+        job.update(state="failed", error=f"{type(exc).__name__}: {exc}")
+    finally:
+        job["finished_at"] = time.time()
+
+
+@router.post(
+    "/v1/models/retrain",
+    response_model=RetrainPublic,
+    status_code=202,
+    dependencies=[require("admin")],
+    summary="Retrain on the fleet's own history in a worker; the lifecycle judges the result "
+    "(409 when one is running)",
+)
+async def retrain_model(
+    settings: SettingsDep, request: Request, body: RetrainRequest | None = None
+) -> dict[str, Any]:
+    _life(settings, changing=True)
+    job = _retrain_state(request)
+    with job["lock"]:
+        if job["state"] == "running":
+            raise Conflict("a retraining is running", details={"started_at": job["started_at"]})
+        job.update(state="running", started_at=time.time(), finished_at=None, decision=None)
+        job["error"] = None
+    days = (body or RetrainRequest()).holdout_days
+    threading.Thread(
+        target=_retrain, args=(settings, job, days), name="model-retrain", daemon=True
+    ).start()
+    return _public_retrain(job)
+
+
+@router.get(
+    "/v1/models/retrain",
+    response_model=RetrainPublic,
+    dependencies=[require("read")],
+    summary="How the last retraining went",
+)
+async def retrain_status(request: Request) -> dict[str, Any]:
+    return _public_retrain(_retrain_state(request))
