@@ -468,13 +468,14 @@ def main() -> None:
         sizes = []
     if args.quick:
         sizes = [x for x in sizes if x[1] < 10**9]
-    print(
-        f"(a)+(b) 2 ranks, {args.repeat} run(s) per case (min-max); loopback bandwidth "
-        "(gloo, 3 x 256 MiB messages) measured before each size's cases;\n"
-        "    goal: pause <= 2 * bytes / bandwidth + 1 s"
-    )
-    head = f"    {'state':>6} {'case':<36} {'bytes':>13} {'goal s':>7} {'seconds':>13}"
-    print(head + f" {'transfer GB/s':>14}")
+    if sizes:
+        print(
+            f"(a)+(b) 2 ranks, {args.repeat} run(s) per case (min-max); loopback bandwidth "
+            "(gloo, 3 x 256 MiB messages) measured before each size's cases;\n"
+            "    goal: pause <= 2 * bytes / bandwidth + 1 s"
+        )
+        head = f"    {'state':>6} {'case':<36} {'bytes':>13} {'goal s':>7} {'seconds':>13}"
+        print(head + f" {'transfer GB/s':>14}")
     bws: list[float] = []
     failed: list[Path] = []  # the logs of failed runs are kept
     for label, size in sizes:
