@@ -15,6 +15,9 @@ at the new generation's groups (:func:`rebind`).
   of replica group ``r``). Each generation builds its two sub-groups, the rank's replica
   group (its shard index's ranks) and its shard group (its replica group's ranks), from the
   store (:meth:`migrator.membership.Membership.join`), and both names are re-pointed.
+- FSDP2 + tensor parallel (``tp=T``, TorchTitan's composition): a ``(world/T, T)`` mesh
+  named ``("dp_shard", "tp")``; the script's plan is applied on the ``tp`` sub-mesh, then
+  ``fully_shard`` on ``dp_shard``; both dimensions' groups are re-pointed the same way.
 
 A rank's shards are its own within its replica group: a planned or preventive move carries
 them to the spare (the source sends each parameter's and optimizer state's local tensor,

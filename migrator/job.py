@@ -474,7 +474,8 @@ class Job:
         if any(isinstance(p, DTensor) for p in module.parameters()):
             raise MigrationError(
                 "job.fsdp: the module already holds DTensor parameters (tensor parallelism "
-                "or fully_shard applied before): not supported"
+                "or fully_shard applied before): not supported; pass a tensor-parallel plan "
+                "as job.fsdp(module, tp=T, tp_plan=apply_tp)"
             )
         if tp < 1 or self.world_size % tp:
             raise ValueError(f"job.fsdp(tp={tp}): {self.world_size} ranks do not split so")

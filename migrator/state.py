@@ -77,7 +77,10 @@ def refuse_bound_sharding(
             for name, p in model.named_parameters():
                 if isinstance(p, DTensor) and id(p) not in ours_params:
                     what = f"a DTensor parameter ({name})"
-                    hint = "DTensor tensor parallelism is not supported"
+                    hint = (
+                        "DTensor tensor parallelism is not supported outside job.fsdp: apply "
+                        "it through job.fsdp(module, tp=T, tp_plan=apply_tp)"
+                    )
                     break
         if not what:
             continue
