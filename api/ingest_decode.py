@@ -179,7 +179,7 @@ def decode_fast(raw: bytes, *, max_rows: int, node_ok: Callable[[str], bool]) ->
     if b'"sample_columns"' in raw:
         try:
             batch = _COLUMN_BATCH.decode(raw)
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, RecursionError):  # too deep: the exact path says so
             return _from_untyped(raw, max_rows=max_rows, node_ok=node_ok)
         return _from_column_batch(raw, batch, max_rows=max_rows, node_ok=node_ok)
     return _from_untyped(raw, max_rows=max_rows, node_ok=node_ok)
@@ -214,7 +214,7 @@ def _from_column_batch(
 def _from_untyped(raw: bytes, *, max_rows: int, node_ok: Callable[[str], bool]) -> FastBatch | None:
     try:
         top = msgspec.json.decode(raw)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):  # too deep: the exact path says so
         return None
     if not isinstance(top, dict) or set(top) - {
         "schema_version",

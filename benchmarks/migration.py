@@ -25,6 +25,12 @@ In one run, on this machine (gloo, CPU, loopback):
     with copies every k steps against the same job without, seconds per step over the whole
     loop, per round, and the host memory the copies take per process.
 
+(e) (``--parts e``) per layout (replicated DDP, HSDP 2 x 2, FSDP2, FSDP2 with peer copies
+    every 2 steps), 4 ranks + 1 spare, ``--layout-size`` of state (default 10MB): the
+    preventive pause, the stall from the source's last completed step to the new rank's
+    first (that step's compute included) beside bytes / loopback bandwidth, and a SIGKILL's
+    kill-to-done (or the refusal), against checkpoint-restart of the same state.
+
 ``--json FILE`` writes the figures measured, with the load average at the start.
 """
 
@@ -83,12 +89,17 @@ def worker(args: argparse.Namespace) -> None:
         opt.load_state_dict(saved["opt"])
         start = saved["step"] + 1
         print(json.dumps({"loaded_s": time.perf_counter() - t, "from": start}), flush=True)
-    if args.peer_copy:
-        job.register(model=model, optimizer=opt, rank_unique=True, peer_copy_every=args.peer_copy)
+    layout = args.layout
+    if layout in ("fsdp2", "hsdp", "peer_copy"):  # sharded before the optimizer is built
+        job.fsdp(model, layers=list(model.children()), replicate=2 if layout == "hsdp" else 1)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    every = args.peer_copy or (2 if layout == "peer_copy" else 0)
+    if every:
+        job.register(model=model, optimizer=opt, rank_unique=True, peer_copy_every=every)
     else:
         job.register(model=model, optimizer=opt)
     job._next = start
-    net = job.ddp(model)
+    net = job.ddp(model) if layout == "replicated" else model
     x = torch.randn(2, 1024)
     times = []
     t_loop = time.perf_counter()
@@ -286,6 +297,41 @@ def peer_copies(tmp: Path, size: int, ks: Sequence[int], rounds: int, steps: int
     }
 
 
+# -- (e) per layout, 4 ranks ---------------------------------------------------------------
+
+LAYOUT_NAMES = ("replicated", "hsdp", "fsdp2", "peer_copy")
+
+
+def layout_cases(tmp: Path, size: int, layout: str) -> dict:
+    """A 4-rank job of ``layout``: a preventive move of rank 1 (the pause the ranks measure,
+    and the stall from the source's last completed step to the new rank's first, that
+    step's compute included) and a SIGKILL of rank 1 (kill to the failed step completed on a
+    survivor, or why it was refused)."""
+    out: dict = {"layout": layout}
+    extra = ["--layout", layout]
+    plan = FaultPlan().migrate_at(1, AT, reason="preventive")
+    agent, code, _, lines = launch(
+        tmp / "move", size, steps=STEPS, plan=plan, spares=1, extra=extra, nproc=4
+    )
+    rep = agent.reports[0] if agent.reports and code == 0 else None
+    if rep is not None and rep.step is not None:
+        done = {x["step"]: x["done"] for x in lines if x.get("rank") == 1 and "done" in x}
+        stall = (
+            done[rep.step] - done[rep.step - 1] if {rep.step, rep.step - 1} <= set(done) else None
+        )
+        out.update(pause_s=rep.pause_s, stall_s=stall, bytes=rep.bytes_moved or 0)
+    plan = FaultPlan().fail_at(1, AT)
+    agent, code, _, lines = launch(
+        tmp / "kill", size, steps=STEPS, plan=plan, spares=1, extra=extra, nproc=4
+    )
+    if code == 0 and agent.reports:
+        out["kill_to_done_s"] = _kill_to_done(lines, AT)
+    else:
+        out["kill_refused"] = (agent.message or "failed").split(":")[0][:60]
+    shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
 # -- (b) the cases ----------------------------------------------------------------------------
 
 SIZES = [("10MB", 10**7), ("100MB", 10**8), ("1GB", 10**9)]
@@ -444,12 +490,15 @@ def main() -> None:
     ap.add_argument(
         "--parts",
         default="b,c",
-        help="b (moves and failures), c (wrapper cost), d (peer copies' cost against k)",
+        help="b (moves and failures), c (wrapper cost), d (peer copies' cost against k), "
+        "e (per layout, 4 ranks)",
     )
     ap.add_argument("--json", type=Path, help="write the figures measured to this file")
     ap.add_argument("--copy-ks", default="1,5,20", help="d: the k values (default 1,5,20)")
     ap.add_argument("--copy-rounds", type=int, default=2, help="d: rounds (default 2)")
     ap.add_argument("--peer-copy", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--layout", default="replicated", help=argparse.SUPPRESS)
+    ap.add_argument("--layout-size", default="10MB", help="e: the state size (default 10MB)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--state-bytes", type=int, default=10**7, help=argparse.SUPPRESS)
     ap.add_argument("--steps", type=int, default=8, help=argparse.SUPPRESS)
@@ -468,13 +517,14 @@ def main() -> None:
         sizes = []
     if args.quick:
         sizes = [x for x in sizes if x[1] < 10**9]
-    print(
-        f"(a)+(b) 2 ranks, {args.repeat} run(s) per case (min-max); loopback bandwidth "
-        "(gloo, 3 x 256 MiB messages) measured before each size's cases;\n"
-        "    goal: pause <= 2 * bytes / bandwidth + 1 s"
-    )
-    head = f"    {'state':>6} {'case':<36} {'bytes':>13} {'goal s':>7} {'seconds':>13}"
-    print(head + f" {'transfer GB/s':>14}")
+    if sizes:
+        print(
+            f"(a)+(b) 2 ranks, {args.repeat} run(s) per case (min-max); loopback bandwidth "
+            "(gloo, 3 x 256 MiB messages) measured before each size's cases;\n"
+            "    goal: pause <= 2 * bytes / bandwidth + 1 s"
+        )
+        head = f"    {'state':>6} {'case':<36} {'bytes':>13} {'goal s':>7} {'seconds':>13}"
+        print(head + f" {'transfer GB/s':>14}")
     bws: list[float] = []
     failed: list[Path] = []  # the logs of failed runs are kept
     for label, size in sizes:
@@ -553,6 +603,42 @@ def main() -> None:
                 f"process {mem:.0f} MB"
             )
         print(flush=True)
+    if "e" in args.parts.split(","):
+        size = dict(SIZES)[args.layout_size]
+        bw = bandwidth()
+        print(
+            f"(e) per layout, 4 ranks + 1 spare, {args.layout_size} of state per rank's model "
+            f"(its shard of it when sharded); loopback bandwidth {bw / 1e9:.2f} GB/s\n"
+            "    stall: the source's last completed step to the new rank's first, that "
+            "step's compute included; goal (issue 29): stall <= 1.2 x bytes/bandwidth + 0.2 s"
+        )
+        print(
+            f"    {'layout':<11} {'bytes':>11} {'bytes/bw s':>10} {'pause s':>8} "
+            f"{'stall s':>8} {'unplanned: kill->done s':>24}"
+        )
+        rows = []
+
+        def num(v: float | None) -> str:
+            return "-" if v is None else f"{v:.2f}"
+
+        for layout in LAYOUT_NAMES:
+            row = layout_cases(tmp / f"layout-{layout}", size, layout)
+            rows.append(row)
+            nbytes = row.get("bytes", 0)
+
+            kill = (
+                num(row.get("kill_to_done_s"))
+                if "kill_to_done_s" in row
+                else row.get("kill_refused", "-")
+            )
+            print(
+                f"    {layout:<11} {nbytes:>11,} {nbytes / bw:>10.3f} {num(row.get('pause_s')):>8} "
+                f"{num(row.get('stall_s')):>8} {kill:>24}",
+                flush=True,
+            )
+        ckpt, _, _ = checkpoint_restart(tmp / "layout-ckpt", size)
+        print(f"    checkpoint-restart (2 ranks, DDP), seconds lost: {num(ckpt)}\n", flush=True)
+        figures["layouts"] = {"bandwidth": bw, "rows": rows, "checkpoint_restart_s": ckpt}
     if "c" not in args.parts.split(","):
         _write(args.json, figures)
         return

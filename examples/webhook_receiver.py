@@ -12,7 +12,10 @@ a worker thread:
 Run::
 
     export FOREWARN_WEBHOOK_SECRET=whsec_...      # from POST /v1/webhooks
-    python examples/webhook_receiver.py --port 9000 [--kubectl] [--chat-url URL]
+    python examples/webhook_receiver.py --host 0.0.0.0 --port 9000 [--kubectl] [--chat-url URL]
+
+(it binds 127.0.0.1 unless told otherwise: ``--host 0.0.0.0`` for a service on another
+machine)
 
 and subscribe it (the service must allow-list a private address: FOREWARN_WEBHOOK_ALLOW)::
 

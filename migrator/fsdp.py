@@ -15,6 +15,9 @@ at the new generation's groups (:func:`rebind`).
   of replica group ``r``). Each generation builds its two sub-groups, the rank's replica
   group (its shard index's ranks) and its shard group (its replica group's ranks), from the
   store (:meth:`migrator.membership.Membership.join`), and both names are re-pointed.
+- FSDP2 + tensor parallel (``tp=T``, TorchTitan's composition): a ``(world/T, T)`` mesh
+  named ``("dp_shard", "tp")``; the script's plan is applied on the ``tp`` sub-mesh, then
+  ``fully_shard`` on ``dp_shard``; both dimensions' groups are re-pointed the same way.
 
 A rank's shards are its own within its replica group: a planned or preventive move carries
 them to the spare (the source sends each parameter's and optimizer state's local tensor,
@@ -81,23 +84,26 @@ def _require_internals() -> None:
 
 HSDP_NAMES: tuple[Any, Any] = ("forewarn:hsdp:replicate", "forewarn:hsdp:shard")
 """The c10d names of an HSDP mesh's replicate and shard dimensions' groups."""
+TP_NAMES: tuple[Any, Any] = ("forewarn:fsdp_tp:dp_shard", "forewarn:fsdp_tp:tp")
+"""The c10d names of an FSDP2 + tensor-parallel mesh's dp_shard and tp dimensions' groups."""
+DIMS = {"fsdp2": ("shard",), "hsdp": ("replicate", "shard"), "fsdp2_tp": ("dp_shard", "tp")}
+"""Each layout's mesh dimension names, outer first (rank ``o * inner + i``)."""
 
 
-def group_names(replicate: int) -> tuple[Any, ...]:
-    """The c10d names of the mesh dimensions of a job with ``replicate`` replica groups:
-    one (FSDP2) or two (HSDP: replicate, shard)."""
-    return (GROUP_NAME,) if replicate == 1 else HSDP_NAMES
+def group_names(kind: str) -> tuple[Any, ...]:
+    """The c10d names of the mesh dimensions' groups of a layout ``kind`` (:data:`DIMS`)."""
+    return {"fsdp2": (GROUP_NAME,), "hsdp": HSDP_NAMES, "fsdp2_tp": TP_NAMES}[kind]
 
 
-def dim_ranks(rank: int, size: int, replicate: int = 1) -> list[list[int]]:
-    """The job ranks of each of ``rank``'s mesh-dimension groups, in :func:`group_names`
-    order: every rank (FSDP2), or its replica group's peers of its shard index and its
-    replica group's ranks (HSDP)."""
-    if replicate == 1:
+def dim_ranks(rank: int, size: int, inner: int) -> list[list[int]]:
+    """The job ranks of each of ``rank``'s mesh-dimension groups, outer first: every rank
+    (a 1-D mesh, ``inner == size``), or on a 2-D mesh ``(size / inner, inner)`` the ranks
+    of its outer dimension (its inner index in every outer group) and of its inner one."""
+    if inner == size:
         return [list(range(size))]
-    shard = size // replicate
-    r, s = divmod(rank, shard)
-    return [[i * shard + s for i in range(replicate)], [r * shard + i for i in range(shard)]]
+    outer = size // inner
+    o, i = divmod(rank, inner)
+    return [[j * inner + i for j in range(outer)], [o * inner + j for j in range(inner)]]
 
 
 _REGISTERED: dict[Any, dist.ProcessGroup] = {}  # name -> the group c10d's maps hold for it
@@ -127,9 +133,11 @@ def rebind(
     groups: Sequence[dist.ProcessGroup],
     modules: Sequence[torch.nn.Module],
     ranks: Sequence[list[int]] | None = None,
+    names: Sequence[Any] | None = None,
 ) -> None:
-    """Make ``groups`` (one per mesh dimension, in :func:`group_names` order) the ones every
-    FSDP unit of ``modules`` (and their DTensors) use.
+    """Make ``groups`` (one per mesh dimension, named ``names``, :func:`group_names`;
+    default: FSDP2's one, or HSDP's two) the ones every FSDP unit of ``modules`` (and
+    every DTensor on the mesh, tensor-parallel ones included) use.
 
     The private torch internals the migrator's FSDP support uses are all in this function
     and :func:`_mesh` (checked on torch 2.13; :func:`_internals_missing` looks for them):
@@ -151,7 +159,8 @@ def rebind(
         MigrationError: this torch lacks one of them (another version than the one checked).
     """
     _require_internals()
-    names = group_names(1 if len(groups) == 1 else 2)
+    if names is None:
+        names = group_names("fsdp2" if len(groups) == 1 else "hsdp")
     if ranks is None:
         ranks = [list(range(g.size())) for g in groups]
     for name, group, spans in zip(names, groups, ranks, strict=True):
@@ -182,19 +191,20 @@ def rebind(
         info.__post_init__()  # re-reads the groups (and their ranks and sizes) from the mesh
 
 
-def _mesh(rank: int, size: int, device_type: str, replicate: int = 1) -> Any:
+def _mesh(rank: int, size: int, device_type: str, kind: str = "fsdp2", inner: int = 0) -> Any:
     """The job's mesh: one dimension over its ``size`` ranks (its group named
-    :data:`GROUP_NAME`), or with ``replicate`` groups two, ``(replicate, size/replicate)``
-    (named :data:`HSDP_NAMES`). Built directly (``DeviceMesh.from_group`` asks the default
-    group for this process's rank, and a job has no default group)."""
+    :data:`GROUP_NAME`), or two, ``(size / inner, inner)``, named by ``kind``
+    (:data:`DIMS`, :func:`group_names`). Built directly (``DeviceMesh.from_group`` asks the
+    default group for this process's rank, and a job has no default group)."""
     from torch.distributed.device_mesh import DeviceMesh
 
     ranks = torch.arange(size)
-    if replicate > 1:
-        ranks = ranks.view(replicate, size // replicate)
-    dims = ("shard",) if replicate == 1 else ("replicate", "shard")
-    mesh = DeviceMesh(device_type, ranks, mesh_dim_names=dims, _init_backend=False, _rank=rank)
-    mesh._dim_group_names = list(group_names(replicate))
+    if kind != "fsdp2":
+        ranks = ranks.view(size // inner, inner)
+    mesh = DeviceMesh(
+        device_type, ranks, mesh_dim_names=DIMS[kind], _init_backend=False, _rank=rank
+    )
+    mesh._dim_group_names = list(group_names(kind))
     return mesh
 
 
@@ -228,30 +238,36 @@ def name_world(rank: int, size: int) -> None:
     c10d._update_default_pg(world)
 
 
-def placeholders(rank: int, size: int, replicate: int = 1) -> list[dist.ProcessGroup]:
-    """Groups with the rank and size of each mesh dimension and no backend, for sharding
-    before the job's groups exist (``fully_shard`` reads only those when it wraps)."""
-    if replicate == 1:
-        return [dist.ProcessGroup(dist.HashStore(), rank, size)]
-    r, s = divmod(rank, size // replicate)
+def placeholders(rank: int, size: int, inner: int) -> list[dist.ProcessGroup]:
+    """Groups with the rank and size of each mesh dimension (:func:`dim_ranks`) and no
+    backend, for sharding before the job's groups exist (``fully_shard`` and
+    ``parallelize_module`` read only those when they wrap)."""
     return [
-        dist.ProcessGroup(dist.HashStore(), r, replicate),
-        dist.ProcessGroup(dist.HashStore(), s, size // replicate),
+        dist.ProcessGroup(dist.HashStore(), spans.index(rank), len(spans))
+        for spans in dim_ranks(rank, size, inner)
     ]
 
 
 class ElasticFSDP:
     """A module sharded with ``fully_shard`` on the job's process groups, whatever they become.
 
-    Build it with ``job.fsdp(module, layers=..., replicate=R, **fully_shard_kwargs)``, which
-    returns the module itself (sharded in place, as ``fully_shard`` does; on a spare, once it
-    has a rank).
+    Build it with ``job.fsdp(module, layers=..., replicate=R, **fully_shard_kwargs)`` or
+    ``job.fsdp(module, layers=..., tp=T, tp_plan=apply_tp)``, which returns the module
+    itself (sharded in place, as ``fully_shard`` does; on a spare, once it has a rank).
 
     Args:
         module: the model; sharded last, as the root unit.
         layers: submodules sharded first, each its own unit (e.g. the transformer blocks).
         device_type: the mesh's device type (``"cpu"``; ``"cuda"`` with NCCL).
         replicate: replica groups (HSDP); 1: plain FSDP2 over every rank.
+        tp: tensor-parallel degree; > 1: a ``(world / tp, tp)`` mesh named
+            ``("dp_shard", "tp")``, ``tp_plan(module, mesh["tp"])`` applied first, then
+            ``fully_shard`` on ``mesh["dp_shard"]`` (TorchTitan's ``apply_tp`` then
+            ``apply_fsdp``).
+        tp_plan: applies tensor parallelism to ``module`` on the tp sub-mesh (a
+            ``parallelize_module`` plan with ``src_data_rank=None``: every rank takes its
+            own slice of the weights it built, with no collective before the job's groups
+            exist).
         fully_shard_kwargs: passed to every ``fully_shard`` call (not ``mesh``: the job's).
     """
 
@@ -262,12 +278,18 @@ class ElasticFSDP:
         layers: Iterable[torch.nn.Module] = (),
         device_type: str = "cpu",
         replicate: int = 1,
+        tp: int = 1,
+        tp_plan: Callable[[torch.nn.Module, Any], Any] | None = None,
         **fully_shard_kwargs: Any,
     ) -> None:
         if "mesh" in fully_shard_kwargs:
             raise ValueError("job.fsdp shards on the job's own mesh: do not pass mesh=")
-        if replicate < 1:
-            raise ValueError(f"replicate must be >= 1, not {replicate}")
+        if replicate < 1 or tp < 1:
+            raise ValueError(f"replicate and tp must be >= 1, not {replicate} and {tp}")
+        if replicate > 1 and tp > 1:
+            raise ValueError("HSDP with tensor parallelism (a 3-D mesh) is not supported")
+        if (tp > 1) != (tp_plan is not None):
+            raise ValueError("tensor parallelism needs both tp > 1 and tp_plan")
         _require_internals()  # here, not first when a spare is given its rank
         reshard = fully_shard_kwargs.get("reshard_after_forward")
         if isinstance(reshard, int) and not isinstance(reshard, bool):
@@ -276,11 +298,18 @@ class ElasticFSDP:
         self.layers = list(layers)
         self.device_type = device_type
         self.replicate = replicate
+        self.tp = tp
+        self.tp_plan = tp_plan
+        self.kind = "hsdp" if replicate > 1 else "fsdp2_tp" if tp > 1 else "fsdp2"
         self.kwargs = fully_shard_kwargs
         self.rank: int | None = None
         """The rank the module is sharded as; None until it is sharded."""
         self._groups: list[dist.ProcessGroup] = []  # c10d's registry holds groups weakly
         self._size = 0
+
+    def inner(self, size: int) -> int:
+        """The ranks along the mesh's inner dimension (``size`` for a 1-D mesh)."""
+        return size // self.replicate if self.replicate > 1 else self.tp if self.tp > 1 else size
 
     def shard(
         self,
@@ -296,7 +325,7 @@ class ElasticFSDP:
 
         Raises:
             MigrationError: already sharded as another rank.
-            ValueError: ``size`` is not a multiple of ``replicate``.
+            ValueError: ``size`` does not split into the mesh's shape.
         """
         from torch.distributed.fsdp import fully_shard
 
@@ -308,16 +337,24 @@ class ElasticFSDP:
                     details={"sharded_as": self.rank, "asked": rank},
                 )
             return
-        if size % self.replicate:
-            raise ValueError(f"{size} ranks do not split into {self.replicate} replica groups")
+        if size % self.replicate or size % self.tp:
+            raise ValueError(
+                f"{size} ranks do not split into {self.replicate} replica groups x "
+                f"{self.tp} tensor-parallel ranks"
+            )
+        inner = self.inner(size)
         before = {id(p): name for name, p in self.module.named_parameters()}
-        if self.replicate > 1:
+        if self.kind != "fsdp2":
             name_world(rank, size)
         if groups is None:
-            groups = placeholders(rank, size, self.replicate)
+            groups = placeholders(rank, size, inner)
         self._groups, self._size = list(groups), size
-        rebind(self._groups, [], dim_ranks(rank, size, self.replicate))
-        mesh = _mesh(rank, size, self.device_type, self.replicate)
+        names = group_names(self.kind)
+        rebind(self._groups, [], dim_ranks(rank, size, inner), names)
+        mesh = _mesh(rank, size, self.device_type, self.kind, inner)
+        if self.tp_plan is not None:  # TorchTitan's order: tensor parallel, then FSDP
+            self.tp_plan(self.module, mesh["tp"])
+            mesh = mesh["dp_shard"]
         for layer in self.layers:
             fully_shard(layer, mesh=mesh, **self.kwargs)
         fully_shard(self.module, mesh=mesh, **self.kwargs)
@@ -338,15 +375,16 @@ class ElasticFSDP:
         self, group: dist.ProcessGroup, new_group: Callable[[str, int, int], dist.ProcessGroup]
     ) -> list[dist.ProcessGroup]:
         """The groups of this module's mesh dimensions for a generation whose group of every
-        rank is ``group``: ``group`` itself (FSDP2), or this rank's replica group and shard
-        group built with ``new_group(tag, rank_in_it, size)`` (HSDP; ``tag`` names the
+        rank is ``group``: ``group`` itself (FSDP2), or this rank's group along each of the
+        two dimensions built with ``new_group(tag, rank_in_it, size)`` (``tag`` names the
         sub-group, the same on each of its members)."""
-        if self.replicate == 1:
-            return [group]
         size = group.size()
-        shard = size // self.replicate
-        r, s = divmod(group.rank(), shard)
-        return [new_group(f"rep{s}", r, self.replicate), new_group(f"shard{r}", s, shard)]
+        inner = self.inner(size)
+        if inner == size:
+            return [group]
+        o, i = divmod(group.rank(), inner)
+        first, second = DIMS[self.kind]
+        return [new_group(f"{first}{i}", o, size // inner), new_group(f"{second}{o}", i, inner)]
 
     def reset(self) -> None:
         """Forget the step a failed collective cut short (``FSDPModule.reset_iter_state``:
@@ -374,4 +412,5 @@ class ElasticFSDP:
         """Point the module's mesh at ``groups`` (the new generation's, :meth:`mesh_groups`)."""
         if self.rank is not None:
             self._groups = list(groups)
-            rebind(self._groups, [self.module], dim_ranks(self.rank, self._size, self.replicate))
+            spans = dim_ranks(self.rank, self._size, self.inner(self._size))
+            rebind(self._groups, [self.module], spans, group_names(self.kind))

@@ -36,7 +36,7 @@ from migrator import protocol as P
 from migrator.channels import Channels
 from migrator.faults import FaultPlan, Point
 from migrator.membership import Membership
-from migrator.peercopy import PeerCopies, held_key
+from migrator.peercopy import PeerCopies
 from migrator.state import Registry, peek_step, restore_rank_state
 from migrator.transport import TransferStats
 
@@ -451,8 +451,8 @@ class Handover:
         step = restore_rank_state(rank_state, self.registry.data)
         if step != meta["step"]:
             raise MigrationError(f"rank {rank}'s state is at step {step}, not {meta['step']}")
-        if self.peers is not None:  # the ward's copies were in the lost process's memory
-            self.store.delete_key(held_key((rank - 1) % self.member.world_size))
+        if self.peers is not None:  # its own copy of this step; the ward's are lost
+            self.peers.took_over(rank, step, rank_state)
         self.store.set(f"{base}/received/{rank}", str(self.slot))
         self._join(a["gen"], rank, meta["layouts"])
         # From the first byte received to the new generation joined: the agent uses it as

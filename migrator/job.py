@@ -53,7 +53,7 @@ import os
 import pickle
 import time
 import traceback
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -437,6 +437,8 @@ class Job:
         replicate = max((f.replicate for f in self.member.fsdps), default=0)
         if self.handover.peers is not None and replicate <= 1:
             return MeshLayout.of("peer_copy", self.world_size)
+        if any(f.kind == "fsdp2_tp" for f in self.member.fsdps):
+            return MeshLayout.of("fsdp2_tp", self.world_size)
         if replicate > 1:
             return MeshLayout.of("hsdp", self.world_size, replicate=replicate)
         if replicate == 1:
@@ -460,6 +462,8 @@ class Job:
         *,
         layers: Sequence[torch.nn.Module] = (),
         replicate: int = 1,
+        tp: int = 1,
+        tp_plan: Callable[[torch.nn.Module, Any], Any] | None = None,
         **kwargs: Any,
     ) -> torch.nn.Module:
         """Shard ``module`` with FSDP2's ``fully_shard`` on the job's group, whatever it
@@ -474,6 +478,14 @@ class Job:
         ``replicate=R`` (HSDP) shards on a two-dimensional mesh ``(R, world_size / R)``:
         rank ``r * S + s`` holds shard ``s`` in replica group ``r``; gradients are
         reduce-scattered within a replica group and all-reduced across them.
+
+        ``tp=T, tp_plan=apply_tp`` composes tensor parallelism as TorchTitan does: a
+        ``(world_size / T, T)`` mesh named ``("dp_shard", "tp")`` (rank ``d * T + t``),
+        ``apply_tp(module, mesh["tp"])`` first (a ``parallelize_module`` plan with
+        ``src_data_rank=None``), then ``fully_shard`` on ``mesh["dp_shard"]``. Both
+        dimensions' groups are re-pointed at each generation; planned and preventive moves
+        carry the rank's TP and FSDP shards; a rank lost without warning is rebuilt only
+        with peer copies (no replica dimension).
 
         The shards are this rank's own within its replica group: planned and preventive
         moves carry them, bit for bit. A rank lost without warning is rebuilt under HSDP
@@ -492,8 +504,11 @@ class Job:
         if any(isinstance(p, DTensor) for p in module.parameters()):
             raise MigrationError(
                 "job.fsdp: the module already holds DTensor parameters (tensor parallelism "
-                "or fully_shard applied before): not supported"
+                "or fully_shard applied before): not supported; pass a tensor-parallel plan "
+                "as job.fsdp(module, tp=T, tp_plan=apply_tp)"
             )
+        if tp < 1 or self.world_size % tp:
+            raise ValueError(f"job.fsdp(tp={tp}): {self.world_size} ranks do not split so")
         if replicate < 1 or self.world_size % replicate:
             raise ValueError(
                 f"job.fsdp(replicate={replicate}): the {self.world_size} ranks do not split "
@@ -501,10 +516,16 @@ class Job:
             )
         device_type = self.device.type if self.device is not None else "cpu"
         sharded = ElasticFSDP(
-            module, layers=layers, device_type=device_type, replicate=replicate, **kwargs
+            module,
+            layers=layers,
+            device_type=device_type,
+            replicate=replicate,
+            tp=tp,
+            tp_plan=tp_plan,
+            **kwargs,
         )
         if self.rank is not None:  # the job's groups are bound when it joins generation 0
-            groups = [self.group] if self.group is not None and replicate == 1 else None
+            groups = [self.group] if self.group is not None and sharded.kind == "fsdp2" else None
             sharded.shard(self.rank, self.world_size, groups, self.registry.optimizers)
         self.member.fsdps.append(sharded)
         return module

@@ -7,7 +7,7 @@ groups of ``shard`` ranks each (rank ``r * shard + s`` holds shard ``s`` in repl
 (:meth:`MeshLayout.holders`), so where a rank lost without warning is rebuilt from:
 
 - ``replicated`` (DDP, plain all-reduce): every rank holds the same state;
-- ``rank_unique``, ``fsdp2``: no other rank holds a rank's state;
+- ``rank_unique``, ``fsdp2``, ``fsdp2_tp``: no other rank holds a rank's state;
 - ``hsdp``: the ranks with the same shard index in the other replica groups;
 - ``peer_copy``: no other rank holds it live; its buddy holds a copy of a recent boundary,
   and the whole job goes back to that boundary (:mod:`migrator.peercopy`).
@@ -35,7 +35,8 @@ class MeshLayout:
     """How the job's ranks hold its state.
 
     Args:
-        kind: ``"replicated"``, ``"rank_unique"``, ``"fsdp2"``, ``"hsdp"`` or
+        kind: ``"replicated"``, ``"rank_unique"``, ``"fsdp2"``, ``"hsdp"``, ``"fsdp2_tp"``
+            (FSDP2 across, tensor parallel inside a group: no replica) or
             ``"peer_copy"`` (no replica; copies in a buddy's memory, :mod:`migrator.peercopy`).
         world: active ranks.
         replicate: replica groups (1: no replica of a sharded rank's state).
@@ -73,7 +74,7 @@ class MeshLayout:
 
     def holders(self, rank: int) -> list[int]:
         """The ranks that hold the same state as ``rank`` (``rank`` included), ascending."""
-        if self.kind in ("rank_unique", "fsdp2", "peer_copy") or self.replicate == 1:
+        if self.kind in ("rank_unique", "fsdp2", "fsdp2_tp", "peer_copy") or self.replicate == 1:
             return [rank]
         s = rank % self.shard
         return [r * self.shard + s for r in range(self.replicate)]

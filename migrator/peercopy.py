@@ -49,7 +49,7 @@ from migrator.groups import Graveyard, pair_group
 from migrator.state import Manifest, Registry, restore_rank_state
 from migrator.transport import PGTransport
 
-__all__ = ["Copy", "PeerCopies", "buddy_of", "held_key", "rewind_plan"]
+__all__ = ["Copy", "PeerCopies", "buddy_of", "held_key", "rewind_plan", "since_key"]
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +70,12 @@ def held_key(rank: int) -> str:
     return f"pc/held/{rank}"
 
 
+def since_key(rank: int) -> str:
+    """The store key of the first step whose copy rank ``rank``'s current process holds (a
+    spare that took the rank at step S holds no copy of an earlier step)."""
+    return f"pc/since/{rank}"
+
+
 def rewind_plan(
     store: Any, world: int, lost: Iterable[int], healthy: Iterable[int]
 ) -> tuple[dict[int, int], int | None, str]:
@@ -87,7 +93,14 @@ def rewind_plan(
             return {}, None, f"rank {rank} was lost before its first copy reached rank {buddy}"
         senders[rank] = buddy
         steps.append(int(store.get(held_key(rank))))
-    return senders, (min(steps) if steps else None), ""
+    if not steps:
+        return senders, None, ""
+    step = min(steps)
+    for rank in sorted(alive):
+        if store.check([since_key(rank)]) and int(store.get(since_key(rank))) > step:
+            since = int(store.get(since_key(rank)))
+            return {}, None, f"rank {rank} was taken over at step {since}, after the copy of {step}"
+    return senders, step, ""
 
 
 @dataclass
@@ -303,6 +316,14 @@ class PeerCopies:
         copy = self.held[step]
         with self.channels.open(prefix, sender=True) as transport:
             transport.send(copy.meta, copy.tensors, timeout_s=self.timeout_s)
+
+    def took_over(self, rank: int, step: int, rank_state: bytes) -> None:
+        """This process (a spare) now holds rank ``rank`` at boundary ``step``: its state,
+        just received, is its own copy of that step; the ward's copies were in the old
+        process's memory, and no copy of an earlier step is held here (:func:`since_key`)."""
+        self.own = {step: _take(self.registry, step, rank_state)}
+        self.store.delete_key(held_key((rank - 1) % self.world))
+        self.store.set(since_key(rank), str(step))
 
     def forget_after(self, step: int) -> None:
         """Drop the ward's copies of steps after ``step`` (the job went back to it)."""

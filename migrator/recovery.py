@@ -101,8 +101,8 @@ class Recovery:
         self._weighed: dict[int, int] = {}
         """Per generation, the survivors' reports a decision already weighed."""
         self.checkpoint: dict[str, Any] | None = None
-        self.why_not = ""  # why the lost ranks' state is in no healthy rank (peer copies)
         """The stop checkpoint the survivors were asked to write (see :meth:`fail`)."""
+        self.why_not = ""  # why the lost ranks' state is in no healthy rank (peer copies)
 
     def clear(self) -> None:
         """The recovery in progress ended (its spares joined the new generation)."""

@@ -77,7 +77,10 @@ def refuse_bound_sharding(
             for name, p in model.named_parameters():
                 if isinstance(p, DTensor) and id(p) not in ours_params:
                     what = f"a DTensor parameter ({name})"
-                    hint = "DTensor tensor parallelism is not supported"
+                    hint = (
+                        "DTensor tensor parallelism is not supported outside job.fsdp: apply "
+                        "it through job.fsdp(module, tp=T, tp_plan=apply_tp)"
+                    )
                     break
         if not what:
             continue
@@ -95,7 +98,7 @@ class Layout:
     """What a job's registered state allows, stated at registration (``job.register``
     returns it and logs it; docs/migration.md, "What each layout is guaranteed")."""
 
-    kind: str  # "replicated", "rank_unique", "fsdp2" or "hsdp"
+    kind: str  # "replicated", "rank_unique", "fsdp2", "hsdp", "fsdp2_tp" or "peer_copy"
     planned: str  # planned and preventive moves
     unplanned: str  # a rank lost without warning
 
@@ -124,6 +127,11 @@ LAYOUTS = {
         "fsdp2",
         "bitwise equal, 0 steps lost: the rank sends its own shards",
         _REFUSED.format(what="shards (no replica group)"),
+    ),
+    "fsdp2_tp": Layout(
+        "fsdp2_tp",
+        "bitwise equal, 0 steps lost: the rank sends its own tensor-parallel and FSDP shards",
+        _REFUSED.format(what="shards (no replica dimension; peer copies rebuild it)"),
     ),
     "peer_copy": Layout(
         "peer_copy",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from collector.agent import Agent
@@ -30,6 +31,14 @@ def make_agent(url: str, token: str, spool_dir: Path, node: str = "gpu-node-a") 
     return Agent([source], pusher, interval_s=0.1, node=node)
 
 
+def wait_until(what: str, event: Callable[[], bool], timeout_s: float = 60.0) -> None:
+    """Wait for ``event`` (a slow machine waits longer; it cannot pass vacuously)."""
+    deadline = time.monotonic() + timeout_s
+    while not event():
+        assert time.monotonic() < deadline, f"timed out after {timeout_s:g} s: {what}"
+        time.sleep(0.05)
+
+
 def assert_each_tick_once(svc: LiveService, ticks: int, node: str = "gpu-node-a") -> None:
     for gpu in (0, 1):
         rows = stored_samples(svc, node, gpu)
@@ -45,17 +54,16 @@ def test_service_outage_loses_nothing_and_stores_nothing_twice(
     runner = threading.Thread(target=agent.run)
     runner.start()
     try:
-        time.sleep(1.0)
+        wait_until("a first batch stored", lambda: agent.pusher.stats.sent_total > 0)
         service.stop()  # the service goes away mid-collection
-        time.sleep(1.5)
-        assert agent.pusher.stats.spooled > 0
+        wait_until("batches spooled in the outage", lambda: agent.pusher.stats.spooled > 0)
         port = int(service.url.rsplit(":", 1)[1])
         back = start_service(service.database_url, tmp_path / "service.log", port=port)
         try:  # the spool drains once the service answers again (slower on a loaded machine)
-            deadline = time.monotonic() + 60
-            while agent.pusher.stats.spooled and time.monotonic() < deadline:
-                time.sleep(0.2)
-            time.sleep(0.5)  # and what was taken meanwhile goes out too
+            wait_until("the spool drained", lambda: agent.pusher.stats.spooled == 0)
+            drained = agent.pusher.stats.sent_total
+            # and what is taken from now on goes out live again
+            wait_until("a live batch after it", lambda: agent.pusher.stats.sent_total > drained)
         finally:
             agent.stop()
             runner.join(timeout=30)

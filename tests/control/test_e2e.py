@@ -67,6 +67,20 @@ class Scene:
         self.procs.append(proc)
         return proc
 
+    def ticks(self) -> int:
+        """Control-loop ticks this service has run (``forewarn_scorer_tick_seconds_count``)."""
+        text = httpx.get(self.service.url + "/metrics", timeout=10).text
+        for line in text.splitlines():
+            if line.startswith("forewarn_scorer_tick_seconds_count"):
+                return int(float(line.rsplit(" ", 1)[1]))
+        return 0
+
+    def wait_ticks(self, n: int, timeout_s: float = 60.0) -> None:
+        """Wait until the control loop ran ``n`` more ticks: time in which it could have acted,
+        measured in what it did, not in seconds a loaded machine may not give it."""
+        target = self.ticks() + n
+        wait_for(f"{n} control ticks", lambda: self.ticks() >= target, timeout_s)
+
     def get(self, path: str, **params: Any) -> Any:
         response = httpx.get(self.service.url + path, headers=self.read, params=params, timeout=10)
         response.raise_for_status()
@@ -192,7 +206,7 @@ def test_dry_run_first_then_the_crossing_migrates_the_rank_and_the_job_ends_bitw
         lambda: scene.get("/v1/audit", kind="migration")["data"],
         WEAR_LEAD_S + 60,
     )
-    time.sleep(3)  # a few more ticks: still one entry, nothing moved
+    scene.wait_ticks(3)  # three more decisions: still one entry, nothing moved
     entries = scene.get("/v1/audit", kind="migration")["data"]
     assert [(e["action"], e["job_id"], e["data"]["rank"]) for e in entries] == [
         ("dry_run", "e2e", 1)
@@ -313,7 +327,7 @@ def test_the_service_killed_mid_migration_reconciles_it_and_moves_the_rank_once(
         120,
     )
     assert m["state"] == "completed", (killed_in, m)
-    time.sleep(3)  # a few more control ticks: nothing asks for the move again
+    scene.wait_ticks(3)  # three more control ticks: nothing asks for the move again
     moves = scene.get("/v1/migrations", job="e2e")["data"]
     assert [x["id"] for x in moves] == [mid], (killed_in, moves)
     actions = [a["action"] for a in scene.get(f"/v1/migrations/{mid}")["audit"]]

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from migrator.faults import FaultPlan
 from migrator.job import Job
-from migrator.peercopy import buddy_of, held_key, rewind_plan
+from migrator.peercopy import buddy_of, held_key, rewind_plan, since_key
 from tests.migrator.harness import Run, assert_same_final, launch
 
 ARGS = ("--width", "33", "--peer-copy", "2")
@@ -54,6 +54,11 @@ def test_rewind_plan_names_the_buddy_the_step_and_a_pair_lost_together() -> None
     assert rewind_plan(store, 4, [1, 2], [0, 3])[2] == (
         "rank 1 and its buddy rank 2 were lost together"
     )
+    store.set(since_key(0), "5")  # rank 0's process took the rank at step 5: no copy of 4
+    assert rewind_plan(store, 4, [1, 3], [0, 2])[2] == (
+        "rank 0 was taken over at step 5, after the copy of 4"
+    )
+    assert rewind_plan(store, 4, [1], [0, 2, 3]) == ({1: 2}, 6, "")
 
 
 def test_peer_copy_registration_states_the_layout() -> None:
