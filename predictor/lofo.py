@@ -426,6 +426,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.model and args.extra_data:
         print("error: --model trains nothing, so --extra-data has no use", file=sys.stderr)
         return 2
+    if not 0 <= cfg.adapt_days < cfg.eval_days:
+        print("error: --adapt-days must be at least 0 and below --eval-days", file=sys.stderr)
+        return 2
     out.mkdir(parents=True, exist_ok=True)
     folds = [] if args.collect else [f.strip() for f in args.folds.split(",")]
     unknown = [f for f in folds if f not in FOLDS]

@@ -98,6 +98,8 @@ def test_extra_training_data_must_not_hold_the_folds_families(
     assert "no fold E" in capsys.readouterr().err
     assert main([str(out), "--model", str(out), "--extra-data", str(leaky)]) == 2
     assert "--model trains nothing" in capsys.readouterr().err
+    assert main([str(out), "--eval-days", "1", "--adapt-days", "1"]) == 2
+    assert "--adapt-days must be at least 0 and below --eval-days" in capsys.readouterr().err
 
 
 def test_extra_training_data_joins_every_folds_training(tmp_path: Path, tiny_dir: Path) -> None:
