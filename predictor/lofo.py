@@ -18,6 +18,15 @@ the previous default model, every fold is held out; the card says which were see
 ``--keep-scored`` keeps each fold's scored rows; ``--replay-budget`` then meets the alarm
 budget again on them with this version's :mod:`predictor.budget`, in seconds, so a change to
 the budget is judged on every kept fold without training or scoring again.
+
+Prequential (``--adapt-days D``): the first D days of each fold's held-out fleet are given to
+the fold's model as the fleet's own history — a model is trained on top of it with them
+(:func:`predictor.lifecycle.adapt`, as ``forewarn evaluate --adapt-days`` and the lifecycle's
+``retrain`` do) — and the unadapted and the adapted model are judged on the rest of the fleet,
+each beside the rules, live with the budget: the fold's row is the unadapted model on the rest,
+and a second row (``A, adapted on its first D days``) the adapted one. When the first days
+hold no failure to learn from, the fold's result says why (``adapt_error``) and has no second
+row.
 """
 
 from __future__ import annotations
@@ -35,10 +44,11 @@ import pandas as pd
 from forewarn.errors import InvalidInput, NotFound
 from predictor import evaluate, registry
 from predictor.budget import AlarmBudget
-from predictor.dataset import load_dataset, read_manifest
+from predictor.dataset import load_dataset, read_manifest, split_at
 from predictor.evaluate import json_safe
 from predictor.features import ABSOLUTE_LEVELS
 from predictor.fleets import Fleet, make
+from predictor.lifecycle import adapt
 from predictor.report import Report, evaluate_dataset, live_budget_metrics, raw_threshold
 from predictor.train import TrainConfig, train
 
@@ -79,6 +89,7 @@ class LofoConfig:
     label_horizons: str = "1800"  # training targets in seconds, comma-separated
     relative_only: int = 0  # 1: the trees ignore absolute levels (features.ABSOLUTE_LEVELS)
     sudden_positives: int = 0  # 1: rows before failures without precursors train as positives
+    adapt_days: float = 0.0  # > 0: prequential, the held-out fleet's first days adapt the model
 
 
 def train_config(cfg: LofoConfig) -> TrainConfig:
@@ -117,7 +128,20 @@ def run_fold(
     )
     card_path = model_path or _fold_model(name, out, cfg, extra_data)
     model = registry.load(card_path)
-    report = evaluate_dataset(load_dataset(make(test, out / "data")), model, budget=cfg.budget)
+    fleet = load_dataset(make(test, out / "data"))
+    prequential: dict[str, Any] = {}
+    if cfg.adapt_days > 0:
+        history, fleet = split_at(fleet, fleet.start_ms + int(cfg.adapt_days * 86_400_000))
+        prequential = {"adapt_days": cfg.adapt_days, "adapted": None, "adapt_error": None}
+        try:
+            adapted = adapt(card_path, [history])
+        except InvalidInput as exc:  # e.g. no failure with precursors in the first days
+            prequential["adapt_error"] = exc.message
+        else:
+            rep = evaluate_dataset(fleet, adapted, budget=cfg.budget)
+            prequential["adapted"] = rep.summary
+            prequential["adapted_model"] = adapted.card.get("created_at")
+    report = evaluate_dataset(fleet, model, budget=cfg.budget)
     if keep_scored:
         _keep(report, out / f"fold-{name}-scored", raw_threshold(model))
     seen = sorted({f for d in model.card.get("data", []) for f in d.get("families", [])})
@@ -129,6 +153,7 @@ def run_fold(
         "training_families": seen,
         "held_out_seen_in_training": sorted(set(seen) & set(held)),
         "summary": report.summary,
+        **prequential,
     }
 
 
@@ -200,7 +225,8 @@ def _fa(v: Any) -> str:
 
 
 def format_table(results: list[dict[str, Any]]) -> str:
-    """The leave-one-family-out table (Markdown)."""
+    """The leave-one-family-out table (Markdown); with ``--adapt-days``, a second row per
+    fold for the adapted model, judged on the same days as the unadapted one."""
     lines = [
         "| fold: held-out families | failures (w/ precursors) | model, live budget: recall "
         ">= 2 min / FA per 1k GPU-d (those on GPUs that did not fail within a day) | same "
@@ -213,30 +239,40 @@ def format_table(results: list[dict[str, Any]]) -> str:
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in results:
-        s = r["summary"]
-        live, hind, rules = s["model_at_budget"], s["model_at_budget_hindsight"], s["baseline"]
-        at = s.get("baseline_at_budget")
-        by_kind = s.get("model_at_baseline_false_alarm_rate_by_kind") or {}
-        fewer = [
-            f"{k} {by_kind.get(k, {}).get('caught', 0)} < {d['caught']}"
-            for k, d in rules["by_kind"].items()
-            if by_kind.get(k, {}).get("caught", 0) < d["caught"]
-        ]
-        lines.append(
-            f"| {r['fold']}: {', '.join(r['held_out'])} "
-            f"| {live['failures']} ({live['failures_with_precursors']}) "
-            f"| {_pct(live['recall_with_precursors'])} / "
-            f"{_fa(live['false_alarms_per_1000_gpu_days'])} "
-            f"({_fa(live.get('false_alarms_not_early_per_1000_gpu_days'))}) "
-            f"| {_pct(hind['recall_with_precursors'])} / "
-            f"{_fa(hind['false_alarms_per_1000_gpu_days'])} "
-            f"| {_pct(at['recall_with_precursors']) if at else '0 % (none that low)'} "
-            f"| {_pct(rules['recall_with_precursors'])} / "
-            f"{_fa(rules['false_alarms_per_1000_gpu_days'])} "
-            f"| {', '.join(fewer) or 'none'} "
-            f"| {_union_cells(s)} | {_floor_cells(s)} |"
-        )
+        label = f"{r['fold']}: {', '.join(r['held_out'])}"
+        if r.get("adapt_days"):
+            label += f" (unadapted, on the days after the first {r['adapt_days']:g})"
+        lines.append(_row(label, r["summary"]))
+        if r.get("adapted") is not None:
+            lines.append(_row(f"{r['fold']}, adapted on its first {r['adapt_days']:g} days",
+                              r["adapted"]))  # fmt: skip
     return "\n".join(lines)
+
+
+def _row(label: str, s: dict[str, Any]) -> str:
+    """One line of the table: ``s``, an evaluation summary, under ``label``."""
+    live, hind, rules = s["model_at_budget"], s["model_at_budget_hindsight"], s["baseline"]
+    at = s.get("baseline_at_budget")
+    by_kind = s.get("model_at_baseline_false_alarm_rate_by_kind") or {}
+    fewer = [
+        f"{k} {by_kind.get(k, {}).get('caught', 0)} < {d['caught']}"
+        for k, d in rules["by_kind"].items()
+        if by_kind.get(k, {}).get("caught", 0) < d["caught"]
+    ]
+    return (
+        f"| {label} "
+        f"| {live['failures']} ({live['failures_with_precursors']}) "
+        f"| {_pct(live['recall_with_precursors'])} / "
+        f"{_fa(live['false_alarms_per_1000_gpu_days'])} "
+        f"({_fa(live.get('false_alarms_not_early_per_1000_gpu_days'))}) "
+        f"| {_pct(hind['recall_with_precursors'])} / "
+        f"{_fa(hind['false_alarms_per_1000_gpu_days'])} "
+        f"| {_pct(at['recall_with_precursors']) if at else '0 % (none that low)'} "
+        f"| {_pct(rules['recall_with_precursors'])} / "
+        f"{_fa(rules['false_alarms_per_1000_gpu_days'])} "
+        f"| {', '.join(fewer) or 'none'} "
+        f"| {_union_cells(s)} | {_floor_cells(s)} |"
+    )
 
 
 def _fewer(mine: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
@@ -322,6 +358,15 @@ def card_section(results: list[dict[str, Any]], cfg: LofoConfig) -> dict[str, An
                 },
             }
         )
+        if r.get("adapt_days"):
+            a = r.get("adapted") or {}
+            folds[-1]["prequential"] = {
+                "adapt_days": r["adapt_days"],
+                "adapt_error": r.get("adapt_error"),
+                "adapted_model_at_budget": brief(a.get("model_at_budget")),
+                "adapted_model_floor_at_budget": brief(a.get("model_floor_at_budget")),
+                "baseline": brief(a.get("baseline")),
+            }
     return {
         "config": {k: getattr(cfg, k) for k in LofoConfig.__dataclass_fields__},
         "table_markdown": format_table(results),
@@ -380,6 +425,9 @@ def main(argv: list[str] | None = None) -> int:
         return _print_replays(out, cfg.budget)
     if args.model and args.extra_data:
         print("error: --model trains nothing, so --extra-data has no use", file=sys.stderr)
+        return 2
+    if not 0 <= cfg.adapt_days < cfg.eval_days:
+        print("error: --adapt-days must be at least 0 and below --eval-days", file=sys.stderr)
         return 2
     out.mkdir(parents=True, exist_ok=True)
     folds = [] if args.collect else [f.strip() for f in args.folds.split(",")]

@@ -13,6 +13,17 @@ a value below the previous one is a reset (reboot, driver reload) and counts as 
 errors since the reset; a null leaves the previous value in place, so a gap only spreads
 the increment over the missing samples. Rows older than the newest row already seen for a
 GPU are ignored (a re-sent batch does not count twice).
+
+A GPU's *life* ends at a recovery or reset: a ``gpu_recovered`` or ``counter_reset`` event,
+or a counter read below its previous value. An ECC error is *evidence* (the time of the last
+SBE / DBE that ``since_sbe_s`` / ``since_dbe_s`` and the ``dbe`` rule read) only when it
+happened within the GPU's current life: a sample whose gap from the previous one contains a
+life boundary carries the counts of the life before (the DBE of a failure is first read in
+the first sample after the repair), so an increase in it counts as evidence only for a counter
+that was itself reset (its value is then the errors since the reset); and evidence from before
+the boundary is forgotten at it. The boundary events must reach the state no later than the
+first sample after them (the collector sends them in the same batch; the replay and the
+scorer fold a tick's events before its samples).
 """
 
 from __future__ import annotations
@@ -73,6 +84,8 @@ FLAGS: tuple[tuple[str, int], ...] = (
     ("hw_slowdown", HW_SLOWDOWN_BITS),
 )
 _LAST_TIMES = ("sbe", "dbe", *EVENT_CHANNELS, "fatal_xid")
+LIFE_EVENTS: tuple[str, ...] = ("gpu_recovered", "counter_reset")
+"""Events that end a GPU's life: the counts read after them include the life before."""
 
 
 def _layout() -> tuple[dict[str, int], np.ndarray]:
@@ -213,6 +226,7 @@ class FleetState:
         self.gpu_of = grow(g(self, "gpu_of", None), (cap,), -1).astype(np.int64)
         self.reported = grow(g(self, "reported", None), (cap, len(VALUE_COLUMNS)), 0).astype(bool)
         self.vanished_now = grow(g(self, "vanished_now", None), (cap,), 0.0)
+        self.life_ms = grow(g(self, "life_ms", None), (cap,), np.nan)
         self.capacity = cap
 
     def slots(self, node: np.ndarray, gpu: np.ndarray, *, create: bool = True) -> np.ndarray:
@@ -280,19 +294,66 @@ class FleetState:
             InvalidInput: a row after ``now_ms`` or a clock that goes back.
         """
         self._advance(int(now_ms))
+        block: SampleBlock | None = None
+        slot = np.zeros(0, dtype=np.int64)
         if samples is not None and len(samples):
-            self._fold_samples(samples)
+            block = samples if isinstance(samples, SampleBlock) else SampleBlock.from_frame(samples)
+            if block.ts_ms.max() > int(now_ms):
+                raise InvalidInput("a sample is newer than the update's now_ms")
+            slot = self.slots(block.node, block.gpu)
+        lives = self._lives(events) if events is not None and len(events) else None
+        if block is not None:
+            self._fold_samples(block, slot, lives)
+        if lives is not None:
+            np.fmax.at(self.life_ms, lives[0], lives[1].astype(np.float64))
+        self._forget_past_lives()
         if events is not None and len(events):
             self._fold_events(events)
 
-    def _fold_samples(self, samples: pd.DataFrame | SampleBlock) -> None:
-        block = samples if isinstance(samples, SampleBlock) else SampleBlock.from_frame(samples)
+    def _forget_past_lives(self) -> None:
+        """ECC evidence from before a GPU's latest life boundary is no evidence now."""
+        n = self.size
+        for key, _ in _SBE_DBE:
+            k = _LAST_TIMES.index(key)
+            old = self.last_time[:n, k] < self.life_ms[:n]  # NaN on either side: False
+            self.last_time[:n, k] = np.where(old, np.nan, self.last_time[:n, k])
+
+    def _lives(self, frame: pd.DataFrame) -> tuple[np.ndarray, np.ndarray] | None:
+        """The life boundaries among ``frame``'s events, as (slot, ts_ms) sorted by slot then
+        time (a node-wide event ends the life of every GPU of its node known so far)."""
+        frame = frame[frame["kind"].astype(str).isin(LIFE_EVENTS)]
+        if not len(frame):
+            return None
+        t = frame["ts_ms"].to_numpy(dtype=np.int64)
+        if t.max() > int(self.now_ms or 0):
+            raise InvalidInput("an event is newer than the update's now_ms")
+        gpu = pd.to_numeric(frame["gpu"], errors="coerce").to_numpy(dtype=np.float64)
+        nodes = frame["node"].astype(str).to_numpy()
+        per_gpu = ~np.isnan(gpu)
+        slots = [self.slots(nodes[per_gpu], gpu[per_gpu].astype(np.int64), create=False)]
+        times = [t[per_gpu]]
+        for i in np.flatnonzero(~per_gpu):
+            node_idx = self._node_index.get(nodes[i])
+            if node_idx is None:
+                continue
+            targets = np.flatnonzero(self.node_of[: self.size] == node_idx)
+            slots.append(targets.astype(np.int64))
+            times.append(np.full(len(targets), t[i], dtype=np.int64))
+        b_slot, b_ts = np.concatenate(slots), np.concatenate(times)
+        keep = b_slot >= 0
+        b_slot, b_ts = b_slot[keep], b_ts[keep]
+        order = np.lexsort((b_ts, b_slot))
+        return b_slot[order], b_ts[order]
+
+    def _fold_samples(
+        self,
+        block: SampleBlock,
+        slot: np.ndarray,
+        lives: tuple[np.ndarray, np.ndarray] | None,
+    ) -> None:
         now = self.now_ms
         assert now is not None
         t = block.ts_ms
-        if t.max() > now:
-            raise InvalidInput("a sample is newer than the update's now_ms")
-        slot = self.slots(block.node, block.gpu)
         fresh = ~(t <= self.last_ms[slot])  # NaN last_ms: never seen, keep
         order = np.lexsort((t, slot))
         order = order[fresh[order]]
@@ -350,12 +411,23 @@ class FleetState:
         vanished = (before & ~has).sum(axis=1).astype(np.float64)
         self.reported[uslot] |= has if single else np.logical_or.reduceat(has, starts, axis=0)
         self.vanished_now[uslot] = vanished[ends]
+        # A life boundary in the gap before a row (an event, or a counter read below its
+        # previous value): the row's increases carry the life before, except a counter's own
+        # reset. Evidence from before the latest boundary is forgotten.
         tf = t.astype(np.float64)
+        crossed, boundary = self._crossings(slot, t, prev_t, lives)
+        row_reset = reset.any(axis=1)
+        crossed |= row_reset
+        boundary = np.where(row_reset, np.fmax(boundary, tf), boundary)
+        evidence = np.where(crossed[:, None], reset & (inc > 0), inc > 0)
+        life = boundary if single else np.fmax.reduceat(boundary, starts)
+        self.life_ms[uslot] = np.fmax(self.life_ms[uslot], life)
         for key, cols in _SBE_DBE:
-            hit = np.where((inc[:, cols] > 0).any(axis=1), tf, -np.inf)
-            when = hit if single else np.maximum.reduceat(hit, starts)
             k = _LAST_TIMES.index(key)
-            self.last_time[uslot, k] = np.where(np.isfinite(when), when, self.last_time[uslot, k])
+            hit = np.where(evidence[:, cols].any(axis=1), tf, -np.inf)
+            when = hit if single else np.maximum.reduceat(hit, starts)
+            ok = np.isfinite(when) & ~(when < self.life_ms[uslot])
+            self.last_time[uslot, k] = np.where(ok, when, self.last_time[uslot, k])
 
         # Base quantities (one column each), spread over their windows by _BASE_OF / _TAU_OF.
         gauges = values[:, nc : nc + len(GAUGES)]
@@ -392,6 +464,33 @@ class FleetState:
         self.first_ms[uslot] = np.where(
             np.isnan(self.first_ms[uslot]), t[starts], self.first_ms[uslot]
         )
+
+    def _crossings(
+        self,
+        slot: np.ndarray,
+        t: np.ndarray,
+        prev_t: np.ndarray,
+        lives: tuple[np.ndarray, np.ndarray] | None,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Per row (sorted by slot, then time): whether a life boundary falls in its gap
+        ``(prev_t, t]`` (a boundary of an earlier update, or one of ``lives``), and the latest
+        boundary up to the row's time (NaN: none)."""
+        old = self.life_ms[slot]
+        crossed = prev_t < old  # NaN on either side: False
+        boundary = np.where(old <= t, old, np.nan)
+        if lives is None:
+            return crossed, boundary
+        b_slot, b_ts = lives
+        lo = np.searchsorted(b_slot, slot, side="left")
+        hi = np.searchsorted(b_slot, slot, side="right")
+        has = hi > lo
+        for i in np.flatnonzero(has):  # rows of GPUs whose life ended in this update
+            ts = b_ts[lo[i] : hi[i]]
+            upto = ts[ts <= t[i]]
+            if len(upto):
+                boundary[i] = np.fmax(boundary[i], float(upto[-1]))
+                crossed[i] |= bool(np.isnan(prev_t[i]) or upto[-1] > prev_t[i])
+        return crossed, boundary
 
     def _fold_events(self, frame: pd.DataFrame) -> None:
         now = self.now_ms

@@ -6,12 +6,14 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from predictor.dataset import Dataset
-from predictor.features import FEATURE_NAMES
+from predictor import baseline
+from predictor.dataset import Dataset, replay
+from predictor.features import FEATURE_NAMES, RULE_RECENT_S, RULES, compute
 from predictor.floor import FLOOR_RULES, floor_hits, floor_kinds, floored
 from predictor.model import RiskModel
 from predictor.report import evaluate_dataset
 from predictor.scoring import Scorer
+from predictor.state import FleetState, SampleBlock
 
 T0 = 1_800_000_000_000
 
@@ -95,3 +97,88 @@ def test_with_the_floor_every_kind_is_caught_at_least_as_often_as_by_the_rules(
     assert summary["floor_kinds_below_rules"] == []
     for d in summary["floor_vs_rules_by_kind"].values():
         assert d["model_floor"] >= max(d["rules"], d["rules_at_rate"] or 0)
+
+
+def _back_from_repair() -> tuple[pd.DataFrame, pd.DataFrame]:
+    """GPU 0 of n0 fails of a double-bit error at minute 30 (the counters move with the
+    failure, but it reports no more), is repaired, back in service at minute 150 reporting
+    the DBE count of its failure, and shows a new DBE of its own at minute 200. GPU 1 is
+    healthy throughout."""
+    rows = []
+    for k in range(240):
+        for gpu in range(2):
+            if gpu == 0 and 30 <= k < 150:
+                continue  # failed, under repair
+            failed_before = gpu == 0 and k >= 150
+            rows.append(
+                {
+                    "ts_ms": T0 + k * 60_000,
+                    "node": "n0",
+                    "gpu": gpu,
+                    "temp_gpu_c": 60.0,
+                    "ecc_sbe_volatile": 0,
+                    "ecc_dbe_volatile": 1 if gpu == 0 and k >= 200 else 0,  # reset at repair
+                    "ecc_dbe_aggregate": (2 if failed_before else 0) + (gpu == 0 and k >= 200),
+                    "remap_pending": 0,
+                    "remap_failure": 0,
+                    "pcie_link_width": 16,
+                    "pcie_link_width_max": 16,
+                }
+            )
+    events = pd.DataFrame(
+        [
+            {"ts_ms": T0 + 30 * 60_000, "node": "n0", "gpu": 0, "kind": "xid", "xid": 48},
+            {"ts_ms": T0 + 150 * 60_000, "node": "n0", "gpu": 0, "kind": "gpu_recovered"},
+            {"ts_ms": T0 + 150 * 60_000, "node": "n0", "gpu": 0, "kind": "counter_reset"},
+        ]
+    )
+    events["xid"] = events["xid"].astype("Int64")
+    return pd.DataFrame(rows), events
+
+
+def _dbe_alarm_minutes(hits_at: dict[int, bool]) -> list[int]:
+    return [k for k, hit in sorted(hits_at.items()) if hit]
+
+
+def test_a_dbe_carried_over_a_repair_is_no_evidence_a_new_one_is(tiny_model: RiskModel) -> None:
+    """Live: the DBE count of the failure, first read after the repair, raises no alarm;
+    a DBE within the GPU's new life does (the dbe rule of the floor and of the baseline)."""
+    samples, events = _back_from_repair()
+    scorer = Scorer(tiny_model)
+    floor_dbe, rule_dbe = {}, {}
+    dbe = [r.name for r in FLOOR_RULES].index("dbe")
+    for k in range(240):
+        now = T0 + k * 60_000
+        tick = samples[samples["ts_ms"] == now]
+        ev = events[events["ts_ms"] == now]
+        scorer.update(tick, ev if len(ev) else None, now_ms=now)
+        if k < 150:
+            continue
+        x = scorer.features()
+        floor_dbe[k] = bool(floor_hits(x)[0, dbe])
+        rule_dbe[k] = bool(baseline.rule_hits(x)[0, RULES.index("dbe")])
+        if k in (150, 199, 200):
+            out = scorer.score().set_index("gpu")
+            assert bool(out.loc[0, "floor"]) == (k == 200), k
+            assert not out.loc[1, "floor"]
+    assert _dbe_alarm_minutes(floor_dbe) == list(range(200, 240))
+    assert floor_dbe == rule_dbe
+
+
+def test_in_evaluation_a_dbe_carried_over_a_repair_is_no_evidence_either() -> None:
+    """The replay that evaluation and lofo score (one step a minute, and ten minutes a step)
+    reads the same evidence as the live scorer."""
+    samples, events = _back_from_repair()
+    block = SampleBlock.from_frame(samples.sort_values("ts_ms", kind="stable"))
+    manifest = {"gpus": 2, "start_ms": T0 - 60_000, "end_ms": T0 + 240 * 60_000}
+    fleet = Dataset("memory", manifest, block, events, pd.DataFrame())
+    for step_s in (60.0, 600.0):
+        since: dict[int, float] = {}
+
+        def sink(now_ms: int, state: FleetState, since: dict[int, float] = since) -> None:
+            x = compute(state, now_ms)
+            since[(now_ms - T0) // 60_000] = float(x[0, FEATURE_NAMES.index("since_dbe_s")])
+
+        replay(fleet, sink, step_s=step_s)
+        rule = {k: s <= RULE_RECENT_S for k, s in since.items() if k >= 150}
+        assert _dbe_alarm_minutes(rule) == [k for k in rule if k >= 200], step_s

@@ -98,6 +98,8 @@ def test_extra_training_data_must_not_hold_the_folds_families(
     assert "no fold E" in capsys.readouterr().err
     assert main([str(out), "--model", str(out), "--extra-data", str(leaky)]) == 2
     assert "--model trains nothing" in capsys.readouterr().err
+    assert main([str(out), "--eval-days", "1", "--adapt-days", "1"]) == 2
+    assert "--adapt-days must be at least 0 and below --eval-days" in capsys.readouterr().err
 
 
 def test_extra_training_data_joins_every_folds_training(tmp_path: Path, tiny_dir: Path) -> None:
@@ -112,3 +114,32 @@ def test_extra_training_data_joins_every_folds_training(tmp_path: Path, tiny_dir
                                                  str(tiny_dir)]  # fmt: skip
     assert res["extra_data"] == [str(tiny_dir)]
     assert not set(res["training_families"]) & set(FOLDS["D"])
+
+
+def test_prequential_folds_judge_the_adapted_model_beside_the_unadapted_and_the_rules(
+    tmp_path: Path, tiny_model_path: Path
+) -> None:
+    """--adapt-days D: the held-out fleet's first D days adapt the model (trained on top of
+    it with them); the unadapted and the adapted model are judged on the same later days,
+    each beside the rules, in the table (two rows) and the card section."""
+    out = tmp_path / "lofo"
+    args = ["--folds", "B", "--model", str(tiny_model_path), "--eval-gpus", "32"]
+    sizes = ["--eval-days", "0.5", "--eval-mttf-h", "0.01", "--adapt-days", "0.25"]
+    assert main([str(out), *args, *sizes]) == 0
+    res = json.loads((out / "fold-B.json").read_text())
+    assert res["adapt_days"] == 0.25 and res["adapt_error"] is None
+    unadapted, adapted = res["summary"], res["adapted"]
+    for s in (unadapted, adapted):  # the same days: the fleet after its first quarter day
+        assert s["model_at_budget"]["gpu_days"] <= 32 * 0.25 + 1e-9
+        assert s["baseline"]["failures"] == unadapted["baseline"]["failures"] > 0
+    assert adapted["model_at_budget"]["gpu_days"] == unadapted["model_at_budget"]["gpu_days"]
+    assert res["adapted_model"] != json.loads(tiny_model_path.read_text())["created_at"]
+    rows = (out / "lofo.md").read_text().splitlines()
+    assert rows[-2].startswith("| B: memory_remap:never") and "unadapted" in rows[-2]
+    assert rows[-1].startswith("| B, adapted on its first 0.25 days |")
+    assert len(rows[-1].split(" | ")) == 11
+    fold = card_section([res], LofoConfig(adapt_days=0.25))["folds"][0]
+    pre = fold["prequential"]
+    assert pre["adapt_days"] == 0.25
+    assert pre["adapted_model_at_budget"]["failures"] == fold["model_at_budget"]["failures"]
+    assert pre["baseline"]["by_kind"] == fold["baseline"]["by_kind"]

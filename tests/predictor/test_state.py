@@ -163,3 +163,56 @@ def test_gaps_and_vanished_readings_are_features() -> None:
     fresh.update(_frame(ts[:30], list(range(30))), now_ms=ts[29])
     assert compute(fresh)[0, col("gap_len_1h")] == pytest.approx(10.0)
     assert compute(fresh)[0, col("metrics_vanished_now")] == 0
+
+
+def _lives_fleet() -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Three GPUs a minute apart for an hour: GPU 0 shows a DBE at minute 5, is out from
+    minute 10 to 20 and comes back (a recovery event) with the count of a second DBE from
+    its failure; GPU 1 shows a DBE at minute 30 and is reset (its volatile counter read
+    below before) at minute 40; GPU 2 shows a DBE at minute 50."""
+    rows = []
+    for k in range(60):
+        for g in range(3):
+            if g == 0 and 10 <= k < 20:
+                continue
+            agg = {0: (k >= 5) + (k >= 20), 1: int(k >= 30), 2: int(k >= 50)}[g]
+            vol = agg if not (g == 1 and k >= 40) else 0
+            rows.append(
+                {
+                    "ts_ms": T0 + k * 60_000,
+                    "node": "n0",
+                    "gpu": g,
+                    "ecc_dbe_volatile": vol,
+                    "ecc_dbe_aggregate": agg,
+                    "ecc_sbe_volatile": 3 if g == 1 and k < 40 else 0,
+                }
+            )
+    events = pd.DataFrame(
+        {
+            "ts_ms": [T0 + 15 * 60_000],
+            "node": ["n0"],
+            "gpu": pd.array([0], dtype="Int64"),
+            "kind": ["gpu_recovered"],
+            "xid": pd.array([None], dtype="Int64"),
+        }
+    )
+    return pd.DataFrame(rows), events
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.lists(st.integers(1, 59), min_size=0, max_size=8))
+def test_ecc_evidence_ends_with_a_life_however_rows_are_split(cuts) -> None:
+    """A DBE from before a recovery or reset, or carried over one, is no evidence; one after
+    it is; the same whichever updates the rows and events come in."""
+    frame, events = _lives_fleet()
+    end = T0 + 59 * 60_000
+    parts = FleetState()
+    lo = -1
+    for b in sorted({T0 + c * 60_000 for c in cuts} | {end}):
+        rows = frame[(frame["ts_ms"] > lo) & (frame["ts_ms"] <= b)]
+        ev = events[(events["ts_ms"] > lo) & (events["ts_ms"] <= b)]
+        parts.update(rows, ev if len(ev) else None, now_ms=b)
+        lo = b
+    since = compute(parts)[:, FEATURE_NAMES.index("since_dbe_s")]
+    assert since[0] == since[1] == 7 * 86400.0  # its life's DBEs: none
+    assert since[2] == 9 * 60.0
