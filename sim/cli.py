@@ -40,7 +40,7 @@ from typing import Any
 from forewarn import __version__
 from forewarn.errors import ForewarnError, InvalidInput
 
-__all__ = ["TickCost", "configure", "measure_tick", "parse_inject", "run"]
+__all__ = ["Senders", "TickCost", "configure", "measure_tick", "parse_inject", "run"]
 
 WARM_UP_TICKS = 3
 """Ticks timed before a live stream starts (not sent)."""
@@ -93,6 +93,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         metavar="S",
         help="longest a sample waits before its node's batch is sent (default %(default)s, "
         "as forewarn collect; never under --interval)",
+    )
+    live.add_argument(
+        "--senders",
+        type=int,
+        default=8,
+        metavar="N",
+        help="batching pushers sending side by side, each for a share of the nodes, as a "
+        "fleet's collectors do (default %(default)s)",
     )
     live.add_argument(
         "--serve-dcgm-exporter",
@@ -286,6 +294,39 @@ def measure_tick(source: Any, interval_s: float, ticks: int = WARM_UP_TICKS) -> 
     return TickCost(source.model.g, interval_s, sorted(walls)[ticks // 2], sorted(cpus)[ticks // 2])
 
 
+class Senders:
+    """Several batching pushers, each sending the batches of a share of the nodes, so that one
+    slow answer holds up only its share (a fleet's collectors send side by side too)."""
+
+    def __init__(self, pushers: list[Any]) -> None:
+        self.pushers = pushers
+        self._of: dict[str, Any] = {}
+
+    def start(self) -> None:
+        for p in self.pushers:
+            p.start()
+
+    def add_columns(self, node: str, columns: dict[str, list[Any]], events: list[Any]) -> None:
+        pusher = self._of.get(node)
+        if pusher is None:
+            pusher = self._of[node] = self.pushers[len(self._of) % len(self.pushers)]
+        pusher.add_columns(node, columns, events)
+
+    @property
+    def stats(self) -> Any:
+        """The pushers' ``PushStats`` summed."""
+        total = self.pushers[0].stats
+        for p in self.pushers[1:]:
+            s = p.stats
+            for name in ("sent_total", "duplicate_total", "dropped_total", "spooled", "buffered"):
+                setattr(total, name, getattr(total, name) + getattr(s, name))
+        return total
+
+    def close(self) -> None:
+        for p in self.pushers:
+            p.close()
+
+
 def _live(args: argparse.Namespace) -> int:
     from collector.push import BatchingPusher, IngestClient
     from forewarn.wire import AgentStatus
@@ -304,22 +345,31 @@ def _live(args: argparse.Namespace) -> int:
     source = SimulatedSource(args.gpus, seed=args.seed, params=params, speed=args.speed)
     started = datetime.now(UTC)
 
-    def status(node: str) -> AgentStatus:
-        return AgentStatus(
-            agent_id=f"forewarn-sim/{node}",
-            source="simulated",
-            version=__version__,
-            started_at=started,
-            interval_s=interval,
-        )
+    statuses: dict[str, AgentStatus] = {}
+
+    def status(node: str) -> AgentStatus:  # built once a node: the pusher asks every request
+        if node not in statuses:
+            statuses[node] = AgentStatus(
+                agent_id=f"forewarn-sim/{node}",
+                source="simulated",
+                version=__version__,
+                started_at=started,
+                interval_s=interval,
+            )
+        return statuses[node]
 
     pusher = None
     if args.service:
-        pusher = BatchingPusher(
-            IngestClient(args.service, str(token)),
-            max_rows=5000,
-            max_delay_s=max(args.batch_max_delay_s, interval),
-            agent_status=status,
+        pusher = Senders(
+            [
+                BatchingPusher(
+                    IngestClient(args.service, str(token)),
+                    max_rows=5000,
+                    max_delay_s=max(args.batch_max_delay_s, interval),
+                    agent_status=status,
+                )
+                for _ in range(max(1, min(args.senders, source.model.nodes)))
+            ]
         )
     cost = measure_tick(source, interval)
     if pusher is not None:
