@@ -107,17 +107,17 @@ class NodeBatch:
         return len(self.columns.get("gpu", ())) + len(self.events)
 
 
-def _as_list(name: str, values: np.ndarray) -> list[Any]:
-    """A column as Python values of the wire's type (NaN, a vanished reading: None)."""
+def _as_values(name: str, values: np.ndarray) -> np.ndarray:
+    """A column as values of the wire's type (NaN, a vanished reading: None)."""
     if values.dtype.kind == "f":
         nan = np.isnan(values)
         if name in _INT_FIELDS and not nan.any():
-            return values.astype(np.int64).tolist()
+            return values.astype(np.int64)
         if nan.any():
             out = values.astype(object)
             out[nan] = None
-            return out.tolist()  # type: ignore[no-any-return]
-    return values.tolist()  # type: ignore[no-any-return]
+            return out
+    return values
 
 
 def _event(model: FleetModel, row: EventRow) -> Event:
@@ -139,31 +139,34 @@ def _event(model: FleetModel, row: EventRow) -> Event:
 def tick_columns(model: FleetModel, tick: Tick) -> list[NodeBatch]:
     """A tick as one :class:`NodeBatch` per node with a sample or an event, in node order.
 
-    Every field is turned into a list once for the whole fleet (numpy's ``tolist``) and cut
-    into nodes by slicing, so the cost per sample is a few list operations, not an object.
-    The samples are those of :func:`tick_rows`, field for field.
+    Each field of the whole fleet becomes per-node lists in one numpy call (a reshape to
+    nodes x GPUs, then ``tolist``), and a node's columns are those lists zipped with the
+    field names, so no object is built per sample. The samples are those of
+    :func:`tick_rows`, field for field.
     """
-    idx = np.flatnonzero(tick.present)
-    n = int(idx.size)
+    g, nodes, gpn = model.g, model.nodes, model.gpn
     fleet = model.params["fleet"]
-    full: dict[str, list[Any]] = {
-        "ts_ms": [int(tick.ts_ms)] * n,
-        "gpu": model.gpu_index[idx].tolist(),
-        "uuid": np.asarray(model.uuids, dtype=object)[idx].tolist(),
-        "vendor": ["nvidia"] * n,
-        "mem_total_mib": [float(fleet["mem_total_mib"])] * n,
-        "pcie_link_width_max": [int(fleet["pcie_link_width_max"])] * n,
-        "pcie_link_gen": [int(fleet["pcie_link_gen"])] * n,
+    arrays: dict[str, np.ndarray] = {
+        "ts_ms": np.full(g, int(tick.ts_ms), dtype=np.int64),
+        "gpu": model.gpu_index,
+        "uuid": np.asarray(model.uuids, dtype=object),
+        "vendor": np.full(g, "nvidia", dtype=object),
+        "mem_total_mib": np.full(g, float(fleet["mem_total_mib"])),
+        "pcie_link_width_max": np.full(g, int(fleet["pcie_link_width_max"]), dtype=np.int64),
+        "pcie_link_gen": np.full(g, int(fleet["pcie_link_gen"]), dtype=np.int64),
+        **tick.columns,
     }
-    for name, values in tick.columns.items():
-        full[name] = _as_list(name, values[idx])
-    nodes = model.node_of[idx]
-    cuts = (np.flatnonzero(np.diff(nodes)) + 1).tolist()
-    starts, ends = [0, *cuts], [*cuts, n]
+    names = list(arrays)
+    per_node = [_as_values(k, v).reshape(nodes, gpn).tolist() for k, v in arrays.items()]
+    present = tick.present.reshape(nodes, gpn)
+    count = present.sum(axis=1).tolist()
     by_node: dict[int, dict[str, list[Any]]] = {}
-    if n:
-        for node, a, b in zip(nodes[starts].tolist(), starts, ends, strict=True):
-            by_node[node] = {k: v[a:b] for k, v in full.items()}
+    for node, (c, lists) in enumerate(zip(count, zip(*per_node, strict=True), strict=True)):
+        if c == gpn:
+            by_node[node] = dict(zip(names, lists, strict=True))
+        elif c:  # a GPU down, lost or its sample missed: keep those present
+            keep = np.flatnonzero(present[node]).tolist()
+            by_node[node] = {k: [v[i] for i in keep] for k, v in zip(names, lists, strict=True)}
     events: dict[int, list[Event]] = {}
     for row in tick.events:
         events.setdefault(row[1], []).append(_event(model, row))
