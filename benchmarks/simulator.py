@@ -21,9 +21,10 @@ period, as ``forewarn collect`` by default):
 (f) new path: ``SimulatedSource.read_batches`` (columns per node from the model's arrays),
     ``BatchingPusher.add_columns``, then ``sample_columns`` bodies, JSON, gzip, the HTTP client;
 
-both sending through ``httpx.MockTransport`` answering 200 (the client's work, no socket), and
-the model's step alone. Prints CPU s per tick of each, the ratio old / new, and whether 16,384
-GPUs at 1 Hz fit in one core (new path under 1 CPU-s per tick).
+both sending through ``httpx.MockTransport`` answering 200 (the client's work, no socket);
+(g) the new path with 10-s batches; the model's step alone; and each path only up to its
+gzipped bodies (no pusher, no client: "to bytes"). Prints CPU s per tick of each, the ratio
+old / new, and whether 16,384 GPUs at 1 Hz fit in one core (new path under 1 CPU-s a tick).
 
     .venv/bin/python benchmarks/simulator.py [--part all|dataset|live] [--gpus 1024] \\
         [--days 1] [--interval 10] [--ticks 5] [--live-gpus 1024,4096,16384]
@@ -32,6 +33,8 @@ GPUs at 1 Hz fit in one core (new path under 1 CPU-s per tick).
 from __future__ import annotations
 
 import argparse
+import gzip
+import json
 import sys
 import tempfile
 import time
@@ -46,7 +49,8 @@ import httpx  # noqa: E402
 import pyarrow.dataset as pads  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 
-from collector.push import BatchingPusher, IngestClient  # noqa: E402
+from collector.push import BatchingPusher, IngestClient, batch_body  # noqa: E402
+from forewarn.wire import GpuSample  # noqa: E402
 from sim import FleetModel, generate_dataset, load_params  # noqa: E402
 from sim.source import SimulatedSource  # noqa: E402
 
@@ -96,11 +100,38 @@ def _live_tick_cpu(
     return sorted(costs)[ticks // 2], sorted(steps)[ticks // 2], sent
 
 
+def _to_bytes_cpu(gpus: int, ticks: int, seed: int, new: bool) -> float:
+    """CPU s of one tick up to the gzipped bodies (no pusher, no client), median."""
+    src = SimulatedSource(gpus, seed=seed)
+    start = datetime(2026, 1, 1, tzinfo=UTC)
+    src.read(start)
+    costs = []
+    for k in range(1, ticks + 1):
+        now = start + timedelta(seconds=k)
+        c0 = time.process_time()
+        if new:
+            bodies = [
+                {"schema_version": 1, "node": b.node, "sample_columns": b.columns, "events": []}
+                for b in src.read_batches(now)
+            ]
+        else:
+            by_node: dict[str, list[GpuSample]] = {}
+            for r in src.read(now):
+                if isinstance(r, GpuSample):
+                    by_node.setdefault(r.node, []).append(r)
+            bodies = [batch_body(node, rows) for node, rows in by_node.items()]
+        for body in bodies:
+            data = json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
+            gzip.compress(data, compresslevel=5)
+        costs.append(time.process_time() - c0)
+    return sorted(costs)[ticks // 2]
+
+
 def live(sizes: list[int], ticks: int, seed: int) -> None:
     print(f"live: CPU s per 1-s tick of this process (median of {ticks}), 1-s batches")
     print(
         f"{'GPUs':>7} {'step':>7} {'(e) old':>8} {'(f) new':>8} {'old/new':>8} "
-        f"{'new: core':>9} {'(g) new, 10-s batches':>22}"
+        f"{'new: core':>9} {'(g) new, 10-s':>13} {'old to bytes':>12} {'new to bytes':>12}"
     )
     fits = None
     for gpus in sizes:
@@ -108,8 +139,11 @@ def live(sizes: list[int], ticks: int, seed: int) -> None:
         new, _, sent_new = _live_tick_cpu(gpus, ticks, seed, new=True)
         assert sent_old == sent_new, (sent_old, sent_new)  # the same rows either way
         ten, _, _ = _live_tick_cpu(gpus, max(1, ticks // 2), seed, new=True, batch_ticks=10)
+        old_b = _to_bytes_cpu(gpus, ticks, seed, new=False)
+        new_b = _to_bytes_cpu(gpus, ticks, seed, new=True)
         print(
-            f"{gpus:>7,} {step:7.3f} {old:8.3f} {new:8.3f} {old / new:7.1f}x {new:9.0%} {ten:22.3f}"
+            f"{gpus:>7,} {step:7.3f} {old:8.3f} {new:8.3f} {old / new:7.1f}x "
+            f"{new:9.0%} {ten:13.3f} {old_b:12.3f} {new_b:12.3f}"
         )
         if gpus == 16384:
             fits = new < 1.0
