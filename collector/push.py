@@ -37,7 +37,7 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,6 +87,22 @@ def batch_body(
         "events": [e.model_dump(mode="json", exclude_none=True) for e in events],
         "agent": agent.model_dump(mode="json") if agent is not None else None,
     }
+
+
+def _column_body(node: str, columns: dict[str, list[Any]]) -> dict[str, Any]:
+    """A batch of samples in the ``sample_columns`` shape (events travel in row batches)."""
+    return {"schema_version": 1, "node": node, "sample_columns": columns, "events": []}
+
+
+def _concat_columns(parts: list[tuple[int, Mapping[str, list[Any]]]]) -> dict[str, list[Any]]:
+    """One ``sample_columns`` object from several; a field a part lacks is null there."""
+    if len(parts) == 1:
+        return dict(parts[0][1])
+    out: dict[str, list[Any]] = {k: [] for _, cols in parts for k in cols}
+    for n, cols in parts:
+        for k, values in out.items():
+            values.extend(cols.get(k) or [None] * n)
+    return out
 
 
 def _retry_after(response: httpx.Response) -> float | None:
@@ -279,6 +295,7 @@ class BatchingPusher:
         self._stats = PushStats()
         self._cond = threading.Condition()
         self._buffer: dict[str, tuple[list[GpuSample], list[Event]]] = {}
+        self._columns: dict[str, list[tuple[int, Mapping[str, list[Any]]]]] = {}
         self._buffered = 0
         self._first_at: float | None = None
         self._flush_requested = False
@@ -321,8 +338,38 @@ class BatchingPusher:
                 self._shed(self._buffered - self.max_buffer_rows)
             self._cond.notify_all()
 
+    def add_columns(
+        self, node: str, columns: Mapping[str, list[Any]], events: Iterable[Event] = ()
+    ) -> None:
+        """Queue samples of ``node`` already in the ``sample_columns`` shape, and its events.
+
+        ``columns`` is what :class:`~forewarn.wire.IngestBatch` calls ``sample_columns``:
+        ``gpu``, ``ts_ms`` and one equal-length list per reported field. A node's column
+        chunks are sent together, up to ``max_rows`` samples a request (a chunk is never cut);
+        the events go in a batch of rows. Never blocks on the network.
+        """
+        n = len(columns.get("gpu") or ())
+        with self._cond:
+            if n:
+                self._columns.setdefault(node, []).append((n, columns))
+                self._buffered += n
+            if events:
+                self.add(events)  # a re-entrant lock: the rows path queues the events
+                return
+            if self._buffered and self._first_at is None:
+                self._first_at = self.clock()
+            if self._buffered > self.max_buffer_rows:
+                self._shed(self._buffered - self.max_buffer_rows)
+            self._cond.notify_all()
+
     def _shed(self, excess: int) -> None:
         # Only reached when the sender thread cannot keep up even with the spool.
+        for chunks in self._columns.values():
+            while chunks and excess > 0:
+                n, _ = chunks.pop(0)
+                excess -= n
+                self._buffered -= n
+                self._stats.dropped_total += n
         for samples, events in self._buffer.values():
             for rows in (samples, events):
                 n = min(excess, len(rows))
@@ -428,7 +475,16 @@ class BatchingPusher:
                 s = [r for r in chunk if isinstance(r, GpuSample)]
                 e = [r for r in chunk if isinstance(r, Event)]
                 out.append((node, batch_body(node, s, e), len(chunk)))
+        for node, chunks in self._columns.items():
+            part: list[tuple[int, Mapping[str, list[Any]]]] = []
+            for i, (n, cols) in enumerate(chunks):
+                part.append((n, cols))
+                total = sum(k for k, _ in part)
+                if i + 1 == len(chunks) or total + chunks[i + 1][0] > self.max_rows:
+                    out.append((node, _column_body(node, _concat_columns(part)), total))
+                    part = []
         self._buffer.clear()
+        self._columns.clear()
         self._buffered = 0
         self._first_at = None
         return out
@@ -459,18 +515,24 @@ class BatchingPusher:
                 return
             # Coalesce consecutive batches of one node (up to max_rows) into one request.
             node = entries[0][1]["node"]
+            columnar = "sample_columns" in entries[0][1]
             group: list[tuple[str, dict[str, Any]]] = []
             total = 0
             for key, body, rows in entries:
-                if body["node"] != node or (group and total + rows > self.max_rows):
+                if (
+                    body["node"] != node
+                    or ("sample_columns" in body) != columnar
+                    or (group and total + rows > self.max_rows)
+                ):
                     break
                 group.append((key, body))
                 total += rows
-            merged = {
-                **group[0][1],
-                "samples": [s for _, b in group for s in b.get("samples", ())],
-                "events": [e for _, b in group for e in b.get("events", ())],
-            }
+            merged = {**group[0][1], "events": [e for _, b in group for e in b.get("events", ())]}
+            if columnar:
+                parts = [(len(b["sample_columns"]["gpu"]), b["sample_columns"]) for _, b in group]
+                merged["sample_columns"] = _concat_columns(parts)
+            else:
+                merged["samples"] = [s for _, b in group for s in b.get("samples", ())]
             if not self._attempt_send(node, merged, total):
                 return
             with self._cond:
@@ -522,6 +584,14 @@ class BatchingPusher:
         return True
 
     def _split(self, node: str, body: dict[str, Any], rows: int) -> bool:
+        if "sample_columns" in body:  # its events are always none (see add_columns)
+            cols = body["sample_columns"]
+            n = len(cols["gpu"])
+            for a, b in ((0, n // 2), (n // 2, n)):
+                sub = {**body, "sample_columns": {k: v[a:b] for k, v in cols.items()}}
+                if not self._attempt_send(node, sub, b - a):
+                    self._keep(sub, b - a)
+            return True
         items = [("samples", x) for x in body["samples"]] + [("events", x) for x in body["events"]]
         half = len(items) // 2
         for part in (items[:half], items[half:]):

@@ -9,30 +9,41 @@
     forewarn simulate --gpus 16 --speed 60 --serve-dcgm-exporter 9400           # for Prometheus
 
 Live mode posts one batch stream per node to ``POST /v1/ingest`` (token from ``--token`` or
-``FOREWARN_INGEST_TOKEN``) through the collector's batching pusher, stamps samples with the
+``FOREWARN_INGEST_TOKEN``) through the collector's batching pusher, each node's samples in
+the ``sample_columns`` shape built straight from the model's arrays, stamps samples with the
 wall clock, and serves the control API (``sim/control.py``) on localhost so that
 failures can be injected while it runs. ``--serve-dcgm-exporter PORT`` serves the fleet's
 current readings as a dcgm-exporter would (``http://HOST:PORT/metrics``, ``sim/exposition.py``)
 for a Prometheus to scrape; it needs no service (with ``--service`` it does both).
 ``--inject NODE:GPU:KIND[:LEAD_S][@AT_S]`` injects from the command line, in both modes
 (AT_S: seconds after the start).
+
+Before streaming, live mode times a few warm-up ticks and says plainly whether this machine
+can hold the rate asked (GPUs x 1/interval); while it runs, a tick that comes a whole interval
+late is skipped and its samples are counted as missed in the status line, beside what the
+pusher has sent, holds, spooled and dropped.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 from forewarn import __version__
 from forewarn.errors import ForewarnError, InvalidInput
 
-__all__ = ["configure", "parse_inject", "run"]
+__all__ = ["Senders", "TickCost", "configure", "measure_tick", "parse_inject", "run"]
+
+WARM_UP_TICKS = 3
+"""Ticks timed before a live stream starts (not sent)."""
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -75,6 +86,22 @@ def configure(parser: argparse.ArgumentParser) -> None:
     live.add_argument("--token", help="ingest token (default: $FOREWARN_INGEST_TOKEN)")
     live.add_argument("--speed", type=float, default=1.0, help="failure dynamics run X faster")
     live.add_argument("--duration", type=float, help="stop after this many seconds")
+    live.add_argument(
+        "--batch-max-delay-s",
+        type=float,
+        default=1.0,
+        metavar="S",
+        help="longest a sample waits before its node's batch is sent (default %(default)s, "
+        "as forewarn collect; never under --interval)",
+    )
+    live.add_argument(
+        "--senders",
+        type=int,
+        default=8,
+        metavar="N",
+        help="batching pushers sending side by side, each for a share of the nodes, as a "
+        "fleet's collectors do (default %(default)s)",
+    )
     live.add_argument(
         "--serve-dcgm-exporter",
         type=int,
@@ -219,6 +246,87 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
+@dataclass(frozen=True)
+class TickCost:
+    """What one live tick costs on this machine: stepping the fleet, its columns, their JSON
+    and gzip as the ingest client sends them (the HTTP exchange itself is not counted)."""
+
+    gpus: int
+    interval_s: float
+    wall_s: float
+    """Median seconds of one tick by the wall clock."""
+    cpu_s: float
+    """Median CPU seconds of this process for one tick."""
+
+    @property
+    def holds(self) -> bool:
+        """Whether a tick fits in the interval (by the wall clock: what the loop waits on)."""
+        return self.wall_s < self.interval_s
+
+    def describe(self) -> str:
+        share = self.wall_s / self.interval_s
+        head = (
+            f"a tick of {self.gpus} GPUs takes {self.wall_s:.3f} s "
+            f"({self.cpu_s:.3f} s of CPU), {share:.0%} of the {self.interval_s:g} s interval"
+        )
+        if self.holds:
+            return head
+        most = int(self.gpus * self.interval_s / max(self.wall_s, 1e-9))
+        return (
+            f"{head}: this machine cannot hold {self.gpus} GPUs every {self.interval_s:g} s. "
+            f"Ticks will come late and the samples of the skipped ones are missed (counted in "
+            f"the status line); about {most} GPUs fit at this interval, or ask for "
+            f"--interval {self.wall_s * 1.25:.2g} or more"
+        )
+
+
+def measure_tick(source: Any, interval_s: float, ticks: int = WARM_UP_TICKS) -> TickCost:
+    """Time ``ticks`` ticks of ``source`` (a :class:`sim.source.SimulatedSource`) as live mode
+    runs them, without sending anything: the median wall and CPU seconds of one tick."""
+    walls, cpus = [], []
+    for _ in range(ticks):
+        w0, c0 = time.perf_counter(), time.process_time()
+        for batch in source.read_batches(datetime.now(UTC)):
+            body = {"schema_version": 1, "node": batch.node, "sample_columns": batch.columns}
+            gzip.compress(json.dumps(body, separators=(",", ":")).encode(), compresslevel=5)
+        walls.append(time.perf_counter() - w0)
+        cpus.append(time.process_time() - c0)
+    return TickCost(source.model.g, interval_s, sorted(walls)[ticks // 2], sorted(cpus)[ticks // 2])
+
+
+class Senders:
+    """Several batching pushers, each sending the batches of a share of the nodes, so that one
+    slow answer holds up only its share (a fleet's collectors send side by side too)."""
+
+    def __init__(self, pushers: list[Any]) -> None:
+        self.pushers = pushers
+        self._of: dict[str, Any] = {}
+
+    def start(self) -> None:
+        for p in self.pushers:
+            p.start()
+
+    def add_columns(self, node: str, columns: dict[str, list[Any]], events: list[Any]) -> None:
+        pusher = self._of.get(node)
+        if pusher is None:
+            pusher = self._of[node] = self.pushers[len(self._of) % len(self.pushers)]
+        pusher.add_columns(node, columns, events)
+
+    @property
+    def stats(self) -> Any:
+        """The pushers' ``PushStats`` summed."""
+        total = self.pushers[0].stats
+        for p in self.pushers[1:]:
+            s = p.stats
+            for name in ("sent_total", "duplicate_total", "dropped_total", "spooled", "buffered"):
+                setattr(total, name, getattr(total, name) + getattr(s, name))
+        return total
+
+    def close(self) -> None:
+        for p in self.pushers:
+            p.close()
+
+
 def _live(args: argparse.Namespace) -> int:
     from collector.push import BatchingPusher, IngestClient
     from forewarn.wire import AgentStatus
@@ -226,6 +334,8 @@ def _live(args: argparse.Namespace) -> int:
     from sim.exposition import DcgmExposition, ExporterServer
     from sim.source import SimulatedSource
 
+    if args.interval is not None and not args.interval > 0:
+        raise InvalidInput("--interval must be positive")
     token = args.token or os.environ.get("FOREWARN_INGEST_TOKEN")
     if args.service and not token:
         raise InvalidInput("live mode needs --token or FOREWARN_INGEST_TOKEN")
@@ -235,28 +345,44 @@ def _live(args: argparse.Namespace) -> int:
     source = SimulatedSource(args.gpus, seed=args.seed, params=params, speed=args.speed)
     started = datetime.now(UTC)
 
-    def status(node: str) -> AgentStatus:
-        return AgentStatus(
-            agent_id=f"forewarn-sim/{node}",
-            source="simulated",
-            version=__version__,
-            started_at=started,
-            interval_s=interval,
-        )
+    statuses: dict[str, AgentStatus] = {}
+
+    def status(node: str) -> AgentStatus:  # built once a node: the pusher asks every request
+        if node not in statuses:
+            statuses[node] = AgentStatus(
+                agent_id=f"forewarn-sim/{node}",
+                source="simulated",
+                version=__version__,
+                started_at=started,
+                interval_s=interval,
+            )
+        return statuses[node]
 
     pusher = None
     if args.service:
-        pusher = BatchingPusher(
-            IngestClient(args.service, str(token)),
-            max_rows=5000,
-            max_delay_s=max(1.0, interval),
-            agent_status=status,
-        ).start()
+        pusher = Senders(
+            [
+                BatchingPusher(
+                    IngestClient(args.service, str(token)),
+                    max_rows=5000,
+                    max_delay_s=max(args.batch_max_delay_s, interval),
+                    agent_status=status,
+                )
+                for _ in range(max(1, min(args.senders, source.model.nodes)))
+            ]
+        )
+    cost = measure_tick(source, interval)
+    if pusher is not None:
+        pusher.start()
     exposition, exporter = DcgmExposition(), None
     control = None
     try:
         if args.serve_dcgm_exporter is not None:
-            exposition.update(source.read(datetime.now(UTC)))
+            first = source.read_batches(datetime.now(UTC))
+            exposition.update_batches(first)
+            if pusher is not None:
+                for batch in first:
+                    pusher.add_columns(batch.node, batch.columns, batch.events)
             exporter = ExporterServer(
                 exposition, host=args.exporter_host, port=args.serve_dcgm_exporter
             ).start()
@@ -285,8 +411,30 @@ def _live(args: argparse.Namespace) -> int:
         f"{' and '.join(sinks)} every {interval:g} s, speed {args.speed:g}{where}",
         flush=True,
     )
+    out = sys.stdout if cost.holds else sys.stderr
+    print(f"forewarn simulate: {cost.describe()}", file=out, flush=True)
     t0 = time.monotonic()
-    k, last_report = 0, t0
+    k, last_report, cpu0 = 0, t0, time.process_time()
+    ticks, late, missed = 0, 0, 0
+
+    def report(elapsed: float) -> None:
+        nonlocal cpu0
+        st = source.status()
+        cpu, cpu0 = time.process_time() - cpu0, time.process_time()
+        sent = ""
+        if pusher is not None:
+            s = pusher.stats
+            sent = (
+                f"sent={s.sent_total} behind={s.buffered + s.spooled} "
+                f"(buffered={s.buffered} spooled={s.spooled}) dropped={s.dropped_total} "
+            )
+        print(
+            f"t={elapsed:.0f}s ticks={ticks} late={late} missed={missed} {sent}"
+            f"cpu={cpu / max(time.monotonic() - last_report, 1e-9):.2f} core "
+            f"up={st['gpus_up']}/{st['gpus']} failures={st['failures']}",
+            flush=True,
+        )
+
     try:
         while not stop:
             elapsed = time.monotonic() - t0
@@ -295,24 +443,22 @@ def _live(args: argparse.Namespace) -> int:
             while pending and pending[0]["at_s"] <= elapsed:
                 j = pending.pop(0)
                 print(json.dumps(source.inject(j["node"], j["gpu"], j["kind"], j["lead_s"])))
-            readings = source.read(datetime.now(UTC))
+            batches = source.read_batches(datetime.now(UTC))
             if pusher is not None:
-                pusher.add(readings)
+                for batch in batches:
+                    pusher.add_columns(batch.node, batch.columns, batch.events)
             if exporter is not None:
-                exposition.update(readings)
+                exposition.update_batches(batches)
             k += 1
+            ticks += 1
+            behind = int((time.monotonic() - t0) / interval) - k
+            if behind > 0:  # whole ticks are due already: skip them and say so
+                late += behind
+                missed += behind * int(source.model.up.sum())
+                k += behind
             if time.monotonic() - last_report >= 60.0:
+                report(time.monotonic() - t0)
                 last_report = time.monotonic()
-                st = source.status()
-                sent = ""
-                if pusher is not None:
-                    s = pusher.stats
-                    sent = f"sent={s.sent_total} spooled={s.spooled} dropped={s.dropped_total} "
-                print(
-                    f"t={elapsed:.0f}s {sent}up={st['gpus_up']}/{st['gpus']} "
-                    f"failures={st['failures']}",
-                    flush=True,
-                )
             time.sleep(max(0.0, t0 + k * interval - time.monotonic()))
     except KeyboardInterrupt:
         pass
@@ -325,8 +471,11 @@ def _live(args: argparse.Namespace) -> int:
             pusher.close()
         source.close()
     if pusher is None:
-        print(f"stopped after {k} ticks")
+        print(f"stopped after {ticks} ticks, {late} late ticks skipped ({missed} samples missed)")
         return 0
     s = pusher.stats
-    print(f"stopped: sent {s.sent_total} rows, dropped {s.dropped_total}, spooled {s.spooled}")
+    print(
+        f"stopped after {ticks} ticks: sent {s.sent_total} rows, dropped {s.dropped_total}, "
+        f"spooled {s.spooled}; {late} late ticks skipped ({missed} samples missed)"
+    )
     return 0

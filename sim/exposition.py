@@ -24,9 +24,13 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable
 from http.server import BaseHTTPRequestHandler
+from typing import TYPE_CHECKING, Any
 
 from forewarn.localhttp import BackgroundServer
 from forewarn.wire import Event, EventKind, GpuSample
+
+if TYPE_CHECKING:
+    from sim.source import NodeBatch
 
 __all__ = ["EXPORTED", "MODEL_NAME", "DcgmExposition", "ExporterServer", "render"]
 
@@ -96,6 +100,19 @@ _FB_FREE = ("DCGM_FI_DEV_FB_FREE", "gauge", "Framebuffer memory free (in MiB).")
 _XID = ("DCGM_FI_DEV_XID_ERRORS", "gauge", "Value of the last XID error encountered.")
 
 
+class _Row:
+    """A sample read from columns, with the attributes ``render`` reads (None: not reported)."""
+
+    __slots__ = ("_values", "node")
+
+    def __init__(self, node: str, values: dict[str, Any]) -> None:
+        self.node = node
+        self._values = values
+
+    def __getattr__(self, name: str) -> Any:
+        return self._values.get(name)
+
+
 def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
@@ -122,9 +139,12 @@ def _labels(s: GpuSample, model_name: str) -> str:
 
 
 def render(
-    samples: Iterable[GpuSample], last_xid: dict[tuple[str, int], int], model_name: str = MODEL_NAME
+    samples: Iterable[Any], last_xid: dict[tuple[str, int], int], model_name: str = MODEL_NAME
 ) -> str:
-    """The ``/metrics`` text for these samples (one per GPU) and the last Xid of each GPU."""
+    """The ``/metrics`` text for these samples (one per GPU) and the last Xid of each GPU.
+
+    A sample is a :class:`GpuSample` or anything with its attributes (a row read from columns).
+    """
     rows = sorted(samples, key=lambda s: (s.node, s.gpu))
     labels = [_labels(s, model_name) for s in rows]
     lines: list[str] = []
@@ -172,11 +192,27 @@ class DcgmExposition:
 
     def update(self, readings: Iterable[GpuSample | Event]) -> None:
         """Replace the served text with this tick's samples; Xid events update the last Xid."""
-        samples = []
-        for r in readings:
-            if isinstance(r, GpuSample):
-                samples.append(r)
-            elif r.kind == EventKind.XID and r.gpu is not None and r.xid is not None:
+        readings = list(readings)
+        self._update(
+            [r for r in readings if isinstance(r, GpuSample)],
+            [r for r in readings if isinstance(r, Event)],
+        )
+
+    def update_batches(self, batches: Iterable[NodeBatch]) -> None:
+        """:meth:`update` from the columnar batches of ``SimulatedSource.read_batches``."""
+        samples: list[Any] = []
+        events: list[Event] = []
+        for batch in batches:
+            cols = batch.columns
+            names = list(cols)
+            for values in zip(*cols.values(), strict=True):
+                samples.append(_Row(batch.node, dict(zip(names, values, strict=True))))
+            events.extend(batch.events)
+        self._update(samples, events)
+
+    def _update(self, samples: list[Any], events: Iterable[Event]) -> None:
+        for r in events:
+            if r.kind == EventKind.XID and r.gpu is not None and r.xid is not None:
                 self._last_xid[(r.node, r.gpu)] = int(r.xid)
         text = render(samples, self._last_xid, self.model_name)
         with self._lock:
