@@ -242,6 +242,8 @@ class Handover:
                 self.stop, self.cmd = None, None
                 return
             member.commands.close()
+            if self.peers is not None:  # this boundary's copies, sent and received
+                self.peers.wait()
             self.note("retired", rank=src, step=step, migration=mid)
             member.leave(broken=False)
             raise SystemExit(0)
@@ -452,7 +454,7 @@ class Handover:
         if step != meta["step"]:
             raise MigrationError(f"rank {rank}'s state is at step {step}, not {meta['step']}")
         if self.peers is not None:  # its own copy of this step; the ward's are lost
-            self.peers.took_over(rank, step, rank_state)
+            self.peers.took_over(rank, step, rank_state, planned=a["mode"] == "peer")
         self.store.set(f"{base}/received/{rank}", str(self.slot))
         self._join(a["gen"], rank, meta["layouts"])
         # From the first byte received to the new generation joined: the agent uses it as

@@ -165,6 +165,7 @@ class PeerCopies:
         self.cost_target = cost_target
         self._probe: list[float] = []  # rank 0's boundary times while k is derived
         self._first = 1 if self.every is not None else -1  # the first step a copy may be at
+        self._skip: int | None = None  # the boundary whose round ran before this took over
         self.world = world
         self.timeout_s = timeout_s
         self.where = where
@@ -222,7 +223,7 @@ class PeerCopies:
             return
         if self.every is None:
             self._derive(step, rank)
-        if not self.due(step):
+        if not self.due(step) or step == self._skip:
             return
         self.wait()
         t0 = time.perf_counter()
@@ -317,11 +318,16 @@ class PeerCopies:
         with self.channels.open(prefix, sender=True) as transport:
             transport.send(copy.meta, copy.tensors, timeout_s=self.timeout_s)
 
-    def took_over(self, rank: int, step: int, rank_state: bytes) -> None:
+    def took_over(self, rank: int, step: int, rank_state: bytes, *, planned: bool) -> None:
         """This process (a spare) now holds rank ``rank`` at boundary ``step``: its state,
         just received, is its own copy of that step; the ward's copies were in the old
-        process's memory, and no copy of an earlier step is held here (:func:`since_key`)."""
+        process's memory, and no copy of an earlier step is held here (:func:`since_key`).
+
+        ``planned``: the other ranks hand over at this boundary after its copy round ran
+        (with the source), so this process skips the round there; after an unplanned
+        recovery every rank runs the boundary again, its round included."""
         self.own = {step: _take(self.registry, step, rank_state)}
+        self._skip = step if planned else None
         self.store.delete_key(held_key((rank - 1) % self.world))
         self.store.set(since_key(rank), str(step))
 

@@ -156,3 +156,26 @@ def test_auto_k_is_derived_by_rank_0_and_read_by_every_rank() -> None:
         PeerCopies(
             store, registry, channels=None, every=0, world=2, timeout_s=1, where=lambda: (0, 0)
         )  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_preventive_move_at_a_copy_step_then_a_kill_replays_bitwise(
+    base_copies: Run, tmp_path: Path
+) -> None:
+    """Rank 1 moves preventively and hands over at step 4, a copy step (the round runs with
+    the source; the spare keeps its received state as its copy and skips that round); rank
+    3 is then SIGKILLed at step 7 and rebuilt from rank 0's copy of step 6: every loss and
+    the final state equal the undisturbed run's."""
+    plan = FaultPlan().migrate_at(1, 3, reason="preventive").fail_at(3, 7, where="forward")
+    run = launch(tmp_path, nproc=4, spares=2, plan=plan, steps=9, mode="fsdp", script_args=ARGS)
+    assert run.code == 0, run.agent.message
+    assert [(r.rank, r.outcome, r.step) for r in run.reports] == [
+        (1, "completed", 4),
+        (3, "completed", 6),
+    ]
+    base, rows = _rows(base_copies), _rows(run)
+    assert set(rows) == set(base)
+    for key, seen in rows.items():
+        assert all(row["loss"] == base[key][0]["loss"] for row in seen), f"loss differs at {key}"
+    assert_same_final(base_copies, run, nproc=4)
