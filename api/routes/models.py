@@ -57,6 +57,12 @@ class PinRequest(BaseModel):
     model_id: str = Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
+_CONFLICT: dict[int | str, dict[str, Any]] = {
+    409: {"description": "FOREWARN_MODEL decides the model, or the change cannot be made"}
+}
+_UNKNOWN: dict[int | str, dict[str, Any]] = {404: {"description": "No such model"}}
+
+
 def _life(settings: Any, *, changing: bool = False) -> ModelLifecycle:
     if changing and settings.model is not None:
         raise Conflict(
@@ -94,6 +100,7 @@ async def list_models(settings: SettingsDep, request: Request) -> dict[str, Any]
 
 @router.post(
     "/v1/models/pin",
+    responses={**_UNKNOWN, **_CONFLICT},
     response_model=ModelsPublic,
     dependencies=[require("admin")],
     summary="Put a model in force and keep it there (no promotion replaces it)",
@@ -109,6 +116,7 @@ async def pin_model(settings: SettingsDep, request: Request, body: PinRequest) -
 
 @router.post(
     "/v1/models/unpin",
+    responses=_CONFLICT,
     response_model=ModelsPublic,
     dependencies=[require("admin")],
     summary="Let a better retrained model replace the one in force again",
@@ -124,6 +132,7 @@ async def unpin_model(settings: SettingsDep, request: Request) -> dict[str, Any]
 
 @router.post(
     "/v1/models/rollback",
+    responses=_CONFLICT,
     response_model=ModelsPublic,
     dependencies=[require("admin")],
     summary="Put back the model the last promotion or pin replaced (409 when none)",
@@ -186,6 +195,7 @@ def _retrain(settings: Any, job: dict[str, Any], holdout_days: float) -> None:
     "/v1/models/retrain",
     response_model=RetrainPublic,
     status_code=202,
+    responses=_CONFLICT,
     dependencies=[require("admin")],
     summary="Retrain on the fleet's own history in a worker; the lifecycle judges the result "
     "(409 when one is running)",
