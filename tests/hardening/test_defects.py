@@ -203,6 +203,55 @@ def test_a_token_cannot_grow_the_fleet_without_bound(tmp_path: Path) -> None:
         assert client.get("/v1/gpus", headers=READ).json()["count"] == 3
 
 
+def test_a_batch_refused_with_503_and_sent_again_is_charged_to_its_token_once(
+    tmp_path: Path,
+) -> None:
+    url = f"sqlite:///{tmp_path / 'charged.db'}"
+    Store.open(url).close()
+    engine = make_engine(url)
+    event.listen(engine, "connect", lambda c, _: c.execute("PRAGMA busy_timeout=200"))
+    store = Store(engine)
+    holder = sqlite3.connect(tmp_path / "charged.db", isolation_level=None)
+    two_gpus = {"node": "n0", "samples": rows(1, "n0", 0) + rows(1, "n0", 1)}
+    try:
+        app = create_app(make_settings(url, tmp_path, max_gpus_per_token=3), store=store)
+        with TestClient(app) as client:
+            assert post(client, {"node": "n9", "samples": rows(1, "n9")}).status_code == 200
+            holder.execute("BEGIN IMMEDIATE")
+            assert post(client, two_gpus).status_code == 503
+            holder.execute("ROLLBACK")
+            r = post(client, two_gpus)  # the collector sends the batch again
+            assert r.status_code == 200, r.text
+            third = post(client, {"node": "n0", "samples": rows(1, "n0", 2)})
+            assert third.status_code == 422 and third.json()["error"]["code"] == "fleet_limit"
+    finally:
+        holder.close()
+        store.close()
+
+
+def test_the_per_token_gpu_cap_holds_across_replicas(database_url: str, tmp_path: Path) -> None:
+    other = {"Authorization": "Bearer other-ingest-token-0123"}
+    settings = make_settings(
+        database_url,
+        tmp_path,
+        max_gpus_per_token=2,
+        max_fleet_gpus=3,
+        tokens={other["Authorization"].split()[1]: ["ingest"]},
+    )
+    with (
+        TestClient(create_app(settings)) as first,
+        TestClient(create_app(settings)) as second,
+    ):
+        two_gpus = {"node": "n0", "samples": rows(1, "n0", 0) + rows(1, "n0", 1)}
+        assert post(first, two_gpus).status_code == 200
+        assert post(second, two_gpus).status_code == 200  # known GPUs cost nothing
+        r = post(second, {"node": "n1", "samples": rows(1, "n1")})
+        assert r.status_code == 422 and "this token has added 2 GPUs" in r.text
+        assert post(first, {"node": "n1", "samples": rows(1, "n1")}, **other).status_code == 200
+        r = post(second, {"node": "n2", "samples": rows(1, "n2")}, **other)
+        assert r.status_code == 422 and "the fleet holds 3 GPUs" in r.text
+
+
 def test_gpus_and_nodes_come_a_page_at_a_time(client: TestClient) -> None:
     for n in range(3):
         for g in range(2):
