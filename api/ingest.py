@@ -46,7 +46,8 @@ from api.deps import require
 from api.guard import check_values, parse_exact
 from api.ingest_decode import decode_fast, rows_from_columns, strict_type_error
 from api.settings import Settings
-from forewarn.errors import InvalidInput, PayloadTooLarge
+from api.state import app_state
+from forewarn.errors import InvalidInput, PayloadTooLarge, StoreUnavailable
 from forewarn.wire import (
     AgentStatus,
     Event,
@@ -382,10 +383,12 @@ def _prepare(
 async def ingest(request: Request) -> Response:
     # The store and settings come from the app directly, not as dependencies: at several
     # hundred batches a second, FastAPI's dependency solving is a fifth of the request.
-    state = request.app.state
-    store: Store = state.store
-    settings: Settings = state.settings
-    counters = _counters(state)
+    state = app_state(request.app)
+    store = state.store
+    if store is None:
+        raise StoreUnavailable("the store is not open yet")
+    settings = state.settings
+    counters = state.metrics.ingest
     try:
         raw = await read_body(request, settings.max_body_bytes)
         encoding = request.headers.get("content-encoding")
@@ -397,13 +400,13 @@ async def ingest(request: Request) -> Response:
             prepared = await asyncio.to_thread(prepare_body, raw, encoding, settings=settings)
         else:
             prepared = prepare_body(raw, encoding, settings=settings)
-        new_gpus = await _admit_new_gpus(request, prepared)
+        new_gpus = await _admit_new_gpus(request, store, prepared)
         future = store.submit(
             samples=prepared.samples, events=prepared.events, agent=prepared.agent
         )
         result = prepared.result(*await asyncio.wrap_future(future))
         if new_gpus:
-            await _charge_new_gpus(request, new_gpus)
+            await _charge_new_gpus(request, store, new_gpus)
     except InvalidInput:
         counters.batches_4xx.inc()
         raise
@@ -440,16 +443,17 @@ def _token_digest(request: Request) -> str:
     return digest(request.headers.get("authorization", "").partition(" ")[2].strip())
 
 
-async def _admit_new_gpus(request: Request, prepared: Prepared) -> set[tuple[str, int]]:
+async def _admit_new_gpus(
+    request: Request, store: Store, prepared: Prepared
+) -> set[tuple[str, int]]:
     """The GPUs this batch adds to the fleet, refused (422) past the fleet's or token's cap.
 
     Only checked here: the GPUs are charged to the token (:func:`_charge_new_gpus`) once the
     batch has committed, so a batch that fails and is sent again is charged once. Both counts
     come from the database, so every replica on it enforces the same caps.
     """
-    state = request.app.state
-    known: set[tuple[str, int]] | None = getattr(state, "known_gpus", None)
-    store: Store = state.store
+    state = app_state(request.app)
+    known = state.known_gpus
     if known is None:
 
         def load() -> set[tuple[str, int]]:
@@ -476,7 +480,7 @@ async def _admit_new_gpus(request: Request, prepared: Prepared) -> set[tuple[str
     new -= stored
     if not new:
         return new
-    settings: Settings = state.settings
+    settings = state.settings
     if fleet + len(new) > settings.max_fleet_gpus:
         raise FleetLimit(
             f"the fleet holds {fleet} GPUs and this batch would add {len(new)}: past the "
@@ -490,9 +494,8 @@ async def _admit_new_gpus(request: Request, prepared: Prepared) -> set[tuple[str
     return new
 
 
-async def _charge_new_gpus(request: Request, new: set[tuple[str, int]]) -> None:
+async def _charge_new_gpus(request: Request, store: Store, new: set[tuple[str, int]]) -> None:
     """Charge the GPUs a committed batch added to its token (once each, in the database)."""
-    store: Store = request.app.state.store
     who = _token_digest(request)
 
     def charge() -> None:
@@ -500,31 +503,6 @@ async def _charge_new_gpus(request: Request, new: set[tuple[str, int]]) -> None:
             charge_gpus(tx, who, new, now_ms=int(time.time() * 1000))
 
     await asyncio.to_thread(charge)
-    request.app.state.known_gpus.update(new)
-
-
-class _Counters(NamedTuple):
-    """The ingest metrics' labelled children, looked up once per app rather than per batch."""
-
-    batches_2xx: Any
-    batches_4xx: Any
-    stored: Any
-    duplicate: Any
-    rejected: Any
-    events_stored: Any
-    events_duplicate: Any
-    events_rejected: Any
-
-
-def _counters(state: Any) -> _Counters:
-    counters = getattr(state, "ingest_counters", None)
-    if counters is None:
-        m = state.metrics
-        counters = _Counters(
-            m.batches.labels("2xx"),
-            m.batches.labels("4xx"),
-            *(m.samples.labels(k) for k in ("stored", "duplicate", "rejected")),
-            *(m.events.labels(k) for k in ("stored", "duplicate", "rejected")),
-        )
-        state.ingest_counters = counters
-    return counters
+    known = app_state(request.app).known_gpus
+    if known is not None:
+        known.update(new)

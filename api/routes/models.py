@@ -22,6 +22,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field
 
 from api.deps import SettingsDep, require
+from api.state import RetrainJob, app_state
 from forewarn.errors import Conflict, ForewarnError
 from predictor.lifecycle import ModelLifecycle
 
@@ -70,7 +71,7 @@ def _life(settings: Any, *, changing: bool = False) -> ModelLifecycle:
 def _public(life: ModelLifecycle, request: Request) -> dict[str, Any]:
     status = life.status()
     models = life.models()
-    loop = getattr(request.app.state, "control", None)
+    loop = app_state(request.app).control
     return {
         "data": models,
         "count": len(models),
@@ -153,18 +154,7 @@ class RetrainPublic(BaseModel):
     error: str | None = None
 
 
-def _retrain_state(request: Request) -> dict[str, Any]:
-    app_state = request.app.state
-    if not hasattr(app_state, "model_retrain"):
-        app_state.model_retrain = {"state": "idle", "lock": threading.Lock()}
-    return app_state.model_retrain  # type: ignore[no-any-return]
-
-
-def _public_retrain(job: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in job.items() if k != "lock"}
-
-
-def _retrain(settings: Any, job: dict[str, Any], holdout_days: float) -> None:
+def _retrain(settings: Any, job: RetrainJob, holdout_days: float) -> None:
     from predictor.dataset import load_dataset
 
     try:
@@ -173,13 +163,13 @@ def _retrain(settings: Any, job: dict[str, Any], holdout_days: float) -> None:
             raise Conflict("the service keeps no history (FOREWARN_HISTORY_URL=none)")
         history = load_dataset(url)
         decision = _life(settings).retrain_on_history(history, holdout_days=holdout_days)
-        job.update(state="done", decision=decision)
+        job.state, job.decision = "done", decision
     except ForewarnError as exc:
-        job.update(state="failed", error=exc.message)
+        job.state, job.error = "failed", exc.message
     except Exception as exc:  # a worker thread must report, not die silently
-        job.update(state="failed", error=f"{type(exc).__name__}: {exc}")
+        job.state, job.error = "failed", f"{type(exc).__name__}: {exc}"
     finally:
-        job["finished_at"] = time.time()
+        job.finished_at = time.time()
 
 
 @router.post(
@@ -194,17 +184,17 @@ async def retrain_model(
     settings: SettingsDep, request: Request, body: RetrainRequest | None = None
 ) -> dict[str, Any]:
     _life(settings, changing=True)
-    job = _retrain_state(request)
-    with job["lock"]:
-        if job["state"] == "running":
-            raise Conflict("a retraining is running", details={"started_at": job["started_at"]})
-        job.update(state="running", started_at=time.time(), finished_at=None, decision=None)
-        job["error"] = None
+    job = app_state(request.app).retrain
+    with job.lock:
+        if job.state == "running":
+            raise Conflict("a retraining is running", details={"started_at": job.started_at})
+        job.state, job.started_at, job.finished_at = "running", time.time(), None
+        job.decision, job.error = None, None
     days = (body or RetrainRequest()).holdout_days
     threading.Thread(
         target=_retrain, args=(settings, job, days), name="model-retrain", daemon=True
     ).start()
-    return _public_retrain(job)
+    return job.public()
 
 
 @router.get(
@@ -214,4 +204,4 @@ async def retrain_model(
     summary="How the last retraining went",
 )
 async def retrain_status(request: Request) -> dict[str, Any]:
-    return _public_retrain(_retrain_state(request))
+    return app_state(request.app).retrain.public()

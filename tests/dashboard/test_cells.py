@@ -12,6 +12,7 @@ from fastapi.testclient import TestClient
 
 from api.app import create_app
 from api.settings import Settings
+from api.state import app_state
 from store import control as control_db
 
 pytestmark = pytest.mark.timeout(60)
@@ -42,7 +43,7 @@ def ingest(client: TestClient, node: str, gpus: int, ts: float) -> None:
 
 
 def score(client: TestClient, rows: list[dict[str, Any]]) -> None:
-    store = client.app.state.store  # type: ignore[attr-defined]
+    store = app_state(client.app).store
     with store.begin() as connection:
         control_db.upsert_risk(connection, rows)
 

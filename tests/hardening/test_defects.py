@@ -17,6 +17,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import event
 
 from api.app import create_app
+from api.state import app_state
 from forewarn.wire import GpuSample, sample_columns
 from store import Store
 from store.engine import make_engine
@@ -60,7 +61,7 @@ def test_a_counter_near_2_63_is_refused_at_ingest(client: TestClient) -> None:
 
 
 def test_a_stored_counter_near_2_63_reads_back_exactly(client: TestClient) -> None:
-    store: Store = client.app.state.store  # type: ignore[attr-defined]
+    store: Store = app_state(client.app).store
     first = sample_row(GpuSample.model_validate(sample_dict("node-0", 0, NOW)))
     at = 5 + list(GpuSample.model_fields)[5:].index("throttle_reasons")
     huge = (*first[:at], 2**63 - 1, *first[at + 1 :])
@@ -114,8 +115,7 @@ def test_a_database_that_refuses_connections_gives_503_and_readyz_tells_nothing(
 ) -> None:
     down = Store(make_engine("postgresql+psycopg://forewarn@127.0.0.1:1/forewarn"))
     settings = make_settings("postgresql+psycopg://forewarn@127.0.0.1:1/forewarn", tmp_path)
-    app = create_app(settings, store=down)
-    app.state.settings = settings.model_copy(update={"webhook_dispatch": False})
+    app = create_app(settings.model_copy(update={"webhook_dispatch": False}), store=down)
     try:
         with TestClient(app) as client:
             for r in (
@@ -369,3 +369,4 @@ def test_docs_are_served_from_the_app(client: TestClient) -> None:
         r = client.get(f"/docs/assets/{asset}")
         assert r.status_code == 200 and len(r.content) > 10_000
     assert client.get("/redoc").status_code == 404
+

@@ -20,6 +20,7 @@ import uvicorn
 from fastapi.testclient import TestClient
 
 from api.app import create_app
+from api.state import app_state
 from tests.api.conftest import INGEST, READ, make_settings
 from tests.factories import sample_dict
 
@@ -262,7 +263,7 @@ def test_a_clashing_slot_is_422_and_pause_infinity_is_refused(client: TestClient
 
 
 def test_a_database_recreated_empty_gives_503(client: TestClient) -> None:
-    store = client.app.state.store  # type: ignore[attr-defined]
+    store = app_state(client.app).store
     from sqlalchemy import MetaData
 
     meta = MetaData()
