@@ -370,3 +370,11 @@ def test_docs_are_served_from_the_app(client: TestClient) -> None:
         assert r.status_code == 200 and len(r.content) > 10_000
     assert client.get("/redoc").status_code == 404
 
+
+def test_a_405_allows_every_method_of_a_path_served_by_several_routes(
+    client: TestClient,
+) -> None:
+    # POST /v1/migrations/reports and GET /v1/migrations/{migration_id} both match the path.
+    r = client.put("/v1/migrations/reports", headers=READ)
+    assert r.status_code == 405, r.text
+    assert {m.strip() for m in r.headers["allow"].split(",")} == {"GET", "POST"}
