@@ -83,6 +83,12 @@ def _public(life: ModelLifecycle, request: Request) -> dict[str, Any]:
     }
 
 
+_CHANGES: dict[int | str, dict[str, Any]] = {
+    409: {"description": "FOREWARN_MODEL names the model, or the lifecycle cannot do it now"}
+}
+"""What every route that changes the model in force can answer besides the common errors."""
+
+
 @router.get(
     "/v1/models",
     response_model=ModelsPublic,
@@ -97,6 +103,7 @@ async def list_models(settings: SettingsDep, request: Request) -> dict[str, Any]
     "/v1/models/pin",
     response_model=ModelsPublic,
     dependencies=[require("admin")],
+    responses={**_CHANGES, 404: {"description": "No such model"}},
     summary="Put a model in force and keep it there (no promotion replaces it)",
 )
 async def pin_model(settings: SettingsDep, request: Request, body: PinRequest) -> dict[str, Any]:
@@ -112,6 +119,7 @@ async def pin_model(settings: SettingsDep, request: Request, body: PinRequest) -
     "/v1/models/unpin",
     response_model=ModelsPublic,
     dependencies=[require("admin")],
+    responses=_CHANGES,
     summary="Let a better retrained model replace the one in force again",
 )
 async def unpin_model(settings: SettingsDep, request: Request) -> dict[str, Any]:
@@ -127,6 +135,7 @@ async def unpin_model(settings: SettingsDep, request: Request) -> dict[str, Any]
     "/v1/models/rollback",
     response_model=ModelsPublic,
     dependencies=[require("admin")],
+    responses=_CHANGES,
     summary="Put back the model the last promotion or pin replaced (409 when none)",
 )
 async def rollback_model(settings: SettingsDep, request: Request) -> dict[str, Any]:
@@ -177,6 +186,7 @@ def _retrain(settings: Any, job: RetrainJob, holdout_days: float) -> None:
     response_model=RetrainPublic,
     status_code=202,
     dependencies=[require("admin")],
+    responses=_CHANGES,
     summary="Retrain on the fleet's own history in a worker; the lifecycle judges the result "
     "(409 when one is running)",
 )
