@@ -19,7 +19,7 @@ from fastapi import APIRouter, Path, Query
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import Response
 
-from api.deps import StoreDep, require
+from api.deps import SettingsDep, StoreDep, require
 from api.routes._common import Since, Until
 from forewarn.errors import InvalidInput, NotFound
 from forewarn.wire import EventKind, GpuSample, to_ms
@@ -226,6 +226,7 @@ async def list_nodes(
 )
 async def list_gpus(
     store: StoreDep,
+    settings: SettingsDep,
     node: str | None = None,
     limit: int | None = None,
     cursor: str | None = None,
@@ -256,7 +257,7 @@ async def list_gpus(
     for record in records:
         key = (record["node"], record["gpu"])
         record.update(risk.get(key, gpu_risk_fields.UNSCORED))  # type: ignore[arg-type, attr-defined]
-        record.update(_failure_fields(record, failures.get(key)))
+        record.update(_failure_fields(record, failures.get(key), settings.policy.stale_after_s))
     return _page(records, next_cursor)
 
 
@@ -268,19 +269,18 @@ def _failures(store: Any, node: str | None) -> dict[tuple[str, int], tuple[int, 
         return last_failures(connection, since_ms=since_ms, node=node)
 
 
-def _failure_fields(record: dict[str, Any], failure: tuple[int, str] | None) -> dict[str, Any]:
+def _failure_fields(
+    record: dict[str, Any], failure: tuple[int, str] | None, stale_after_s: float
+) -> dict[str, Any]:
     """``failed`` (a fatal event, no sample since), ``recovered`` (samples again after it)
     and ``failure`` (its cause and time), as the fleet map has them."""
-    if failure is None:
-        return {"failed": False, "recovered": False, "failure": None}
+    from api.dashboard.cells import failure_state
+
     seen_ms = to_ms(datetime.fromisoformat(str(record["ts"]).replace("Z", "+00:00")))
-    back = seen_ms > failure[0] + RECOVERED_AFTER_MS
-    cause = {"cause": failure[1], "at": _iso(failure[0])}
-    return {"failed": not back, "recovered": back, "failure": cause}
-
-
-RECOVERED_AFTER_MS = 30_000
-"""A GPU that sends samples for longer than this after a fatal event has recovered."""
+    flagged = bool(record.pop("flagged_failed", False))
+    failed, back = failure_state(flagged, failure, seen_ms, stale_after_s * 1000)
+    cause = None if failure is None else {"cause": failure[1], "at": _iso(failure[0])}
+    return {"failed": failed, "recovered": back, "failure": cause}
 
 
 def _aware(ts: datetime) -> datetime:
