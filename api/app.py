@@ -17,16 +17,18 @@ from fastapi import FastAPI, Request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import JSONResponse, Response
 
-from api import dashboard, fleet, ingest, tokens
+from api import dashboard, ingest, tokens
 from api.control.service import install_control, start_control
-from api.deps import authorize
+from api.deps import TOKEN_CACHE_S, authorize
 from api.docs import install_docs
 from api.errors import CatchAll, document_errors, error_body, install_error_handlers
 from api.guard import RequestGuard
 from api.metrics import Metrics, MetricsView, TimingMiddleware
+from api.routes import fleet
 from api.settings import DEV_TOKEN, Settings
+from api.state import AppState, TokenCache
 from api.threads import to_thread_to_end
-from api.webhooks import install_webhooks, webhook_dispatcher
+from api.webhooks import guard_for, install_webhooks, webhook_dispatcher
 from forewarn import __version__
 from store import Store
 
@@ -35,15 +37,14 @@ __all__ = ["create_app"]
 log = logging.getLogger("forewarn.api")
 
 
-async def _retention(app: FastAPI) -> None:
+async def _retention(settings: Settings, store: Store) -> None:
     """The storage tiers (``store.tiers``): roll closed hours up, archive them as Parquet,
     drop what has left every tier."""
-    settings: Settings = app.state.settings
     policy = settings.tier_policy()
     while True:
         try:
             now_ms = int(time.time() * 1000)
-            report = await to_thread_to_end(app.state.store.maintain_tiers, policy, now_ms=now_ms)
+            report = await to_thread_to_end(store.maintain_tiers, policy, now_ms=now_ms)
             if report:
                 log.info("storage tiers: %s", report)
         except Exception:  # a failed pass is retried next interval; the service stays up
@@ -60,21 +61,30 @@ def create_app(settings: Settings | None = None, *, store: Store | None = None) 
     """
     settings = settings or Settings()
 
+    metrics = Metrics()
+    state = AppState(
+        settings=settings,
+        store=store,
+        metrics=metrics,
+        token_scopes=settings.token_scopes(),
+        token_cache=TokenCache(ttl_s=TOKEN_CACHE_S),
+        webhook_guard=guard_for(settings),
+    )
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        if app.state.store is None:
-            app.state.store = await asyncio.to_thread(
+        owns_store = state.store is None
+        if state.store is None:
+            state.store = await asyncio.to_thread(
                 Store.open, settings.resolved_database_url(), writer_process=settings.writer_process
             )
-            owns_store = True
-        else:
-            owns_store = False
-        if DEV_TOKEN in app.state.token_scopes:
+        opened = state.store
+        if DEV_TOKEN in state.token_scopes:
             log.warning("no tokens configured: development token '%s' has every scope", DEV_TOKEN)
-        tasks = [asyncio.create_task(_retention(app), name="retention")]
-        tasks += await start_control(app)
+        tasks = [asyncio.create_task(_retention(settings, opened), name="retention")]
+        tasks += await start_control(state)
         if settings.webhook_dispatch:
-            dispatcher = webhook_dispatcher(settings, app.state.store)
+            dispatcher = webhook_dispatcher(settings, opened)
             tasks.append(asyncio.create_task(dispatcher.run(), name="webhooks"))
         try:
             yield
@@ -83,7 +93,7 @@ def create_app(settings: Settings | None = None, *, store: Store | None = None) 
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             if owns_store:
-                app.state.store.close()
+                opened.close()
 
     app = FastAPI(
         title="Forewarn",
@@ -93,10 +103,7 @@ def create_app(settings: Settings | None = None, *, store: Store | None = None) 
         docs_url=None,  # served from the app's own assets: api.docs
         redoc_url=None,
     )
-    app.state.settings = settings
-    app.state.store = store
-    app.state.token_scopes = settings.token_scopes()
-    app.state.metrics = metrics = Metrics()
+    app.state.forewarn = state  # the one attribute: every route reads api.state.AppState
     install_error_handlers(app)
     app.add_middleware(
         RequestGuard, router=app.router, max_body_bytes=settings.max_request_body_bytes
@@ -107,8 +114,8 @@ def create_app(settings: Settings | None = None, *, store: Store | None = None) 
     app.include_router(fleet.router)
     app.include_router(tokens.router)
     install_docs(app)
-    install_control(app, settings)
-    install_webhooks(app, settings)
+    install_control(app)
+    install_webhooks(app)
     app.include_router(dashboard.router)
     document_errors(app)
 
@@ -117,8 +124,8 @@ def create_app(settings: Settings | None = None, *, store: Store | None = None) 
         return {"status": "ok", "version": __version__}
 
     @app.get("/readyz", tags=["ops"], summary="The database answers and its schema is current")
-    async def readyz(request: Request) -> Response:
-        store: Store | None = request.app.state.store
+    async def readyz() -> Response:
+        store = state.store
         try:
             if store is None:
                 raise RuntimeError("store not open yet")
@@ -143,7 +150,7 @@ def create_app(settings: Settings | None = None, *, store: Store | None = None) 
         per_gpu = settings.metrics_require_token or "authorization" in request.headers
         if per_gpu:
             await authorize(request, "read")
-        store: Store | None = request.app.state.store
+        store = state.store
         if store is not None:
             with contextlib.suppress(Exception):
                 metrics.gpus.set(await asyncio.to_thread(store.gpu_count))

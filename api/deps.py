@@ -14,19 +14,20 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
-import time
 from typing import Annotated, Any
 
 from anyio import to_thread
 from fastapi import Depends, Request
 
 from api.settings import DEV_TOKEN, Settings
-from forewarn.errors import Forbidden, Unauthorized
+from api.state import AppState, TokenCache, app_state
+from forewarn.errors import Forbidden, StoreUnavailable, Unauthorized
 from store import Store
 from store.tokens import digest, token_scopes
 
 __all__ = [
     "TOKEN_CACHE_S",
+    "AppStateDep",
     "SettingsDep",
     "StoreDep",
     "TokenCache",
@@ -40,47 +41,28 @@ TOKEN_CACHE_S = 5.0
 to reach another replica."""
 
 
+async def get_app_state(request: Request) -> AppState:
+    return app_state(request.app)
+
+
 async def get_store(request: Request) -> Store:
-    return request.app.state.store  # type: ignore[no-any-return]
+    store = app_state(request.app).store
+    if store is None:  # only between create_app and its lifespan's start
+        raise StoreUnavailable("the store is not open yet")
+    return store
 
 
 async def get_settings(request: Request) -> Settings:
-    return request.app.state.settings  # type: ignore[no-any-return]
+    return app_state(request.app).settings
 
 
+AppStateDep = Annotated[AppState, Depends(get_app_state)]
 StoreDep = Annotated[Store, Depends(get_store)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 
 
-class TokenCache:
-    """Stored-token lookups by secret digest, each kept ``ttl_s``; bounded in size."""
-
-    def __init__(self, ttl_s: float = TOKEN_CACHE_S, max_entries: int = 10_000) -> None:
-        self.ttl_s = ttl_s
-        self.max_entries = max_entries
-        self._entries: dict[str, tuple[float, frozenset[str] | None]] = {}
-
-    def get(self, key: str) -> tuple[bool, frozenset[str] | None]:
-        entry = self._entries.get(key)
-        if entry is None or entry[0] < time.monotonic():
-            return False, None
-        return True, entry[1]
-
-    def put(self, key: str, scopes: frozenset[str] | None) -> None:
-        if len(self._entries) >= self.max_entries:
-            self._entries.clear()  # a flood of unknown tokens must not grow memory
-        self._entries[key] = (time.monotonic() + self.ttl_s, scopes)
-
-    def clear(self) -> None:
-        """Forget every lookup (after a token is created or revoked here)."""
-        self._entries.clear()
-
-
 def token_cache(app: Any) -> TokenCache:
-    cache = getattr(app.state, "token_cache", None)
-    if cache is None:
-        cache = app.state.token_cache = TokenCache()
-    return cache  # type: ignore[no-any-return]
+    return app_state(app).token_cache
 
 
 def _presented(request: Request) -> tuple[str, frozenset[str] | None]:
@@ -91,21 +73,23 @@ def _presented(request: Request) -> tuple[str, frozenset[str] | None]:
     if scheme.lower() != "bearer" or not token:
         raise Unauthorized("missing bearer token (Authorization: Bearer <token>)")
     presented = token.encode()
-    for known, scopes in request.app.state.token_scopes.items():
+    for known, configured in app_state(request.app).token_scopes.items():
         if hmac.compare_digest(known.encode(), presented):
             if known == DEV_TOKEN and not _local(request):
                 raise Unauthorized("the development token is accepted from this machine only")
-            return token, scopes
+            return token, configured
     if len(token) > 256:
         raise Unauthorized("unknown token")
-    found, scopes = token_cache(request.app).get(digest(token))
-    if found and scopes is None:
+    found, cached = token_cache(request.app).get(digest(token))
+    if found and cached is None:
         raise Unauthorized("unknown token")
-    return token, scopes
+    return token, cached
 
 
 def _lookup(request: Request, token: str) -> frozenset[str]:
-    store: Store = request.app.state.store
+    store = app_state(request.app).store
+    if store is None:
+        raise StoreUnavailable("the store is not open yet")
     with store.engine.connect() as connection:
         scopes = token_scopes(connection, token)
     token_cache(request.app).put(digest(token), scopes)

@@ -34,6 +34,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Router, compile_path
 
 from api.deps import authorize, scope_of
+from api.errors import error_body
 from forewarn.errors import ForewarnError, InvalidInput, PayloadTooLarge
 
 __all__ = [
@@ -205,6 +206,11 @@ def _flatten(routes: list[Any], prefix: str = "", extra: tuple[Any, ...] = ()) -
             )
 
 
+def _method_not_allowed(allowed: frozenset[str]) -> JSONResponse:
+    body = error_body("method_not_allowed", "Method Not Allowed")
+    return JSONResponse(body, 405, headers={"Allow": ", ".join(sorted(allowed))})
+
+
 def _refusal(exc: ForewarnError) -> JSONResponse:
     headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
     return JSONResponse(exc.to_json(), exc.status, headers=headers)
@@ -219,14 +225,23 @@ class RequestGuard:
         self.max_body_bytes = max_body_bytes
         self._routes: list[_Route] | None = None
 
-    def _route_of(self, scope: dict[str, Any]) -> _Route | None:
+    def _table(self) -> list[_Route]:
         if self._routes is None:  # built at the first request: every route is there by then
             self._routes = list(_flatten(self.router.routes))
+        return self._routes
+
+    def _route_of(self, scope: dict[str, Any]) -> _Route | None:
         path, method = scope["path"], scope["method"]
-        for route in self._routes:
+        for route in self._table():
             if method in route.methods and route.pattern.match(path):
                 return route
         return None
+
+    def _methods_of(self, path: str) -> frozenset[str]:
+        """Every method of every route whose path matches: a path may be served by several
+        (``POST /v1/migrations/reports`` beside ``GET /v1/migrations/{migration_id}``), and a
+        405 names them all in ``Allow`` (Starlette's names those of the first route only)."""
+        return frozenset(m for r in self._table() if r.pattern.match(path) for m in r.methods)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -238,6 +253,9 @@ class RequestGuard:
             for name, value in Request(scope).query_params.multi_items():
                 check_text(name, "query")
                 check_text(value, f"query.{name[:64]}")
+            if route is None and (allowed := self._methods_of(scope["path"])):
+                await _method_not_allowed(allowed)(scope, receive, send)
+                return
             if route is not None and route.scope is not None:
                 await authorize(Request(scope), route.scope)
             if route is None or route.path in _UNGUARDED_BODIES:

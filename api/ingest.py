@@ -40,14 +40,14 @@ from typing import Any, NamedTuple
 import orjson
 from fastapi import APIRouter, Request
 from pydantic import TypeAdapter, ValidationError
-from sqlalchemy import text
 from starlette.responses import Response
 
 from api.deps import require
 from api.guard import check_values, parse_exact
 from api.ingest_decode import decode_fast, rows_from_columns, strict_type_error
 from api.settings import Settings
-from forewarn.errors import InvalidInput, PayloadTooLarge
+from api.state import app_state
+from forewarn.errors import InvalidInput, PayloadTooLarge, StoreUnavailable
 from forewarn.wire import (
     AgentStatus,
     Event,
@@ -56,8 +56,8 @@ from forewarn.wire import (
     IngestResult,
     RowError,
 )
-from store import Store
-from store.tokens import digest
+from store import Store, reads
+from store.tokens import charge_gpus, digest, gpus_charged
 from store.writes import SampleColumns, event_row, sample_row
 
 __all__ = ["Prepared", "prepare_batch", "prepare_body", "process_batch", "router"]
@@ -383,10 +383,12 @@ def _prepare(
 async def ingest(request: Request) -> Response:
     # The store and settings come from the app directly, not as dependencies: at several
     # hundred batches a second, FastAPI's dependency solving is a fifth of the request.
-    state = request.app.state
-    store: Store = state.store
-    settings: Settings = state.settings
-    counters = _counters(state)
+    state = app_state(request.app)
+    store = state.store
+    if store is None:
+        raise StoreUnavailable("the store is not open yet")
+    settings = state.settings
+    counters = state.metrics.ingest
     try:
         raw = await read_body(request, settings.max_body_bytes)
         encoding = request.headers.get("content-encoding")
@@ -398,13 +400,13 @@ async def ingest(request: Request) -> Response:
             prepared = await asyncio.to_thread(prepare_body, raw, encoding, settings=settings)
         else:
             prepared = prepare_body(raw, encoding, settings=settings)
-        new_gpus = await _admit_new_gpus(request, prepared)
+        new_gpus = await _admit_new_gpus(request, store, prepared)
         future = store.submit(
             samples=prepared.samples, events=prepared.events, agent=prepared.agent
         )
         result = prepared.result(*await asyncio.wrap_future(future))
         if new_gpus:
-            state.known_gpus.update(new_gpus)
+            await _charge_new_gpus(request, store, new_gpus)
     except InvalidInput:
         counters.batches_4xx.inc()
         raise
@@ -436,17 +438,27 @@ class FleetLimit(InvalidInput):
     code = "fleet_limit"
 
 
-async def _admit_new_gpus(request: Request, prepared: Prepared) -> set[tuple[str, int]]:
-    """The GPUs this batch adds to the fleet, refused (422) past the fleet's or token's cap."""
-    state = request.app.state
-    known: set[tuple[str, int]] | None = getattr(state, "known_gpus", None)
+def _token_digest(request: Request) -> str:
+    """The stored form (:func:`store.tokens.digest`) of the request's bearer secret."""
+    return digest(request.headers.get("authorization", "").partition(" ")[2].strip())
+
+
+async def _admit_new_gpus(
+    request: Request, store: Store, prepared: Prepared
+) -> set[tuple[str, int]]:
+    """The GPUs this batch adds to the fleet, refused (422) past the fleet's or token's cap.
+
+    Only checked here: the GPUs are charged to the token (:func:`_charge_new_gpus`) once the
+    batch has committed, so a batch that fails and is sent again is charged once. Both counts
+    come from the database, so every replica on it enforces the same caps.
+    """
+    state = app_state(request.app)
+    known = state.known_gpus
     if known is None:
-        store: Store = state.store
 
         def load() -> set[tuple[str, int]]:
             with store.engine.connect() as connection:
-                rows = connection.execute(text("SELECT node, gpu FROM gpus"))
-                return {(r[0], r[1]) for r in rows}
+                return reads.stored_gpus(connection)
 
         known = state.known_gpus = await asyncio.to_thread(load)
     samples = prepared.samples
@@ -456,47 +468,41 @@ async def _admit_new_gpus(request: Request, prepared: Prepared) -> set[tuple[str
         new = {(row[0], row[1]) for row in samples} - known
     if not new:
         return new
-    settings: Settings = state.settings
-    if len(known) + len(new) > settings.max_fleet_gpus:
+    who = _token_digest(request)
+
+    def counts() -> tuple[set[tuple[str, int]], int, int]:
+        with store.engine.connect() as connection:
+            stored = reads.stored_gpus(connection, nodes={node for node, _ in new})
+            return stored, reads.gpu_count(connection), gpus_charged(connection, who)
+
+    stored, fleet, charged = await asyncio.to_thread(counts)
+    known |= stored  # added by another replica since this one loaded the fleet
+    new -= stored
+    if not new:
+        return new
+    settings = state.settings
+    if fleet + len(new) > settings.max_fleet_gpus:
         raise FleetLimit(
-            f"the fleet holds {len(known)} GPUs and this batch would add {len(new)}: past the "
+            f"the fleet holds {fleet} GPUs and this batch would add {len(new)}: past the "
             f"limit of {settings.max_fleet_gpus} (FOREWARN_MAX_FLEET_GPUS)"
         )
-    by_token: dict[str, int] | None = getattr(state, "gpus_by_token", None)
-    if by_token is None:
-        by_token = state.gpus_by_token = {}
-    who = digest(request.headers.get("authorization", ""))
-    if by_token.get(who, 0) + len(new) > settings.max_gpus_per_token:
+    if charged + len(new) > settings.max_gpus_per_token:
         raise FleetLimit(
-            f"this token has added {by_token.get(who, 0)} GPUs: past the limit of "
+            f"this token has added {charged} GPUs: past the limit of "
             f"{settings.max_gpus_per_token} (FOREWARN_MAX_GPUS_PER_TOKEN)"
         )
-    by_token[who] = by_token.get(who, 0) + len(new)
     return new
 
 
-class _Counters(NamedTuple):
-    """The ingest metrics' labelled children, looked up once per app rather than per batch."""
+async def _charge_new_gpus(request: Request, store: Store, new: set[tuple[str, int]]) -> None:
+    """Charge the GPUs a committed batch added to its token (once each, in the database)."""
+    who = _token_digest(request)
 
-    batches_2xx: Any
-    batches_4xx: Any
-    stored: Any
-    duplicate: Any
-    rejected: Any
-    events_stored: Any
-    events_duplicate: Any
-    events_rejected: Any
+    def charge() -> None:
+        with store.begin() as tx:
+            charge_gpus(tx, who, new, now_ms=int(time.time() * 1000))
 
-
-def _counters(state: Any) -> _Counters:
-    counters = getattr(state, "ingest_counters", None)
-    if counters is None:
-        m = state.metrics
-        counters = _Counters(
-            m.batches.labels("2xx"),
-            m.batches.labels("4xx"),
-            *(m.samples.labels(k) for k in ("stored", "duplicate", "rejected")),
-            *(m.events.labels(k) for k in ("stored", "duplicate", "rejected")),
-        )
-        state.ingest_counters = counters
-    return counters
+    await asyncio.to_thread(charge)
+    known = app_state(request.app).known_gpus
+    if known is not None:
+        known.update(new)

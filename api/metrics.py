@@ -3,14 +3,27 @@
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-__all__ = ["PER_GPU_FAMILIES", "Metrics", "MetricsView", "TimingMiddleware"]
+__all__ = ["PER_GPU_FAMILIES", "IngestCounters", "Metrics", "MetricsView", "TimingMiddleware"]
 
 PER_GPU_FAMILIES = frozenset({"forewarn_gpu_risk"})
 """Families with a series per GPU: they name nodes and say which GPUs are failing."""
+
+
+class IngestCounters(NamedTuple):
+    """The ingest metrics' labelled children, looked up once per app rather than per batch."""
+
+    batches_2xx: Any
+    batches_4xx: Any
+    stored: Any
+    duplicate: Any
+    rejected: Any
+    events_stored: Any
+    events_duplicate: Any
+    events_rejected: Any
 
 
 class Metrics:
@@ -43,6 +56,12 @@ class Metrics:
         )
         self.gpus = Gauge(
             "forewarn_gpus_known", "GPUs with at least one stored sample.", registry=self.registry
+        )
+        self.ingest = IngestCounters(
+            self.batches.labels("2xx"),
+            self.batches.labels("4xx"),
+            *(self.samples.labels(k) for k in ("stored", "duplicate", "rejected")),
+            *(self.events.labels(k) for k in ("stored", "duplicate", "rejected")),
         )
 
 

@@ -80,7 +80,9 @@ class Settings(BaseSettings):
     bound."""
 
     max_gpus_per_token: int = Field(default=65_536, gt=0)
-    """Most new GPUs one token may add while this process runs (the same guard, per token)."""
+    """Most GPUs the batches sent with one token may add to the fleet (the same guard, per
+    token), counted in the database: the same count on every replica, and a GPU is charged once
+    its batch has committed, so a batch refused with 503 and sent again is charged once."""
 
     writer_process: bool = True
     """Insert through a child process (its own GIL) rather than a thread of the service, so

@@ -1,6 +1,6 @@
 """Collector cost: agent CPU per wall second on an 8-GPU node at 1 Hz, dcgm-exporter parse rate.
 
-1. Agent: the NVML source over the fake pynvml (8 GPUs), the batching pusher (JSON, gzip,
+1. SamplingLoop: the NVML source over the fake pynvml (8 GPUs), the batching pusher (JSON, gzip,
    an in-process HTTP transport answering 200) and the sampling loop.
    - live: the agent really runs at 5 Hz for a few seconds; process CPU time / wall time,
      scaled to 1 Hz (goal: under 1 % of one core);
@@ -26,7 +26,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from collector.agent import Agent  # noqa: E402
+from collector.agent import SamplingLoop  # noqa: E402
 from collector.dcgm_exporter import parse_metrics, to_readings  # noqa: E402
 from collector.nvml import NvmlSource  # noqa: E402
 from collector.push import BatchingPusher, IngestClient  # noqa: E402
@@ -48,11 +48,11 @@ def ok(request: httpx.Request) -> httpx.Response:
     )
 
 
-def make_agent(interval_s: float) -> Agent:
+def make_agent(interval_s: float) -> SamplingLoop:
     source = NvmlSource("bench-node", nvml=FakeNvml(), events=True)
     client = IngestClient("http://svc", "t", transport=httpx.MockTransport(ok))
     pusher = BatchingPusher(client, max_delay_s=1.0, heartbeat_s=10.0)
-    return Agent([source], pusher, interval_s=interval_s, node="bench-node")
+    return SamplingLoop([source], pusher, interval_s=interval_s, node="bench-node")
 
 
 def live(rate_hz: float = 5.0, seconds: float = 6.0) -> float:

@@ -30,12 +30,12 @@ from forewarn import __version__
 from forewarn.errors import ForewarnError, SourceUnavailable
 from forewarn.wire import AgentStatus, Event, EventKind
 
-__all__ = ["Agent", "AgentStats"]
+__all__ = ["SamplingLoop", "SamplingStats"]
 
 log = logging.getLogger("forewarn.collector.agent")
 
 
-class AgentStats:
+class SamplingStats:
     """Counters of the loop itself (the pusher has its own)."""
 
     def __init__(self) -> None:
@@ -46,7 +46,7 @@ class AgentStats:
         self.read_s_total = 0.0
 
 
-class Agent:
+class SamplingLoop:
     """Samples ``sources`` every ``interval_s`` and feeds ``pusher``.
 
     Args:
@@ -84,7 +84,7 @@ class Agent:
         self.stall_ticks = stall_ticks
         self.clock = clock
         self.wall = wall
-        self.stats = AgentStats()
+        self.stats = SamplingStats()
         self.started_at = wall()
         self._failing = {id(s): 0 for s in self.sources}
         self._last_ts: datetime | None = None

@@ -166,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.service or not args.token:
         print("forewarn collect: --service URL and --token T are required", file=sys.stderr)
         return 2
-    from collector.agent import Agent
+    from collector.agent import SamplingLoop
     from collector.push import BatchingPusher, IngestClient
     from collector.spool import DiskSpool
 
@@ -197,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
         max_delay_s=args.batch_max_delay_s,
         heartbeat_s=args.heartbeat_s,
     )
-    agent = Agent(
+    agent = SamplingLoop(
         sources,
         pusher,
         interval_s=args.interval_s,

@@ -291,7 +291,9 @@ class JobRegistration(_Wire):
     world_size: int = Field(ge=1, le=MAX_RANK + 1)
     spares: int = Field(ge=0, le=MAX_RANK + 1)
     placement: list[Placement]
-    agent_url: str | None = Field(default=None, description="Where commands may be pushed.")
+    agent_url: str | None = Field(
+        default=None, max_length=2048, description="Where commands may be pushed."
+    )
 
 
 class MigrationCommand(_Wire):
@@ -336,7 +338,7 @@ class JobHeartbeat(_Wire):
 class MigrationReport(_Wire):
     """What the job agent reports back when a migration ends."""
 
-    migration_id: str
+    migration_id: str = Field(min_length=1, max_length=64)
     job_id: Name
     rank: int = Field(ge=0, le=MAX_RANK)
     outcome: Literal["completed", "failed", "cancelled"]

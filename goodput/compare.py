@@ -12,7 +12,7 @@ from goodput.layouts import LAYOUTS, simulate_layout
 from goodput.model import STRATEGIES, Assumptions, simulate, young_daly_interval_s
 from goodput.profile import PredictorProfile
 from goodput.schedule import Failure, fleet_schedule, job_mttf_h, trace_schedule
-from goodput.trace import Fault
+from goodput.trace import TraceFault
 
 __all__ = ["Row", "Scenario", "compare"]
 
@@ -58,7 +58,11 @@ class Row:
 
 
 def _schedule(
-    source: str, gpus: int, horizon_s: float, rng: np.random.Generator, faults: list[Fault] | None
+    source: str,
+    gpus: int,
+    horizon_s: float,
+    rng: np.random.Generator,
+    faults: list[TraceFault] | None,
 ) -> list[Failure]:
     if source == "fleet":
         return fleet_schedule(gpus, horizon_s, rng)
@@ -73,7 +77,7 @@ def compare(
     scenario: Scenario,
     assumptions: Assumptions,
     profile: PredictorProfile,
-    faults: list[Fault] | None = None,
+    faults: list[TraceFault] | None = None,
 ) -> list[Row]:
     """Simulate every strategy on the same schedules; one row per cluster/source/strategy."""
     horizon_s = scenario.days * DAY_S

@@ -30,11 +30,11 @@ from goodput.model import Assumptions, Outcome, simulate, young_daly_interval_s
 from goodput.profile import PredictorProfile
 from goodput.schedule import Failure
 
-__all__ = ["LAYOUTS", "Layout", "simulate_layout"]
+__all__ = ["LAYOUTS", "LayoutProfile", "simulate_layout"]
 
 
 @dataclass(frozen=True)
-class Layout:
+class LayoutProfile:
     """A parallel layout: whether its ranks are sharded and what recovers a lost one."""
 
     name: str
@@ -57,19 +57,19 @@ class Layout:
         return replace(a, rank_state_gb=a.rank_state_gb / a.shard_ranks)
 
 
-LAYOUTS: dict[str, Layout] = {
+LAYOUTS: dict[str, LayoutProfile] = {
     layout.name: layout
     for layout in (
-        Layout("ddp", False, "peer-replica", "replicated data parallel"),
-        Layout("hsdp", True, "peer-replica", "sharded in a group, replicated across groups"),
-        Layout("sharded", True, "checkpoint-restart", "sharded, no replica"),
-        Layout("peer-copy", True, "peer-copy", "sharded, in-memory copies every k steps"),
+        LayoutProfile("ddp", False, "peer-replica", "replicated data parallel"),
+        LayoutProfile("hsdp", True, "peer-replica", "sharded in a group, replicated across groups"),
+        LayoutProfile("sharded", True, "checkpoint-restart", "sharded, no replica"),
+        LayoutProfile("peer-copy", True, "peer-copy", "sharded, in-memory copies every k steps"),
     )
 }
 
 
 def simulate_layout(
-    layout: Layout,
+    layout: LayoutProfile,
     strategy: str,
     failures: list[Failure],
     assumptions: Assumptions,

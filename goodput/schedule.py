@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from goodput.trace import TRACE_DAYS, TRACE_GPUS_PER_NODE, TRACE_NODES, Fault
+from goodput.trace import TRACE_DAYS, TRACE_GPUS_PER_NODE, TRACE_NODES, TraceFault
 from sim.calibration import Calibration
 from sim.config import Params, default_params
 
@@ -89,7 +89,7 @@ def trace_classes(params: Params | None = None) -> dict[tuple[str, str], tuple[s
 
 
 def trace_schedule(
-    faults: list[Fault],
+    faults: list[TraceFault],
     gpus: int,
     horizon_s: float,
     rng: np.random.Generator,

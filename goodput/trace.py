@@ -26,7 +26,7 @@ __all__ = [
     "TRACE_DAYS",
     "TRACE_GPUS_PER_NODE",
     "TRACE_NODES",
-    "Fault",
+    "TraceFault",
     "derive",
     "find_trace_dir",
     "load",
@@ -46,7 +46,7 @@ HEADER = (
 
 
 @dataclass(frozen=True)
-class Fault:
+class TraceFault:
     """One fault of the trace: when it started and ended (days), where, and what it was."""
 
     start_day: float
@@ -57,7 +57,7 @@ class Fault:
     desc: str
 
 
-def _pair(events: list[dict]) -> list[Fault]:
+def _pair(events: list[dict]) -> list[TraceFault]:
     """Faults from start/end events: each start is closed by the next end of the same fault."""
     nodes: dict[str, int] = {}
     open_: dict[tuple[str, str, str], list[int]] = defaultdict(list)
@@ -80,7 +80,7 @@ def _pair(events: list[dict]) -> list[Fault]:
             )
         elif open_[key]:
             faults[open_[key].pop(0)]["end_day"] = float(ev["event_time"])
-    return [Fault(**f) for f in faults]
+    return [TraceFault(**f) for f in faults]
 
 
 def derive(trace_dir: str | Path, out: str | Path) -> int:
@@ -94,14 +94,16 @@ def derive(trace_dir: str | Path, out: str | Path) -> int:
     return len(faults)
 
 
-def _parse_table(text: str) -> list[Fault]:
+def _parse_table(text: str) -> list[TraceFault]:
     rows = [line for line in text.splitlines() if line and not line.startswith("#")]
     if not rows or tuple(rows[0].split("\t")) != COLUMNS:
         raise ValueError(f"not a fault table (expected columns {COLUMNS})")
     faults = []
     for line in rows[1:]:
         start, end, node, level, cls, desc = line.split("\t")
-        faults.append(Fault(float(start), float(end) if end else None, int(node), level, cls, desc))
+        faults.append(
+            TraceFault(float(start), float(end) if end else None, int(node), level, cls, desc)
+        )
     return faults
 
 
@@ -117,7 +119,7 @@ def find_trace_dir(start: Path | None = None) -> Path | None:
     return None
 
 
-def load(path: str | Path | None = None) -> tuple[list[Fault], str]:
+def load(path: str | Path | None = None) -> tuple[list[TraceFault], str]:
     """The trace's faults and where they came from.
 
     Args:

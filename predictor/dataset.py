@@ -2,7 +2,7 @@
 
 A dataset directory holds ``manifest.json``, ``samples/`` (Parquet parts), ``events.parquet``
 and ``failures.parquet``. :func:`replay` walks the samples in steps of ``step_s``, folds each
-step into a :class:`predictor.state.FleetState` exactly as the live scorer does with what the
+step into a :class:`predictor.state.GpuWindowState` exactly as the live scorer does with what the
 store received since its last tick, and hands the state to a callback after every step. The
 features a callback computes at time ``t`` are the ones the service would have computed at
 ``t`` (the decayed windows do not depend on how the rows were split into steps).
@@ -27,7 +27,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from forewarn.errors import InvalidInput
-from predictor.state import VALUE_COLUMNS, FleetState, SampleBlock
+from predictor.state import VALUE_COLUMNS, GpuWindowState, SampleBlock
 
 __all__ = [
     "Dataset",
@@ -177,7 +177,7 @@ def load_dataset(path: str | Path) -> Dataset:
     )
 
 
-Sink = Callable[[int, FleetState], None]
+Sink = Callable[[int, GpuWindowState], None]
 
 
 def replay(
@@ -185,16 +185,16 @@ def replay(
     sink: Sink,
     *,
     step_s: float = 60.0,
-    state: FleetState | None = None,
+    state: GpuWindowState | None = None,
     progress: Callable[[int], None] | None = None,
-) -> FleetState:
+) -> GpuWindowState:
     """Feed the dataset to a state in steps of ``step_s``; call ``sink(now_ms, state)`` after
     each step. ``progress(n)`` is told how many steps were done (for a progress bar).
 
     Steps end at ``start + k * step_s`` (the last one at the dataset's end); a step takes the
     rows with ``previous end < ts_ms <= end``.
     """
-    state = state or FleetState(capacity=max(int(dataset.manifest.get("gpus", 1024)), 16))
+    state = state or GpuWindowState(capacity=max(int(dataset.manifest.get("gpus", 1024)), 16))
     step_ms = int(step_s * 1000)
     if step_ms <= 0:
         raise InvalidInput("step_s must be positive")

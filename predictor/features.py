@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from forewarn.wire import COUNTER_FIELDS
-from predictor.state import COLUMN, EVENT_CHANNELS, LATEST, TAU, WINDOWS, FleetState
+from predictor.state import COLUMN, EVENT_CHANNELS, LATEST, TAU, WINDOWS, GpuWindowState
 
 __all__ = [
     "ABSOLUTE_LEVELS",
@@ -152,7 +152,7 @@ def _fleet_median(x: np.ndarray) -> float:
     return float(np.median(ok)) if len(ok) else np.nan
 
 
-def compute(state: FleetState, now_ms: int | None = None) -> np.ndarray:
+def compute(state: GpuWindowState, now_ms: int | None = None) -> np.ndarray:
     """The feature matrix (float32, one row per slot ``0..state.size-1``, columns
     :data:`FEATURE_NAMES`) at ``now_ms`` (default: the state's clock).
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from predictor.state import FleetState
+from predictor.state import GpuWindowState
 
 __all__ = ["DEFAULT_HORIZON_S", "Labeller", "failure_table"]
 
@@ -90,7 +90,7 @@ class Labels:
 
 
 class Labeller:
-    """Labels the slots of a :class:`FleetState` at an instant."""
+    """Labels the slots of a :class:`GpuWindowState` at an instant."""
 
     def __init__(self, failures: pd.DataFrame, horizon_s: float = DEFAULT_HORIZON_S) -> None:
         self.failures = failures
@@ -101,7 +101,7 @@ class Labeller:
         self._slots: np.ndarray | None = None
         self._size = -1
 
-    def slots(self, state: FleetState) -> np.ndarray:
+    def slots(self, state: GpuWindowState) -> np.ndarray:
         """Slot of each failure's GPU (-1 while the GPU has not been seen)."""
         if self._slots is None or self._size != state.size:
             self._slots = state.slots(
@@ -110,7 +110,7 @@ class Labeller:
             self._size = state.size
         return self._slots
 
-    def at(self, state: FleetState, now_ms: int) -> Labels:
+    def at(self, state: GpuWindowState, now_ms: int) -> Labels:
         n = state.size
         y = np.zeros(n, dtype=np.int8)
         keep = np.ones(n, dtype=bool)

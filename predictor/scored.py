@@ -19,12 +19,12 @@ from predictor import baseline
 from predictor.dataset import Dataset, replay
 from predictor.features import compute
 from predictor.labels import DEFAULT_HORIZON_S, Labeller, failure_table
-from predictor.state import FleetState
+from predictor.state import GpuWindowState
 
 __all__ = ["Scored", "score_dataset"]
 
 Scorer = Callable[[np.ndarray], np.ndarray]
-Select = Callable[[int, FleetState], np.ndarray]
+Select = Callable[[int, GpuWindowState], np.ndarray]
 _BATCH_ROWS = 200_000
 
 
@@ -34,7 +34,7 @@ class Scored:
 
     rows: pd.DataFrame
     failures: pd.DataFrame
-    state: FleetState
+    state: GpuWindowState
 
 
 def score_dataset(
@@ -74,7 +74,7 @@ def score_dataset(
         pending_x.clear()
         pending_n = 0
 
-    def sink(now_ms: int, state: FleetState) -> None:
+    def sink(now_ms: int, state: GpuWindowState) -> None:
         nonlocal pending_n
         if state.size == 0:
             return

@@ -3,7 +3,7 @@
 The control loop keeps one :class:`Scorer` for the life of the process and, every tick, hands
 it what the store received since the previous tick (sample rows in the store's frame columns,
 and events), then asks for scores. The scorer folds the rows into its
-:class:`predictor.state.FleetState` — decayed 5 min / 1 h / 24 h / 7 d window sums per GPU —
+:class:`predictor.state.GpuWindowState` — decayed 5 min / 1 h / 24 h / 7 d window sums per GPU —
 so a tick costs O(GPUs), never a re-read of 24 h of raw rows. Features are then computed by
 :func:`predictor.features.compute`, the code that made the training rows, so the model sees in
 production what it saw in training (``tests/predictor`` checks the numbers are equal).
@@ -32,7 +32,7 @@ from predictor.features import compute
 from predictor.floor import floor_hits, floor_kinds, floor_reasons, floored
 from predictor.model import RiskModel
 from predictor.reasons import MAX_REASONS
-from predictor.state import FleetState, SampleBlock
+from predictor.state import GpuWindowState, SampleBlock
 
 __all__ = ["Scorer", "score_fleet"]
 
@@ -59,7 +59,7 @@ class Scorer:
     max_reasons: int = MAX_REASONS
 
     def __post_init__(self) -> None:
-        self.state = FleetState(capacity=1024)
+        self.state = GpuWindowState(capacity=1024)
 
     def update(
         self,
@@ -68,7 +68,7 @@ class Scorer:
         *,
         now_ms: int,
     ) -> None:
-        """Fold in rows received since the last call (see :meth:`FleetState.update`)."""
+        """Fold in rows received since the last call (see :meth:`GpuWindowState.update`)."""
         self.state.update(samples, events, now_ms=now_ms)
 
     def features(self) -> np.ndarray:
@@ -103,7 +103,7 @@ class Scorer:
 
 def score_fleet(
     model: RiskModel,
-    state: FleetState,
+    state: GpuWindowState,
     x: np.ndarray,
     *,
     reasons: bool = True,

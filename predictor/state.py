@@ -1,6 +1,6 @@
 """Incremental per-GPU telemetry state: the one path from raw rows to features.
 
-Training replays a dataset through :class:`FleetState` and the live scorer feeds it what the
+Training replays a dataset through :class:`GpuWindowState` and the live scorer feeds it what the
 store received since the last tick; both then call :func:`predictor.features.compute`. Nothing
 recomputes a 24 h window from raw rows: every trailing window is an exponentially decayed sum
 whose time constant is the window length (5 min, 1 h, 24 h and 7 days for the GPU's own
@@ -41,7 +41,7 @@ __all__ = [
     "LATEST",
     "VALUE_COLUMNS",
     "WINDOWS",
-    "FleetState",
+    "GpuWindowState",
     "SampleBlock",
 ]
 
@@ -189,12 +189,12 @@ def _last_valid(vals: np.ndarray, gstart: np.ndarray, gend: np.ndarray) -> np.nd
     return np.where(ok, out, np.nan)
 
 
-class FleetState:
+class GpuWindowState:
     """Decayed window sums and latest readings for every GPU seen, vectorised over the fleet.
 
     Example::
 
-        state = FleetState()
+        state = GpuWindowState()
         state.update(samples_frame, events_frame, now_ms=...)
         names, matrix = predictor.features.compute(state, now_ms)
     """

@@ -44,7 +44,7 @@ from predictor.features import FEATURE_NAMES, compute
 from predictor.labels import Labeller, failure_table
 from predictor.model import DEFAULT_PARAMS, DEFAULT_ROUNDS, RiskModel, fit_booster
 from predictor.scored import score_dataset
-from predictor.state import FleetState, SampleBlock
+from predictor.state import GpuWindowState, SampleBlock
 
 __all__ = ["TrainConfig", "activity", "collect", "split_masks", "train"]
 
@@ -152,7 +152,7 @@ def collect(
     reach_s = max(cfg.horizon_s, *cfg.label_horizons_s)
     out: dict[str, list[np.ndarray]] = {k: [] for k in ("x", "y", "w", "ts_ms", "until_s")}
 
-    def sink(now_ms: int, state: FleetState) -> None:
+    def sink(now_ms: int, state: GpuWindowState) -> None:
         if state.size == 0 or now_ms > cut - reach_s * 1000:
             return
         x = compute(state, now_ms)
@@ -310,7 +310,7 @@ def train(
         ds = _open(d)
         cut = _cut_ms(ds, cfg)
 
-        def select(now_ms: int, state: FleetState, cut: int = cut) -> np.ndarray:
+        def select(now_ms: int, state: GpuWindowState, cut: int = cut) -> np.ndarray:
             is_val = _node_in_val(state.nodes, cfg.val_node_frac, _split_seed(cfg))
             return is_val[state.node_of[: state.size]] & (now_ms >= cut)
 

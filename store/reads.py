@@ -9,11 +9,11 @@ and training datasets through the same columns, so one feature path serves both.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import pandas as pd
-from sqlalchemy import Connection, text
+from sqlalchemy import Connection, select, text
 
 from store.schema import (
     BOOL_COLUMNS,
@@ -22,6 +22,7 @@ from store.schema import (
     NO_GPU,
     NO_XID,
     SAMPLE_COLUMNS,
+    gpus,
 )
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "latest_samples",
     "nodes",
     "read_events",
+    "stored_gpus",
 ]
 
 FRAME_COLUMNS: tuple[str, ...] = ("ts_ms", "node", "gpu", *SAMPLE_COLUMNS[3:])
@@ -225,6 +227,16 @@ def _time_filter(params: dict[str, Any], since_ms: int | None, until_ms: int | N
 def gpu_count(connection: Connection) -> int:
     """GPUs with at least one stored sample (a key count of the registry)."""
     return int(connection.execute(text("SELECT COUNT(*) FROM gpus")).scalar_one())
+
+
+def stored_gpus(
+    connection: Connection, *, nodes: Iterable[str] | None = None
+) -> set[tuple[str, int]]:
+    """(node, gpu) of every GPU with a stored sample, or of those on ``nodes``."""
+    query = select(gpus.c.node, gpus.c.gpu)
+    if nodes is not None:
+        query = query.where(gpus.c.node.in_(sorted(set(nodes))))
+    return {(row[0], row[1]) for row in connection.execute(query)}
 
 
 def has_gpu(connection: Connection, *, node: str, gpu: int) -> bool:

@@ -10,6 +10,8 @@ de-duplication key has no NULLs (NULLs are distinct in a PostgreSQL unique index
 
 from __future__ import annotations
 
+from typing import Any
+
 from sqlalchemy import (
     BigInteger,
     Boolean,
@@ -75,7 +77,7 @@ SAMPLE_COLUMNS: tuple[str, ...] = (
 """Every column of ``samples``, in insert order."""
 
 
-def _value_column(name: str) -> Column:
+def _value_column(name: str) -> Column[Any]:
     if name in FLOAT_COLUMNS:
         return Column(name, Float)
     if name in BOOL_COLUMNS:

@@ -22,17 +22,33 @@ import secrets
 from collections.abc import Iterable
 from typing import Any
 
-from sqlalchemy import BigInteger, Column, Connection, String, Table, UniqueConstraint, select
+from sqlalchemy import (
+    BigInteger,
+    Column,
+    Connection,
+    PrimaryKeyConstraint,
+    SmallInteger,
+    String,
+    Table,
+    UniqueConstraint,
+    func,
+    select,
+)
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
 from store.schema import metadata
 
 __all__ = [
     "TOKEN_SCOPES",
     "api_tokens",
+    "charge_gpus",
     "create_token",
     "digest",
+    "gpus_charged",
     "list_tokens",
     "revoke_token",
+    "token_gpus",
     "token_scopes",
 ]
 
@@ -50,6 +66,18 @@ api_tokens = Table(
     Column("revoked_ms", BigInteger),
     UniqueConstraint("secret_sha256", name="uq_api_tokens_secret"),
 )
+
+token_gpus = Table(
+    "token_gpus",
+    metadata,
+    Column("node", String(253), nullable=False),
+    Column("gpu", SmallInteger, nullable=False),
+    Column("token_sha256", String(64), nullable=False),
+    Column("added_ms", BigInteger, nullable=False),
+    PrimaryKeyConstraint("node", "gpu", name="pk_token_gpus"),
+)
+"""Which token's batch first stored each GPU: the per-token GPU cap's count, shared by every
+replica on the database."""
 
 
 def digest(secret: str) -> str:
@@ -129,3 +157,27 @@ def token_scopes(connection: Connection, secret: str) -> frozenset[str] | None:
         return None
     scopes = frozenset(row.scopes.split(","))
     return frozenset(TOKEN_SCOPES) if "admin" in scopes else scopes
+
+
+def gpus_charged(connection: Connection, token_sha256: str) -> int:
+    """How many GPUs batches sent with this token have added to the fleet."""
+    query = select(func.count()).where(token_gpus.c.token_sha256 == token_sha256)
+    return int(connection.execute(query).scalar_one())
+
+
+def charge_gpus(
+    connection: Connection, token_sha256: str, gpus: Iterable[tuple[str, int]], *, now_ms: int
+) -> None:
+    """Charge GPUs to the token whose batch stored them (after that batch committed).
+
+    A GPU is charged once, to the first token charged for it: charging again (a batch sent
+    twice, a GPU another token added) changes nothing.
+    """
+    rows = [
+        {"node": node, "gpu": gpu, "token_sha256": token_sha256, "added_ms": now_ms}
+        for node, gpu in sorted(gpus)
+    ]
+    if not rows:
+        return
+    insert = sqlite_insert if connection.dialect.name == "sqlite" else pg_insert
+    connection.execute(insert(token_gpus).values(rows).on_conflict_do_nothing())

@@ -18,14 +18,14 @@ from fastapi import FastAPI
 from api.control.loop import ControlLoop
 from api.routes import audit, drain, failures, jobs, migrations, models, policy, risk
 from api.settings import Settings
+from api.state import AppState
 
 __all__ = ["install_control", "load_model", "model_lifecycle", "start_control"]
 
 log = logging.getLogger("forewarn.control")
 
 
-def install_control(app: FastAPI, settings: Settings) -> None:
-    app.state.control = None
+def install_control(app: FastAPI) -> None:
     for module in (risk, jobs, migrations, policy, audit, drain, failures, models):
         app.include_router(module.router)
 
@@ -52,23 +52,25 @@ def model_lifecycle(settings: Settings) -> Any:
     return None if settings.model is not None else ModelLifecycle(settings.models_dir)
 
 
-async def start_control(app: FastAPI) -> list[asyncio.Task[None]]:
+async def start_control(state: AppState) -> list[asyncio.Task[None]]:
     """Start the control loop if the settings enable it; returns its task (to cancel).
 
-    The model loads inside the task, so the service answers (``/readyz``) while it loads.
+    The model loads inside the task, so the service answers (``/readyz``) while it loads;
+    ``state.control`` is the loop once it runs.
     """
-    settings: Settings = app.state.settings
-    if not settings.control_enabled:
+    settings = state.settings
+    store = state.store
+    if not settings.control_enabled or store is None:
         return []
 
     async def control() -> None:
         model = await asyncio.to_thread(load_model, settings)
         loop = ControlLoop(
-            app.state.store,
+            store,
             model=model,
             defaults=settings.policy,
             tick_s=settings.control_tick_s,
-            registry=app.state.metrics.registry,
+            registry=state.metrics.registry,
             warm_window_s=settings.warm_window_s,
             history_interval_s=settings.risk_history_interval_s,
             history_days=settings.risk_history_days,
@@ -76,7 +78,7 @@ async def start_control(app: FastAPI) -> list[asyncio.Task[None]]:
             agent_timeout_s=settings.agent_timeout_s,
             lifecycle=model_lifecycle(settings),
         )
-        app.state.control = loop
+        state.control = loop
         await loop.run()
 
     return [asyncio.create_task(control(), name="control")]

@@ -30,7 +30,7 @@ from store import control as control_db
 from store.schema import events as events_table
 from store.schema import gpus as gpus_table
 
-__all__ = ["FAILURE_LOOKBACK_MS", "CellsPublic", "last_failures", "router"]
+__all__ = ["FAILURE_LOOKBACK_MS", "CellsPublic", "failure_state", "last_failures", "router"]
 
 router = APIRouter(tags=["dashboard"])
 
@@ -121,8 +121,7 @@ def read_cells(store: Any, stale_after_s: float) -> dict[str, Any]:
         seen_col.append(seen)
         risk_col.append(score)
         failure = failures.get((node, gpu))
-        back = failure is not None and seen > failure[0] + stale_ms
-        down = (bool(failed) or failure is not None) and not back
+        down, back = failure_state(bool(failed), failure, seen, stale_ms)
         failed_col.append(down)
         recovered_col.append(back)
         alarm_col.append(bool(crossed) and not down)
@@ -140,6 +139,21 @@ def read_cells(store: Any, stale_after_s: float) -> dict[str, Any]:
         said = told.get(i, [])
         out["reasons"][i] = said + (orjson.loads(reasons) if reasons and not failed_col[i] else [])
     return out
+
+
+def failure_state(
+    flagged: bool, failure: tuple[int, str] | None, last_seen_ms: int | None, stale_ms: float
+) -> tuple[bool, bool]:
+    """(failed, recovered) of a GPU, as the map, ``/v1/gpus`` and ``/v1/risk`` all say it.
+
+    Args:
+        flagged: the control loop marked it failed (a fatal event it saw).
+        failure: (time, cause) of its newest fatal event (:func:`last_failures`), if any.
+        last_seen_ms: time of its newest sample.
+        stale_ms: samples for longer than this after the fatal event: it came back.
+    """
+    back = failure is not None and last_seen_ms is not None and last_seen_ms > failure[0] + stale_ms
+    return (flagged or failure is not None) and not back, back
 
 
 def last_failures(

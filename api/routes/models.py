@@ -22,6 +22,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field
 
 from api.deps import SettingsDep, require
+from api.state import RetrainJob, app_state
 from forewarn.errors import Conflict, ForewarnError
 from predictor.lifecycle import ModelLifecycle
 
@@ -76,7 +77,7 @@ def _life(settings: Any, *, changing: bool = False) -> ModelLifecycle:
 def _public(life: ModelLifecycle, request: Request) -> dict[str, Any]:
     status = life.status()
     models = life.models()
-    loop = getattr(request.app.state, "control", None)
+    loop = app_state(request.app).control
     return {
         "data": models,
         "count": len(models),
@@ -86,6 +87,12 @@ def _public(life: ModelLifecycle, request: Request) -> dict[str, Any]:
         "replaced": status["replaced"],
         "history": status["history"],
     }
+
+
+_CHANGES: dict[int | str, dict[str, Any]] = {
+    409: {"description": "FOREWARN_MODEL names the model, or the lifecycle cannot do it now"}
+}
+"""What every route that changes the model in force can answer besides the common errors."""
 
 
 @router.get(
@@ -103,6 +110,7 @@ async def list_models(settings: SettingsDep, request: Request) -> dict[str, Any]
     responses={**_UNKNOWN, **_CONFLICT},
     response_model=ModelsPublic,
     dependencies=[require("admin")],
+    responses={**_CHANGES, 404: {"description": "No such model"}},
     summary="Put a model in force and keep it there (no promotion replaces it)",
 )
 async def pin_model(settings: SettingsDep, request: Request, body: PinRequest) -> dict[str, Any]:
@@ -119,6 +127,7 @@ async def pin_model(settings: SettingsDep, request: Request, body: PinRequest) -
     responses=_CONFLICT,
     response_model=ModelsPublic,
     dependencies=[require("admin")],
+    responses=_CHANGES,
     summary="Let a better retrained model replace the one in force again",
 )
 async def unpin_model(settings: SettingsDep, request: Request) -> dict[str, Any]:
@@ -135,6 +144,7 @@ async def unpin_model(settings: SettingsDep, request: Request) -> dict[str, Any]
     responses=_CONFLICT,
     response_model=ModelsPublic,
     dependencies=[require("admin")],
+    responses=_CHANGES,
     summary="Put back the model the last promotion or pin replaced (409 when none)",
 )
 async def rollback_model(settings: SettingsDep, request: Request) -> dict[str, Any]:
@@ -162,18 +172,7 @@ class RetrainPublic(BaseModel):
     error: str | None = None
 
 
-def _retrain_state(request: Request) -> dict[str, Any]:
-    app_state = request.app.state
-    if not hasattr(app_state, "model_retrain"):
-        app_state.model_retrain = {"state": "idle", "lock": threading.Lock()}
-    return app_state.model_retrain  # type: ignore[no-any-return]
-
-
-def _public_retrain(job: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in job.items() if k != "lock"}
-
-
-def _retrain(settings: Any, job: dict[str, Any], holdout_days: float) -> None:
+def _retrain(settings: Any, job: RetrainJob, holdout_days: float) -> None:
     from predictor.dataset import load_dataset
 
     try:
@@ -182,13 +181,13 @@ def _retrain(settings: Any, job: dict[str, Any], holdout_days: float) -> None:
             raise Conflict("the service keeps no history (FOREWARN_HISTORY_URL=none)")
         history = load_dataset(url)
         decision = _life(settings).retrain_on_history(history, holdout_days=holdout_days)
-        job.update(state="done", decision=decision)
+        job.state, job.decision = "done", decision
     except ForewarnError as exc:
-        job.update(state="failed", error=exc.message)
+        job.state, job.error = "failed", exc.message
     except Exception as exc:  # a worker thread must report, not die silently
-        job.update(state="failed", error=f"{type(exc).__name__}: {exc}")
+        job.state, job.error = "failed", f"{type(exc).__name__}: {exc}"
     finally:
-        job["finished_at"] = time.time()
+        job.finished_at = time.time()
 
 
 @router.post(
@@ -197,6 +196,7 @@ def _retrain(settings: Any, job: dict[str, Any], holdout_days: float) -> None:
     status_code=202,
     responses=_CONFLICT,
     dependencies=[require("admin")],
+    responses=_CHANGES,
     summary="Retrain on the fleet's own history in a worker; the lifecycle judges the result "
     "(409 when one is running)",
 )
@@ -204,17 +204,17 @@ async def retrain_model(
     settings: SettingsDep, request: Request, body: RetrainRequest | None = None
 ) -> dict[str, Any]:
     _life(settings, changing=True)
-    job = _retrain_state(request)
-    with job["lock"]:
-        if job["state"] == "running":
-            raise Conflict("a retraining is running", details={"started_at": job["started_at"]})
-        job.update(state="running", started_at=time.time(), finished_at=None, decision=None)
-        job["error"] = None
+    job = app_state(request.app).retrain
+    with job.lock:
+        if job.state == "running":
+            raise Conflict("a retraining is running", details={"started_at": job.started_at})
+        job.state, job.started_at, job.finished_at = "running", time.time(), None
+        job.decision, job.error = None, None
     days = (body or RetrainRequest()).holdout_days
     threading.Thread(
         target=_retrain, args=(settings, job, days), name="model-retrain", daemon=True
     ).start()
-    return _public_retrain(job)
+    return job.public()
 
 
 @router.get(
@@ -224,4 +224,4 @@ async def retrain_model(
     summary="How the last retraining went",
 )
 async def retrain_status(request: Request) -> dict[str, Any]:
-    return _public_retrain(_retrain_state(request))
+    return app_state(request.app).retrain.public()

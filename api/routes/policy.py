@@ -11,6 +11,7 @@ from pydantic import BaseModel
 from api.control.policy import Policy
 from api.deps import SettingsDep, StoreDep, require
 from api.routes._common import iso, now_ms
+from api.state import app_state
 from store import control as db
 
 __all__ = ["PolicyPublic", "router"]
@@ -40,7 +41,7 @@ def _read(store: Any, settings: Any, request: Request) -> dict[str, Any]:
         stored = db.read_policy(c)
         tripped = db.get_state(c, "breaker_tripped_ms") or ""
         updated = c.execute(db.policy.select().where(db.policy.c.id == 1)).mappings().first()
-    loop = getattr(request.app.state, "control", None)
+    loop = app_state(request.app).control
     model = getattr(loop, "model", None)
     budget = getattr(loop, "budget", None)
     return {
@@ -107,7 +108,7 @@ async def reset_breaker(store: StoreDep, settings: SettingsDep, request: Request
             )
 
     await to_thread.run_sync(write)
-    loop = getattr(request.app.state, "control", None)
+    loop = app_state(request.app).control
     if loop is not None:
         loop.reset_breaker()
     return await to_thread.run_sync(_read, store, settings, request)

@@ -7,10 +7,12 @@ from typing import Annotated, Any
 from anyio import to_thread
 from fastapi import APIRouter, Path, Query
 from pydantic import BaseModel
+from sqlalchemy import select
 
-from api.deps import StoreDep, require
-from api.routes._common import Since, Until, iso, stamp, window
+from api.deps import SettingsDep, StoreDep, require
+from api.routes._common import Since, Until, iso, now_ms, stamp, window
 from store import control as db
+from store.schema import gpus
 
 __all__ = ["RiskPublic", "router"]
 
@@ -31,6 +33,10 @@ class RiskPublic(BaseModel):
     stale: bool
     """No sample for the policy's ``stale_after_s``: the risk is unknown, not low."""
     failed: bool
+    """A fatal event (or the loop's flag), and no sample since: the GPU is down."""
+    recovered: bool
+    """It failed and has sent samples since, for longer than the stale interval: it came
+    back (the fleet map's ``recovered``)."""
     streak: int
 
 
@@ -59,11 +65,36 @@ def public(row: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
+def risk_rows(connection: Any, *, node: str | None, stale_after_s: float) -> list[dict[str, Any]]:
+    """The latest scores, with ``failed`` and ``recovered`` read from the GPUs' events as the
+    fleet map reads them (:func:`api.dashboard.cells.failure_state`): the loop's flag stays
+    set after a GPU came back."""
+    from api.dashboard.cells import FAILURE_LOOKBACK_MS, failure_state, last_failures
+
+    rows = db.risk_rows(connection, node=node)
+    failures = last_failures(connection, since_ms=now_ms() - FAILURE_LOOKBACK_MS, node=node)
+    query = select(gpus.c.node, gpus.c.gpu, gpus.c.last_seen_ms)
+    if node is not None:
+        query = query.where(gpus.c.node == node)
+    seen = {(r[0], r[1]): r[2] for r in connection.execute(query)}
+    for row in rows:
+        key = (row["node"], row["gpu"])
+        row["failed"], row["recovered"] = failure_state(
+            bool(row["failed"]),
+            failures.get(key),
+            seen.get(key, row["last_seen_ms"]),
+            stale_after_s * 1000,
+        )
+    return rows
+
+
 @router.get("/v1/risk", response_model=RisksPublic, summary="Latest risk of every GPU")
-async def list_risk(store: StoreDep, node: str | None = None) -> dict[str, Any]:
+async def list_risk(
+    store: StoreDep, settings: SettingsDep, node: str | None = None
+) -> dict[str, Any]:
     def read() -> list[dict[str, Any]]:
         with store.engine.connect() as c:
-            return db.risk_rows(c, node=node)
+            return risk_rows(c, node=node, stale_after_s=settings.policy.stale_after_s)
 
     rows = [public(r) for r in await to_thread.run_sync(read)]
     return {"data": rows, "count": len(rows)}
@@ -76,6 +107,7 @@ async def list_risk(store: StoreDep, node: str | None = None) -> dict[str, Any]:
 )
 async def gpu_risk(
     store: StoreDep,
+    settings: SettingsDep,
     node: str,
     gpu: Annotated[int, Path(ge=0, le=255)],
     since: Since = None,
@@ -89,7 +121,9 @@ async def gpu_risk(
             points = db.history(
                 c, node=node, gpu=gpu, since_ms=since_ms, until_ms=until_ms, limit=limit
             )
-            latest = [r for r in db.risk_rows(c, node=node) if r["gpu"] == gpu]
+            stale_after_s = settings.policy.stale_after_s
+            rows = risk_rows(c, node=node, stale_after_s=stale_after_s)
+            latest = [r for r in rows if r["gpu"] == gpu]
             return points, latest
 
     points, latest = await to_thread.run_sync(read)
@@ -116,6 +150,7 @@ def gpu_risk_fields(
             "reasons": r["reasons"],
             "scored_at": iso(r["scored_ms"]),
             "stale": r["stale"],
+            "flagged_failed": r["failed"],
         }
         for r in rows
     }
@@ -127,4 +162,5 @@ gpu_risk_fields.UNSCORED = {  # type: ignore[attr-defined]
     "reasons": [],
     "scored_at": None,
     "stale": False,
+    "flagged_failed": False,
 }

@@ -31,9 +31,8 @@ def guard_for(settings: Settings) -> TargetGuard:
     return TargetGuard(settings.webhook_allow, require_https=settings.environment == "production")
 
 
-def install_webhooks(app: FastAPI, settings: Settings) -> None:
-    """Add the ``/v1/webhooks`` routes and the app's target guard."""
-    app.state.webhook_guard = guard_for(settings)
+def install_webhooks(app: FastAPI) -> None:
+    """Add the ``/v1/webhooks`` routes (the target guard is the app state's)."""
     app.include_router(router)
 
 

@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Query, Request
 
 from api.deps import SettingsDep, StoreDep, require
+from api.state import app_state
 from api.webhooks.guard import TargetGuard
 from api.webhooks.models import (
     DeliveriesPublic,
@@ -36,7 +37,7 @@ ADMIN = [require("admin")]
 
 
 def _guard(request: Request) -> TargetGuard:
-    return request.app.state.webhook_guard  # type: ignore[no-any-return]
+    return app_state(request.app).webhook_guard
 
 
 async def _in_tx(store: Store, fn: Any, *args: Any, **kwargs: Any) -> Any:

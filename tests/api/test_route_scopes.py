@@ -137,3 +137,17 @@ def test_missing_wrong_and_under_scoped_tokens_are_refused(client: TestClient) -
         )
         checked += 1
     assert checked >= 10
+
+
+def test_every_v1_read_route_declares_the_shape_of_its_answer(client: TestClient) -> None:
+    """``/docs`` shows what each read answers (``response_model``), so clients can be generated."""
+    spec = client.app.openapi()  # type: ignore[attr-defined]
+    shapeless = []
+    for path, operations in spec["paths"].items():
+        if not path.startswith("/v1/") or "get" not in operations:
+            continue
+        ok = next(r for code, r in operations["get"]["responses"].items() if code.startswith("2"))
+        schema = ok.get("content", {}).get("application/json", {}).get("schema")
+        if not schema:
+            shapeless.append(path)
+    assert shapeless == []

@@ -14,6 +14,7 @@ from sqlalchemy import text
 
 from api.app import create_app
 from api.settings import Settings
+from api.state import app_state
 from store import Store
 
 ADMIN = {"Authorization": "Bearer admin-token-0123456789"}
@@ -46,7 +47,7 @@ def test_a_created_token_works_for_its_scope_until_revoked(client: TestClient) -
 
     listed = client.get("/v1/tokens", headers=ADMIN).json()
     assert listed["count"] == 1 and "token" not in listed["data"][0]
-    store: Store = client.app.state.store  # type: ignore[attr-defined]
+    store: Store = app_state(client.app).store
     with store.engine.connect() as connection:
         stored = connection.execute(text("SELECT * FROM api_tokens")).mappings().one()
     assert secret not in str(dict(stored)) and len(stored["secret_sha256"]) == 64

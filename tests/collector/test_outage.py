@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from collector.agent import Agent
+from collector.agent import SamplingLoop
 from collector.nvml import NvmlSource
 from collector.push import Backoff, BatchingPusher, IngestClient
 from collector.spool import DiskSpool
@@ -19,7 +19,7 @@ from tests.conftest import LiveService, free_port, start_service
 from tests.fakes.pynvml import FakeGpu, FakeNvml
 
 
-def make_agent(url: str, token: str, spool_dir: Path, node: str = "gpu-node-a") -> Agent:
+def make_agent(url: str, token: str, spool_dir: Path, node: str = "gpu-node-a") -> SamplingLoop:
     source = NvmlSource(node, nvml=FakeNvml([FakeGpu(), FakeGpu()]), events=False)
     pusher = BatchingPusher(
         IngestClient(url, token, timeout_s=2.0),
@@ -28,7 +28,7 @@ def make_agent(url: str, token: str, spool_dir: Path, node: str = "gpu-node-a") 
         heartbeat_s=1.0,
         backoff=Backoff(initial_s=0.1, max_s=0.4),
     )
-    return Agent([source], pusher, interval_s=0.1, node=node)
+    return SamplingLoop([source], pusher, interval_s=0.1, node=node)
 
 
 def wait_until(what: str, event: Callable[[], bool], timeout_s: float = 60.0) -> None:

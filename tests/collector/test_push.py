@@ -12,7 +12,7 @@ import httpx
 from hypothesis import given
 from hypothesis import strategies as st
 
-from collector.agent import Agent
+from collector.agent import SamplingLoop
 from collector.push import Backoff, BatchingPusher, IngestClient
 from collector.spool import DiskSpool, MemorySpool
 from collector.xid import XidClass, catalog, lookup
@@ -202,7 +202,7 @@ def test_agent_ticks_on_a_fixed_grid_and_skips_instead_of_bursting() -> None:
     t = [0.0]
     source = _Counter()
     pusher = BatchingPusher(mock_client([], []), max_delay_s=0.0)
-    agent = Agent([source], pusher, interval_s=1.0, node="n1", clock=lambda: t[0])
+    agent = SamplingLoop([source], pusher, interval_s=1.0, node="n1", clock=lambda: t[0])
     real_tick = agent.tick
 
     def slow_tick(now: datetime | None = None) -> list:
@@ -219,7 +219,7 @@ def test_agent_ticks_on_a_fixed_grid_and_skips_instead_of_bursting() -> None:
 
 def test_ticks_close_together_never_share_a_millisecond() -> None:
     source = _Counter()
-    agent = Agent([source], BatchingPusher(mock_client([], [])), interval_s=0.1, node="n1")
+    agent = SamplingLoop([source], BatchingPusher(mock_client([], [])), interval_s=0.1, node="n1")
     late = T0 + timedelta(microseconds=999_900)  # a late tick, then the next one on time
     agent.tick(late)
     agent.tick(late + timedelta(microseconds=50))

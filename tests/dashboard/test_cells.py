@@ -12,6 +12,7 @@ from fastapi.testclient import TestClient
 
 from api.app import create_app
 from api.settings import Settings
+from api.state import app_state
 from store import control as control_db
 
 pytestmark = pytest.mark.timeout(60)
@@ -42,7 +43,7 @@ def ingest(client: TestClient, node: str, gpus: int, ts: float) -> None:
 
 
 def score(client: TestClient, rows: list[dict[str, Any]]) -> None:
-    store = client.app.state.store  # type: ignore[attr-defined]
+    store = app_state(client.app).store
     with store.begin() as connection:
         control_db.upsert_risk(connection, rows)
 
@@ -136,3 +137,22 @@ def test_a_dead_gpu_is_failed_and_one_that_came_back_is_recovered(client: TestCl
     assert gpus[1]["failure"]["cause"] == "Xid 48"
     assert (gpus[0]["failed"], gpus[0]["recovered"]) == (False, True)
     assert gpus[2]["failure"] is None
+
+
+def test_the_risk_routes_say_failed_and_recovered_as_the_map_does(client: TestClient) -> None:
+    """``/v1/risk`` kept the loop's ``failed`` flag for a GPU that came back (issue 32)."""
+    now = time.time()
+    ingest(client, "node-a", 2, now - 120)
+    ingest(client, "node-a", 1, now - 10)  # GPU 0 reports again; GPU 1 went quiet
+    lost = {"node": "node-a", "gpu": 0, "ts": now - 100, "kind": "gpu_lost"}
+    dead = {"node": "node-a", "gpu": 1, "ts": now - 100, "kind": "xid", "xid": 48}
+    r = client.post("/v1/ingest", json={"node": "node-a", "events": [lost, dead]}, headers=INGEST)
+    assert r.status_code == 200, r.text
+    score(client, [risk_row("node-a", g, 0.01, failed=True) for g in (0, 1)])
+    risks = {x["gpu"]: x for x in client.get("/v1/risk", headers=READ).json()["data"]}
+    assert (risks[0]["failed"], risks[0]["recovered"]) == (False, True)
+    assert (risks[1]["failed"], risks[1]["recovered"]) == (True, False)
+    latest = client.get("/v1/gpus/node-a/0/risk", headers=READ).json()["latest"]
+    assert (latest["failed"], latest["recovered"]) == (False, True)
+    gpus = {g["gpu"]: g for g in client.get("/v1/gpus", headers=READ).json()["data"]}
+    assert [gpus[g]["failed"] for g in (0, 1)] == [False, True]

@@ -6,7 +6,7 @@ import json
 
 import httpx
 
-from collector.agent import Agent
+from collector.agent import SamplingLoop
 from collector.push import BatchingPusher, IngestClient
 from forewarn.errors import ServiceUnavailable
 from tests.factories import sample
@@ -29,11 +29,11 @@ def test_a_simulated_fleet_sends_no_heartbeat_for_the_host() -> None:
     seen: list[dict] = []
     now = [0.0]
     pusher = BatchingPusher(_client(seen), heartbeat_s=1.0, clock=lambda: now[0])
-    Agent([], pusher, node="build-host", heartbeat=False)
+    SamplingLoop([], pusher, node="build-host", heartbeat=False)
     now[0] = 100.0
     pusher._heartbeats()  # what the sender thread does each turn
     assert seen == []
-    Agent([], pusher, node="gpu-host")  # a real node's agent still announces itself
+    SamplingLoop([], pusher, node="gpu-host")  # a real node's agent still announces itself
     now[0] = 200.0
     pusher._heartbeats()
     assert [b["node"] for b in seen] == ["gpu-host"]

@@ -17,6 +17,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import event
 
 from api.app import create_app
+from api.state import app_state
 from forewarn.wire import GpuSample, sample_columns
 from store import Store
 from store.engine import make_engine
@@ -60,7 +61,7 @@ def test_a_counter_near_2_63_is_refused_at_ingest(client: TestClient) -> None:
 
 
 def test_a_stored_counter_near_2_63_reads_back_exactly(client: TestClient) -> None:
-    store: Store = client.app.state.store  # type: ignore[attr-defined]
+    store: Store = app_state(client.app).store
     first = sample_row(GpuSample.model_validate(sample_dict("node-0", 0, NOW)))
     at = 5 + list(GpuSample.model_fields)[5:].index("throttle_reasons")
     huge = (*first[:at], 2**63 - 1, *first[at + 1 :])
@@ -114,8 +115,7 @@ def test_a_database_that_refuses_connections_gives_503_and_readyz_tells_nothing(
 ) -> None:
     down = Store(make_engine("postgresql+psycopg://forewarn@127.0.0.1:1/forewarn"))
     settings = make_settings("postgresql+psycopg://forewarn@127.0.0.1:1/forewarn", tmp_path)
-    app = create_app(settings, store=down)
-    app.state.settings = settings.model_copy(update={"webhook_dispatch": False})
+    app = create_app(settings.model_copy(update={"webhook_dispatch": False}), store=down)
     try:
         with TestClient(app) as client:
             for r in (
@@ -201,6 +201,55 @@ def test_a_token_cannot_grow_the_fleet_without_bound(tmp_path: Path) -> None:
         assert r.status_code == 422 and r.json()["error"]["code"] == "fleet_limit"
         assert post(client, {"node": "n0", "samples": rows(2, "n0")}).status_code == 200
         assert client.get("/v1/gpus", headers=READ).json()["count"] == 3
+
+
+def test_a_batch_refused_with_503_and_sent_again_is_charged_to_its_token_once(
+    tmp_path: Path,
+) -> None:
+    url = f"sqlite:///{tmp_path / 'charged.db'}"
+    Store.open(url).close()
+    engine = make_engine(url)
+    event.listen(engine, "connect", lambda c, _: c.execute("PRAGMA busy_timeout=200"))
+    store = Store(engine)
+    holder = sqlite3.connect(tmp_path / "charged.db", isolation_level=None)
+    two_gpus = {"node": "n0", "samples": rows(1, "n0", 0) + rows(1, "n0", 1)}
+    try:
+        app = create_app(make_settings(url, tmp_path, max_gpus_per_token=3), store=store)
+        with TestClient(app) as client:
+            assert post(client, {"node": "n9", "samples": rows(1, "n9")}).status_code == 200
+            holder.execute("BEGIN IMMEDIATE")
+            assert post(client, two_gpus).status_code == 503
+            holder.execute("ROLLBACK")
+            r = post(client, two_gpus)  # the collector sends the batch again
+            assert r.status_code == 200, r.text
+            third = post(client, {"node": "n0", "samples": rows(1, "n0", 2)})
+            assert third.status_code == 422 and third.json()["error"]["code"] == "fleet_limit"
+    finally:
+        holder.close()
+        store.close()
+
+
+def test_the_per_token_gpu_cap_holds_across_replicas(database_url: str, tmp_path: Path) -> None:
+    other = {"Authorization": "Bearer other-ingest-token-0123"}
+    settings = make_settings(
+        database_url,
+        tmp_path,
+        max_gpus_per_token=2,
+        max_fleet_gpus=3,
+        tokens={other["Authorization"].split()[1]: ["ingest"]},
+    )
+    with (
+        TestClient(create_app(settings)) as first,
+        TestClient(create_app(settings)) as second,
+    ):
+        two_gpus = {"node": "n0", "samples": rows(1, "n0", 0) + rows(1, "n0", 1)}
+        assert post(first, two_gpus).status_code == 200
+        assert post(second, two_gpus).status_code == 200  # known GPUs cost nothing
+        r = post(second, {"node": "n1", "samples": rows(1, "n1")})
+        assert r.status_code == 422 and "this token has added 2 GPUs" in r.text
+        assert post(first, {"node": "n1", "samples": rows(1, "n1")}, **other).status_code == 200
+        r = post(second, {"node": "n2", "samples": rows(1, "n2")}, **other)
+        assert r.status_code == 422 and "the fleet holds 3 GPUs" in r.text
 
 
 def test_gpus_and_nodes_come_a_page_at_a_time(client: TestClient) -> None:
@@ -320,3 +369,12 @@ def test_docs_are_served_from_the_app(client: TestClient) -> None:
         r = client.get(f"/docs/assets/{asset}")
         assert r.status_code == 200 and len(r.content) > 10_000
     assert client.get("/redoc").status_code == 404
+
+
+def test_a_405_allows_every_method_of_a_path_served_by_several_routes(
+    client: TestClient,
+) -> None:
+    # POST /v1/migrations/reports and GET /v1/migrations/{migration_id} both match the path.
+    r = client.put("/v1/migrations/reports", headers=READ)
+    assert r.status_code == 405, r.text
+    assert {m.strip() for m in r.headers["allow"].split(",")} == {"GET", "POST"}

@@ -17,6 +17,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 from api.app import create_app
 from api.settings import DEV_TOKEN
+from api.state import app_state
 from tests.api.conftest import INGEST, READ, make_settings
 from tests.conftest import free_port
 
@@ -36,7 +37,7 @@ def _client(tmp_path: Path, **overrides: Any) -> TestClient:
         make_settings(f"sqlite:///{tmp_path / 'api.db'}", tmp_path, control_enabled=False,
                       metrics_max_gpu_series=2, **overrides)
     )  # fmt: skip
-    app.state.metrics.registry.register(_GpuRisks())
+    app_state(app).metrics.registry.register(_GpuRisks())
     return TestClient(app)
 
 

@@ -20,6 +20,7 @@ import uvicorn
 from fastapi.testclient import TestClient
 
 from api.app import create_app
+from api.state import app_state
 from tests.api.conftest import INGEST, READ, make_settings
 from tests.factories import sample_dict
 
@@ -155,6 +156,19 @@ def _agent(agent_id: str) -> dict[str, Any]:
     return {"agent_id": agent_id, "source": "sim", "sent_total": 1}
 
 
+def test_an_agent_url_or_migration_id_past_its_length_is_422(client: TestClient) -> None:
+    """Under the guard's limit for any string, but longer than the field can mean."""
+    job = {"job_id": "job-1", "world_size": 1, "spares": 0, "agent_url": "http://a/" + "x" * 2040,
+           "placement": [{"rank": 0, "node": "node-0"}]}  # fmt: skip
+    r = client.post("/v1/jobs", json=job, headers=OPERATE)
+    assert r.status_code == 422 and "agent_url" in r.text, r.text
+    report = {"migration_id": "m" * 65, "job_id": "job-1", "rank": 0, "outcome": "completed",
+              "finished_at": NOW.isoformat()}  # fmt: skip
+    r = client.post("/v1/migrations/reports", json=report, headers=OPERATE)
+    assert r.status_code == 422 and "migration_id" in r.text, r.text
+    assert client.get("/v1/jobs", headers=READ).json()["count"] == 0
+
+
 @pytest.mark.parametrize("bad", ["gpu\x00node", "\ud800", "x" * 20_000])
 def test_nul_surrogates_and_long_strings_are_422_everywhere(client: TestClient, bad: str) -> None:
     escaped = json.dumps(bad)  # \u0000, \ud800: what a JSON encoder writes
@@ -262,7 +276,7 @@ def test_a_clashing_slot_is_422_and_pause_infinity_is_refused(client: TestClient
 
 
 def test_a_database_recreated_empty_gives_503(client: TestClient) -> None:
-    store = client.app.state.store  # type: ignore[attr-defined]
+    store = app_state(client.app).store
     from sqlalchemy import MetaData
 
     meta = MetaData()

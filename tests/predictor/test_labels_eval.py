@@ -9,14 +9,14 @@ import pytest
 from predictor import baseline, evaluate
 from predictor.features import FEATURE_NAMES
 from predictor.labels import Labeller, failure_table
-from predictor.state import FleetState
+from predictor.state import GpuWindowState
 
 T0 = 1_735_689_600_000
 MIN = 60_000
 
 
-def _state(gpus: int = 4) -> FleetState:
-    state = FleetState()
+def _state(gpus: int = 4) -> GpuWindowState:
+    state = GpuWindowState()
     frame = pd.DataFrame({"ts_ms": T0, "node": "n0", "gpu": np.arange(gpus), "temp_gpu_c": 50.0})
     state.update(frame, now_ms=T0)
     return state

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from predictor.features import FEATURE_NAMES, compute
-from predictor.state import COLUMN, FleetState
+from predictor.state import COLUMN, GpuWindowState
 
 T0 = 1_735_689_600_000
 
@@ -62,7 +62,7 @@ def step_since_last(readings):
 def test_increments_survive_resets_and_nulls(series) -> None:
     ts, readings, errors = series
     # increments counted like the hardware: delta, or the new value after a reset
-    state = FleetState(capacity=4)
+    state = GpuWindowState(capacity=4)
     state.update(_frame(ts, readings), now_ms=ts[-1])
     total = state.acc[0, COLUMN["inc:ecc_sbe_volatile:7d"]]
     # decay over at most 40 min against a 7 d constant is below 0.4 %
@@ -94,9 +94,9 @@ def test_features_do_not_depend_on_how_rows_are_split(cuts, seed) -> None:
     frame["ecc_sbe_volatile"] = frame["ecc_sbe_volatile"].cummax().astype("Int64")
     frame["throttle_reasons"] = frame["throttle_reasons"].astype("Int64")
     end = int(frame["ts_ms"].max())
-    whole = FleetState()
+    whole = GpuWindowState()
     whole.update(frame, now_ms=end)
-    parts = FleetState()
+    parts = GpuWindowState()
     bounds = sorted({int(T0 + c * 30_000) for c in cuts} | {end})
     lo = -1
     for b in bounds:
@@ -111,7 +111,7 @@ def test_features_do_not_depend_on_how_rows_are_split(cuts, seed) -> None:
 
 def test_gap_spreads_increment_and_shows_as_staleness() -> None:
     frame = _frame([T0, T0 + 60_000, T0 + 3_660_000], [0, 10, 70])
-    state = FleetState()
+    state = GpuWindowState()
     state.update(frame, now_ms=T0 + 3_660_000 + 120_000)
     x = compute(state)
     assert x[0, FEATURE_NAMES.index("staleness_s")] == 120.0
@@ -120,7 +120,7 @@ def test_gap_spreads_increment_and_shows_as_staleness() -> None:
 
 def test_resent_rows_are_not_counted_twice() -> None:
     frame = _frame([T0, T0 + 10_000, T0 + 20_000], [0, 5, 9])
-    state = FleetState()
+    state = GpuWindowState()
     state.update(frame, now_ms=T0 + 20_000)
     state.update(frame, now_ms=T0 + 30_000)
     assert abs(state.acc[0, COLUMN["inc:ecc_sbe_volatile:7d"]] - 9) < 1e-3
@@ -128,7 +128,7 @@ def test_resent_rows_are_not_counted_twice() -> None:
 
 def test_node_level_event_reaches_every_gpu_of_the_node() -> None:
     frame = pd.concat([_frame([T0], [0], gpu=g) for g in range(3)])
-    state = FleetState()
+    state = GpuWindowState()
     state.update(frame, now_ms=T0)
     events = pd.DataFrame(
         {
@@ -151,7 +151,7 @@ def test_gaps_and_vanished_readings_are_features() -> None:
     ts = [T0 + k * 10_000 for k in range(30)] + [T0 + 600_000, T0 + 900_000]
     frame = _frame(ts, list(range(len(ts))))
     frame["power_w"] = [300.0] * 30 + [np.nan, np.nan]
-    state = FleetState()
+    state = GpuWindowState()
     state.update(frame, now_ms=ts[-1])
     x = compute(state)[0]
     col = FEATURE_NAMES.index
@@ -159,7 +159,7 @@ def test_gaps_and_vanished_readings_are_features() -> None:
     assert 0 < x[col("metrics_vanished_5m")] < 1
     # 29 gaps of 10 s, one of 310 s and one of 300 s: the moments in gaps of ~300 s dominate
     assert 200 < x[col("gap_len_1h")] < 310
-    fresh = FleetState()
+    fresh = GpuWindowState()
     fresh.update(_frame(ts[:30], list(range(30))), now_ms=ts[29])
     assert compute(fresh)[0, col("gap_len_1h")] == pytest.approx(10.0)
     assert compute(fresh)[0, col("metrics_vanished_now")] == 0

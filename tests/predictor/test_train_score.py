@@ -13,7 +13,7 @@ from predictor import registry
 from predictor.dataset import Dataset, replay
 from predictor.features import FEATURE_NAMES, compute
 from predictor.scoring import Scorer
-from predictor.state import FleetState
+from predictor.state import GpuWindowState
 from predictor.train import _node_in_val, split_masks
 
 
@@ -49,7 +49,7 @@ def test_training_and_live_scoring_give_the_same_numbers(tiny: Dataset, tiny_dir
     replay(tiny, sink, step_s=60.0)
     frame = pd.read_parquet(tiny_dir / "samples")
     events = pd.read_parquet(tiny_dir / "events.parquet")
-    state = FleetState()  # what Scorer.update feeds
+    state = GpuWindowState()  # what Scorer.update feeds
     for t in sorted(frame["ts_ms"].unique()):
         if t > max(wanted):
             break

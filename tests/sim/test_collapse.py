@@ -13,7 +13,7 @@ import pytest
 from forewarn.wire import GpuSample
 from predictor.dataset import load_dataset, replay
 from predictor.features import FEATURE_NAMES, compute
-from predictor.state import VALUE_COLUMNS, FleetState
+from predictor.state import VALUE_COLUMNS, GpuWindowState
 from sim import generate_dataset
 from sim.config import TELEMETRY_COLLAPSE
 from sim.precursors import COLLAPSE_VANISH
@@ -74,7 +74,7 @@ def _features_before_failure(path: Path) -> tuple[np.ndarray, int]:
     at = ds.start_ms + (FAIL_S - 120) * 1000
     keep: dict[str, np.ndarray] = {}
 
-    def sink(now_ms: int, state: FleetState) -> None:
+    def sink(now_ms: int, state: GpuWindowState) -> None:
         if now_ms <= at:
             keep["x"] = compute(state, now_ms)
             keep["slot"] = state.slots(np.array(["sim-node-0001"]), np.array([3]), create=False)

@@ -2,6 +2,8 @@
 
 Sample rows come back in the wire shape of :class:`forewarn.wire.GpuSample` (``ts`` as ISO
 8601), so what a client reads it could send again. Lists are ``{"data": [...], "count": n}``.
+Answers are serialised with orjson directly (a 16,384-GPU page through pydantic costs
+seconds); each route's ``response_model`` says their shape in the OpenAPI document.
 """
 
 from __future__ import annotations
@@ -14,18 +16,124 @@ import orjson
 import pandas as pd
 from anyio import to_thread
 from fastapi import APIRouter, Path, Query
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import Response
 
-from api.deps import StoreDep, require
+from api.deps import SettingsDep, StoreDep, require
 from api.routes._common import Since, Until
 from forewarn.errors import InvalidInput, NotFound
-from forewarn.wire import EventKind, to_ms
+from forewarn.wire import EventKind, GpuSample, to_ms
 
-__all__ = ["frame_records", "router"]
+__all__ = [
+    "AgentPublic",
+    "EventPublic",
+    "EventsPublic",
+    "FailurePublic",
+    "GpuPublic",
+    "GpusPublic",
+    "NodePublic",
+    "NodesPublic",
+    "SamplesPublic",
+    "frame_records",
+    "router",
+]
 
 router = APIRouter(tags=["fleet"], dependencies=[require("read")])
 
 MAX_ROWS = 100_000
+
+
+class AgentPublic(BaseModel):
+    """A collector's last heartbeat (:class:`forewarn.wire.AgentStatus`, as stored)."""
+
+    agent_id: str
+    source: str
+    version: str
+    started_at: str | None
+    last_seen: str | None
+    sent_total: int
+    spooled: int
+    dropped_total: int
+    interval_s: float | None
+
+
+class NodePublic(BaseModel):
+    node: str
+    gpus: int
+    """GPUs with a stored sample."""
+    first_seen: str | None
+    last_seen: str | None
+    """Time of the node's newest sample."""
+    agents: list[AgentPublic]
+
+
+class NodesPublic(BaseModel):
+    data: list[NodePublic]
+    count: int
+    next: str | None
+    """The next page's ``cursor``; null on the last page."""
+
+
+class FailurePublic(BaseModel):
+    cause: str
+    """The fatal event: ``gpu lost``, ``Xid 48``, …"""
+    at: str | None
+
+
+class GpuPublic(GpuSample):
+    """A GPU's newest sample (``ts`` ISO 8601) with its latest risk and failure state."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    risk: float | None = None
+    """Latest risk score; None: not scored yet."""
+    alarm: bool = False
+    """Crossed the threshold for the policy's hysteresis."""
+    reasons: list[str] = Field(default_factory=list)
+    scored_at: str | None = None
+    stale: bool = False
+    failed: bool = False
+    """A fatal event, and no sample since (see ``recovered``)."""
+    recovered: bool = False
+    """Samples again after the last fatal event: the GPU came back."""
+    failure: FailurePublic | None = None
+    """The newest fatal event of the last week, if any."""
+
+
+class GpusPublic(BaseModel):
+    data: list[GpuPublic]
+    count: int
+    next: str | None
+    """The next page's ``cursor``; null on the last page."""
+
+
+class SamplesPublic(BaseModel):
+    data: list[dict[str, Any]]
+    """Raw: rows of :class:`forewarn.wire.GpuSample` (the fields asked for). Per minute: ``ts``
+    (the minute's start), ``node``, ``gpu``, each field's mean (gauges) or last value
+    (counters), its ``<field>_min``/``_max``/``_mean``/``_last`` (counters ``_delta``,
+    ``_last``) and ``n``, the samples the minute held."""
+    count: int
+    resolution: Literal["raw", "1m"]
+
+
+class EventPublic(BaseModel):
+    id: int
+    node: str
+    gpu: int | None
+    """None: the whole node."""
+    ts: str | None
+    kind: str
+    xid: int | None
+    message: str | None
+    source: str | None
+
+
+class EventsPublic(BaseModel):
+    data: list[EventPublic]
+    count: int
+    next: str | None
+    """Always null: events are read by time window and ``limit``."""
 
 
 def _iso(ms: int | None) -> str | None:
@@ -85,7 +193,11 @@ def _page_params(limit: int | None, cursor: str | None) -> tuple[int, Any]:
 DEFAULT_PAGE = 5000
 
 
-@router.get("/v1/nodes", summary="Every node with its GPU count and collectors, a page at a time")
+@router.get(
+    "/v1/nodes",
+    response_model=NodesPublic,
+    summary="Every node with its GPU count and collectors, a page at a time",
+)
 async def list_nodes(
     store: StoreDep, limit: int | None = None, cursor: str | None = None
 ) -> Response:
@@ -107,9 +219,14 @@ async def list_nodes(
     return _page(rows, next_cursor)
 
 
-@router.get("/v1/gpus", summary="The latest sample of every GPU, with its risk, a page at a time")
+@router.get(
+    "/v1/gpus",
+    response_model=GpusPublic,
+    summary="The latest sample of every GPU, with its risk, a page at a time",
+)
 async def list_gpus(
     store: StoreDep,
+    settings: SettingsDep,
     node: str | None = None,
     limit: int | None = None,
     cursor: str | None = None,
@@ -140,7 +257,7 @@ async def list_gpus(
     for record in records:
         key = (record["node"], record["gpu"])
         record.update(risk.get(key, gpu_risk_fields.UNSCORED))  # type: ignore[arg-type, attr-defined]
-        record.update(_failure_fields(record, failures.get(key)))
+        record.update(_failure_fields(record, failures.get(key), settings.policy.stale_after_s))
     return _page(records, next_cursor)
 
 
@@ -152,19 +269,18 @@ def _failures(store: Any, node: str | None) -> dict[tuple[str, int], tuple[int, 
         return last_failures(connection, since_ms=since_ms, node=node)
 
 
-def _failure_fields(record: dict[str, Any], failure: tuple[int, str] | None) -> dict[str, Any]:
+def _failure_fields(
+    record: dict[str, Any], failure: tuple[int, str] | None, stale_after_s: float
+) -> dict[str, Any]:
     """``failed`` (a fatal event, no sample since), ``recovered`` (samples again after it)
     and ``failure`` (its cause and time), as the fleet map has them."""
-    if failure is None:
-        return {"failed": False, "recovered": False, "failure": None}
+    from api.dashboard.cells import failure_state
+
     seen_ms = to_ms(datetime.fromisoformat(str(record["ts"]).replace("Z", "+00:00")))
-    back = seen_ms > failure[0] + RECOVERED_AFTER_MS
-    cause = {"cause": failure[1], "at": _iso(failure[0])}
-    return {"failed": not back, "recovered": back, "failure": cause}
-
-
-RECOVERED_AFTER_MS = 30_000
-"""A GPU that sends samples for longer than this after a fatal event has recovered."""
+    flagged = bool(record.pop("flagged_failed", False))
+    failed, back = failure_state(flagged, failure, seen_ms, stale_after_s * 1000)
+    cause = None if failure is None else {"cause": failure[1], "at": _iso(failure[0])}
+    return {"failed": failed, "recovered": back, "failure": cause}
 
 
 def _aware(ts: datetime) -> datetime:
@@ -186,7 +302,11 @@ def _window(since: datetime | None, until: datetime | None) -> tuple[int, int]:
     return window
 
 
-@router.get("/v1/gpus/{node}/{gpu}/samples", summary="One GPU's samples in a time window")
+@router.get(
+    "/v1/gpus/{node}/{gpu}/samples",
+    response_model=SamplesPublic,
+    summary="One GPU's samples in a time window",
+)
 async def gpu_samples(
     store: StoreDep,
     node: str,
@@ -227,7 +347,11 @@ async def gpu_samples(
     return json_response({"data": records, "count": len(records), "resolution": served})
 
 
-@router.get("/v1/events", summary="Events (Xids, lost GPUs, resets), newest first")
+@router.get(
+    "/v1/events",
+    response_model=EventsPublic,
+    summary="Events (Xids, lost GPUs, resets), newest first",
+)
 async def list_events(
     store: StoreDep,
     node: str | None = None,

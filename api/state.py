@@ -1,0 +1,97 @@
+"""The application's state: one typed object, built in ``create_app``, that routes read.
+
+Everything a request needs beyond its own input lives here, made before the first request:
+no route adds to the app as it runs. Routes take it as :data:`api.deps.AppStateDep` (or
+:func:`app_state` where a dependency would cost too much, as on ingest).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from api.metrics import Metrics
+from api.settings import Settings
+from store import Store
+
+if TYPE_CHECKING:  # both import the routes' dependencies, which import this module
+    from api.control.loop import ControlLoop
+    from api.webhooks.guard import TargetGuard
+
+__all__ = ["AppState", "RetrainJob", "TokenCache", "app_state"]
+
+
+class TokenCache:
+    """Stored-token lookups by secret digest, each kept ``ttl_s``; bounded in size."""
+
+    def __init__(self, ttl_s: float, max_entries: int = 10_000) -> None:
+        self.ttl_s = ttl_s
+        self.max_entries = max_entries
+        self._entries: dict[str, tuple[float, frozenset[str] | None]] = {}
+
+    def get(self, key: str) -> tuple[bool, frozenset[str] | None]:
+        entry = self._entries.get(key)
+        if entry is None or entry[0] < time.monotonic():
+            return False, None
+        return True, entry[1]
+
+    def put(self, key: str, scopes: frozenset[str] | None) -> None:
+        if len(self._entries) >= self.max_entries:
+            self._entries.clear()  # a flood of unknown tokens must not grow memory
+        self._entries[key] = (time.monotonic() + self.ttl_s, scopes)
+
+    def clear(self) -> None:
+        """Forget every lookup (after a token is created or revoked here)."""
+        self._entries.clear()
+
+
+@dataclass
+class RetrainJob:
+    """The last retraining started by ``POST /v1/models/retrain`` (one at a time)."""
+
+    state: str = "idle"
+    """idle, running, done or failed."""
+    started_at: float | None = None
+    finished_at: float | None = None
+    decision: dict[str, Any] | None = None
+    error: str | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def public(self) -> dict[str, Any]:
+        return {
+            "state": self.state,
+            "started_at": self.started_at,
+            "finished_at": self.finished_at,
+            "decision": self.decision,
+            "error": self.error,
+        }
+
+
+@dataclass
+class AppState:
+    """What the service's routes and background tasks share, one per app."""
+
+    settings: Settings
+    store: Store | None
+    """The database; None until the lifespan has opened it (when ``create_app`` got none)."""
+    metrics: Metrics
+    token_scopes: dict[str, frozenset[str]]
+    """The configured tokens (settings) and their scopes."""
+    token_cache: TokenCache
+    """Lookups of stored tokens (:mod:`store.tokens`)."""
+    webhook_guard: TargetGuard
+    """Where webhook subscriptions may point."""
+    control: ControlLoop | None = None
+    """The control loop, once the lifespan has started it (None when disabled)."""
+    known_gpus: set[tuple[str, int]] | None = None
+    """Every GPU this process knows stored, read from the database at the first batch: a
+    batch of known GPUs needs no database round trip for the fleet caps."""
+    retrain: RetrainJob = field(default_factory=RetrainJob)
+
+
+def app_state(app: Any) -> AppState:
+    """The :class:`AppState` of a FastAPI app (``request.app``)."""
+    state: AppState = app.state.forewarn
+    return state
