@@ -58,10 +58,6 @@ class PinRequest(BaseModel):
     model_id: str = Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
-_CONFLICT: dict[int | str, dict[str, Any]] = {
-    409: {"description": "FOREWARN_MODEL decides the model, or the change cannot be made"}
-}
-_UNKNOWN: dict[int | str, dict[str, Any]] = {404: {"description": "No such model"}}
 
 
 def _life(settings: Any, *, changing: bool = False) -> ModelLifecycle:
@@ -107,7 +103,6 @@ async def list_models(settings: SettingsDep, request: Request) -> dict[str, Any]
 
 @router.post(
     "/v1/models/pin",
-    responses={**_UNKNOWN, **_CONFLICT},
     response_model=ModelsPublic,
     dependencies=[require("admin")],
     responses={**_CHANGES, 404: {"description": "No such model"}},
@@ -124,7 +119,6 @@ async def pin_model(settings: SettingsDep, request: Request, body: PinRequest) -
 
 @router.post(
     "/v1/models/unpin",
-    responses=_CONFLICT,
     response_model=ModelsPublic,
     dependencies=[require("admin")],
     responses=_CHANGES,
@@ -141,7 +135,6 @@ async def unpin_model(settings: SettingsDep, request: Request) -> dict[str, Any]
 
 @router.post(
     "/v1/models/rollback",
-    responses=_CONFLICT,
     response_model=ModelsPublic,
     dependencies=[require("admin")],
     responses=_CHANGES,
@@ -194,7 +187,6 @@ def _retrain(settings: Any, job: RetrainJob, holdout_days: float) -> None:
     "/v1/models/retrain",
     response_model=RetrainPublic,
     status_code=202,
-    responses=_CONFLICT,
     dependencies=[require("admin")],
     responses=_CHANGES,
     summary="Retrain on the fleet's own history in a worker; the lifecycle judges the result "

@@ -13,7 +13,7 @@ from predictor.floor import FLOOR_RULES, floor_hits, floor_kinds, floored
 from predictor.model import RiskModel
 from predictor.report import evaluate_dataset
 from predictor.scoring import Scorer
-from predictor.state import FleetState, SampleBlock
+from predictor.state import GpuWindowState, SampleBlock
 
 T0 = 1_800_000_000_000
 
@@ -175,7 +175,7 @@ def test_in_evaluation_a_dbe_carried_over_a_repair_is_no_evidence_either() -> No
     for step_s in (60.0, 600.0):
         since: dict[int, float] = {}
 
-        def sink(now_ms: int, state: FleetState, since: dict[int, float] = since) -> None:
+        def sink(now_ms: int, state: GpuWindowState, since: dict[int, float] = since) -> None:
             x = compute(state, now_ms)
             since[(now_ms - T0) // 60_000] = float(x[0, FEATURE_NAMES.index("since_dbe_s")])
 

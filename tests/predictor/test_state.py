@@ -206,7 +206,7 @@ def test_ecc_evidence_ends_with_a_life_however_rows_are_split(cuts) -> None:
     it is; the same whichever updates the rows and events come in."""
     frame, events = _lives_fleet()
     end = T0 + 59 * 60_000
-    parts = FleetState()
+    parts = GpuWindowState()
     lo = -1
     for b in sorted({T0 + c * 60_000 for c in cuts} | {end}):
         rows = frame[(frame["ts_ms"] > lo) & (frame["ts_ms"] <= b)]
