@@ -58,8 +58,6 @@ class PinRequest(BaseModel):
     model_id: str = Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
-
-
 def _life(settings: Any, *, changing: bool = False) -> ModelLifecycle:
     if changing and settings.model is not None:
         raise Conflict(
