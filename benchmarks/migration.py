@@ -20,7 +20,18 @@ In one run, on this machine (gloo, CPU, loopback):
     - checkpoint-restart of the same job: checkpoint every K steps, kill, restart all,
       load, recompute: seconds lost for a failure K/2 steps after a checkpoint;
 (c) the per-step cost of ``job.steps()`` + ``with step:`` against the same plain loop, and
-    of the step-boundary check alone, per round (min-max of 5 rounds).
+    of the step-boundary check alone, per round (min-max of 5 rounds);
+(d) (``--parts d``) the per-step cost of in-memory peer copies against k: a 4-rank job
+    with copies every k steps against the same job without, seconds per step over the whole
+    loop, per round, and the host memory the copies take per process.
+
+(e) (``--parts e``) per layout (replicated DDP, HSDP 2 x 2, FSDP2, FSDP2 with peer copies
+    every 2 steps), 4 ranks + 1 spare, ``--layout-size`` of state (default 10MB): the
+    preventive pause, the stall from the source's last completed step to the new rank's
+    first (that step's compute included) beside bytes / loopback bandwidth, and a SIGKILL's
+    kill-to-done (or the refusal), against checkpoint-restart of the same state.
+
+``--json FILE`` writes the figures measured, with the load average at the start.
 """
 
 from __future__ import annotations
@@ -78,11 +89,20 @@ def worker(args: argparse.Namespace) -> None:
         opt.load_state_dict(saved["opt"])
         start = saved["step"] + 1
         print(json.dumps({"loaded_s": time.perf_counter() - t, "from": start}), flush=True)
-    job.register(model=model, optimizer=opt)
+    layout = args.layout
+    if layout in ("fsdp2", "hsdp", "peer_copy"):  # sharded before the optimizer is built
+        job.fsdp(model, layers=list(model.children()), replicate=2 if layout == "hsdp" else 1)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    every = args.peer_copy or (2 if layout == "peer_copy" else 0)
+    if every:
+        job.register(model=model, optimizer=opt, rank_unique=True, peer_copy_every=every)
+    else:
+        job.register(model=model, optimizer=opt)
     job._next = start
-    net = job.ddp(model)
+    net = job.ddp(model) if layout == "replicated" else model
     x = torch.randn(2, 1024)
     times = []
+    t_loop = time.perf_counter()
     for step in job.steps(args.steps):
         t = time.perf_counter()
         with step:
@@ -101,8 +121,13 @@ def worker(args: argparse.Namespace) -> None:
                 args.ckpt,
             )
             print(json.dumps({"ckpt_s": time.perf_counter() - t}), flush=True)
+    loop_s = (time.perf_counter() - t_loop) / max(1, len(times))
     if job.rank == 0:
-        print(json.dumps({"step_s": sorted(times)[len(times) // 2]}), flush=True)
+        row = {"step_s": sorted(times)[len(times) // 2], "loop_s": loop_s}
+        peers = job.handover.peers
+        if peers is not None:
+            row.update(copy_s=peers.copy_s, copy_memory=peers.memory_bytes())
+        print(json.dumps(row), flush=True)
 
 
 def launch(
@@ -113,6 +138,7 @@ def launch(
     plan: FaultPlan | None,
     spares: int,
     extra: Sequence[str] = (),
+    nproc: int = 2,
 ) -> tuple[Agent, int, float, list[dict]]:
     shutil.rmtree(tmp, ignore_errors=True)
     cmd = [
@@ -128,7 +154,7 @@ def launch(
     agent = Agent(
         AgentConfig(
             command=cmd,
-            nproc=2,
+            nproc=nproc,
             spares=spares,
             faults=plan,
             timeout_s=60,
@@ -230,6 +256,80 @@ def overhead(steps: int = 60, rounds: int = 5) -> tuple[list[float], list[float]
             job._boundary(k)
         boundary.append((time.perf_counter() - t) / 1000)
     return plain, wrapped, boundary
+
+
+# -- (d) peer copies -------------------------------------------------------------------------
+
+
+def copy_cost(tmp: Path, size: int, every: int | None, steps: int) -> dict | None:
+    """One 4-rank job of ``steps`` steps (peer copies every ``every`` steps, or none): rank
+    0's seconds per step over the whole loop, boundaries included."""
+    extra = ["--peer-copy", str(every)] if every else []
+    _, code, _, lines = launch(tmp, size, steps=steps, plan=None, spares=0, extra=extra, nproc=4)
+    rows = [x for x in lines if "loop_s" in x]
+    shutil.rmtree(tmp, ignore_errors=True)
+    return rows[0] if code == 0 and rows else None
+
+
+def peer_copies(tmp: Path, size: int, ks: Sequence[int], rounds: int, steps: int) -> dict:
+    """Per round, interleaved: the job without copies, then with each k. Returns, per k,
+    the extra seconds per step in % of the round's plain step, min-max over rounds."""
+    plain: list[float] = []
+    per_k: dict[int, list[float]] = {k: [] for k in ks}
+    at_boundary: dict[int, list[float]] = {k: [] for k in ks}
+    memory: dict[int, int] = {}
+    for i in range(rounds):
+        base = copy_cost(tmp / f"plain{i}", size, None, steps)
+        if base is None:
+            continue
+        plain.append(base["loop_s"])
+        for k in ks:
+            got = copy_cost(tmp / f"k{k}-{i}", size, k, steps)
+            if got is not None:
+                per_k[k].append(100 * (got["loop_s"] - base["loop_s"]) / base["loop_s"])
+                at_boundary[k].append(100 * got["copy_s"] / (k * base["loop_s"]))
+                memory[k] = got.get("copy_memory", 0)
+    return {
+        "plain_step_s": plain,
+        "extra_percent": per_k,
+        "boundary_percent": at_boundary,
+        "memory_bytes": memory,
+    }
+
+
+# -- (e) per layout, 4 ranks ---------------------------------------------------------------
+
+LAYOUT_NAMES = ("replicated", "hsdp", "fsdp2", "peer_copy")
+
+
+def layout_cases(tmp: Path, size: int, layout: str) -> dict:
+    """A 4-rank job of ``layout``: a preventive move of rank 1 (the pause the ranks measure,
+    and the stall from the source's last completed step to the new rank's first, that
+    step's compute included) and a SIGKILL of rank 1 (kill to the failed step completed on a
+    survivor, or why it was refused)."""
+    out: dict = {"layout": layout}
+    extra = ["--layout", layout]
+    plan = FaultPlan().migrate_at(1, AT, reason="preventive")
+    agent, code, _, lines = launch(
+        tmp / "move", size, steps=STEPS, plan=plan, spares=1, extra=extra, nproc=4
+    )
+    rep = agent.reports[0] if agent.reports and code == 0 else None
+    if rep is not None and rep.step is not None:
+        done = {x["step"]: x["done"] for x in lines if x.get("rank") == 1 and "done" in x}
+        stall = (
+            done[rep.step] - done[rep.step - 1] if {rep.step, rep.step - 1} <= set(done) else None
+        )
+        out.update(pause_s=rep.pause_s, stall_s=stall, bytes=rep.bytes_moved or 0)
+    plan = FaultPlan().fail_at(1, AT)
+    agent, code, _, lines = launch(
+        tmp / "kill", size, steps=STEPS, plan=plan, spares=1, extra=extra, nproc=4
+    )
+    if code == 0 and agent.reports:
+        out["kill_to_done_s"] = _kill_to_done(lines, AT)
+    else:
+        out["kill_refused"] = (agent.message or "failed").split(":")[0][:60]
+    shutil.rmtree(tmp, ignore_errors=True)
+    return out
 
 
 # -- (b) the cases ----------------------------------------------------------------------------
@@ -387,7 +487,18 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="skip the 1 GB case")
     ap.add_argument("--repeat", type=int, default=2, help="runs per case (default 2)")
     ap.add_argument("--sizes", default="10MB,100MB,1GB", help="among 10MB,100MB,1GB")
-    ap.add_argument("--parts", default="b,c", help="b (moves and failures), c (wrapper cost)")
+    ap.add_argument(
+        "--parts",
+        default="b,c",
+        help="b (moves and failures), c (wrapper cost), d (peer copies' cost against k), "
+        "e (per layout, 4 ranks)",
+    )
+    ap.add_argument("--json", type=Path, help="write the figures measured to this file")
+    ap.add_argument("--copy-ks", default="1,5,20", help="d: the k values (default 1,5,20)")
+    ap.add_argument("--copy-rounds", type=int, default=2, help="d: rounds (default 2)")
+    ap.add_argument("--peer-copy", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--layout", default="replicated", help=argparse.SUPPRESS)
+    ap.add_argument("--layout-size", default="10MB", help="e: the state size (default 10MB)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--state-bytes", type=int, default=10**7, help=argparse.SUPPRESS)
     ap.add_argument("--steps", type=int, default=8, help=argparse.SUPPRESS)
@@ -400,18 +511,20 @@ def main() -> None:
         return
 
     tmp = Path(tempfile.mkdtemp(prefix="forewarn-bench-"))
+    figures: dict = {"load_average": os.getloadavg()}
     sizes = [x for x in SIZES if x[0] in args.sizes.split(",")]
     if "b" not in args.parts.split(","):
         sizes = []
     if args.quick:
         sizes = [x for x in sizes if x[1] < 10**9]
-    print(
-        f"(a)+(b) 2 ranks, {args.repeat} run(s) per case (min-max); loopback bandwidth "
-        "(gloo, 3 x 256 MiB messages) measured before each size's cases;\n"
-        "    goal: pause <= 2 * bytes / bandwidth + 1 s"
-    )
-    head = f"    {'state':>6} {'case':<36} {'bytes':>13} {'goal s':>7} {'seconds':>13}"
-    print(head + f" {'transfer GB/s':>14}")
+    if sizes:
+        print(
+            f"(a)+(b) 2 ranks, {args.repeat} run(s) per case (min-max); loopback bandwidth "
+            "(gloo, 3 x 256 MiB messages) measured before each size's cases;\n"
+            "    goal: pause <= 2 * bytes / bandwidth + 1 s"
+        )
+        head = f"    {'state':>6} {'case':<36} {'bytes':>13} {'goal s':>7} {'seconds':>13}"
+        print(head + f" {'transfer GB/s':>14}")
     bws: list[float] = []
     failed: list[Path] = []  # the logs of failed runs are kept
     for label, size in sizes:
@@ -446,6 +559,9 @@ def main() -> None:
             if len(got) < args.repeat:
                 spread += f" ({args.repeat - len(got)} failed)"
             rate = f"{min(rates):.2f}-{max(rates):.2f}" if rates else "-"
+            figures.setdefault("cases", []).append(
+                {"state": label, "case": name, "bytes": nbytes, "goal_s": goal, "seconds": got}
+            )
             mark = ""
             if got and "pause" in name:
                 mark = "  met" if max(got) <= goal else "  MISSED"
@@ -463,7 +579,68 @@ def main() -> None:
     else:
         shutil.rmtree(tmp, ignore_errors=True)
     print()
+    if "d" in args.parts.split(","):
+        ks = [int(k) for k in args.copy_ks.split(",")]
+        print(
+            f"(d) in-memory peer copies: 4 ranks (DDP, ~10 MB of state each), 40 steps, "
+            f"{args.copy_rounds} round(s); seconds per step over the whole loop against the "
+            "same job without copies, in the same round (goal < 1 %)"
+        )
+        copies = peer_copies(tmp / "copies", 10**7, ks, args.copy_rounds, 40)
+        figures["peer_copies"] = copies
+        plain = copies["plain_step_s"]
+        if plain:
+            print(f"    no copies: {min(plain) * 1e3:.1f}-{max(plain) * 1e3:.1f} ms/step")
+        for k in ks:
+            extra = copies["extra_percent"][k]
+            spread = f"{min(extra):+.2f} to {max(extra):+.2f} %" if extra else "failed"
+            mem = copies["memory_bytes"].get(k, 0) / 1e6
+            own = copies["boundary_percent"][k]
+            at = f"{min(own):.2f}-{max(own):.2f} %" if own else "-"
+            print(
+                f"    k = {k:>3}: {spread} per step over the loop; the round's time on the "
+                f"training thread (copy + two pair groups) / k steps: {at}; held per "
+                f"process {mem:.0f} MB"
+            )
+        print(flush=True)
+    if "e" in args.parts.split(","):
+        size = dict(SIZES)[args.layout_size]
+        bw = bandwidth()
+        print(
+            f"(e) per layout, 4 ranks + 1 spare, {args.layout_size} of state per rank's model "
+            f"(its shard of it when sharded); loopback bandwidth {bw / 1e9:.2f} GB/s\n"
+            "    stall: the source's last completed step to the new rank's first, that "
+            "step's compute included; goal (issue 29): stall <= 1.2 x bytes/bandwidth + 0.2 s"
+        )
+        print(
+            f"    {'layout':<11} {'bytes':>11} {'bytes/bw s':>10} {'pause s':>8} "
+            f"{'stall s':>8} {'unplanned: kill->done s':>24}"
+        )
+        rows = []
+
+        def num(v: float | None) -> str:
+            return "-" if v is None else f"{v:.2f}"
+
+        for layout in LAYOUT_NAMES:
+            row = layout_cases(tmp / f"layout-{layout}", size, layout)
+            rows.append(row)
+            nbytes = row.get("bytes", 0)
+
+            kill = (
+                num(row.get("kill_to_done_s"))
+                if "kill_to_done_s" in row
+                else row.get("kill_refused", "-")
+            )
+            print(
+                f"    {layout:<11} {nbytes:>11,} {nbytes / bw:>10.3f} {num(row.get('pause_s')):>8} "
+                f"{num(row.get('stall_s')):>8} {kill:>24}",
+                flush=True,
+            )
+        ckpt, _, _ = checkpoint_restart(tmp / "layout-ckpt", size)
+        print(f"    checkpoint-restart (2 ranks, DDP), seconds lost: {num(ckpt)}\n", flush=True)
+        figures["layouts"] = {"bandwidth": bw, "rows": rows, "checkpoint_restart_s": ckpt}
     if "c" not in args.parts.split(","):
+        _write(args.json, figures)
         return
     print("(c) per-step cost of the wrapper (1-rank group, 3x1024 MLP, batch 64, Adam), 5 rounds")
     plain, wrapped, boundary = overhead()
@@ -479,6 +656,14 @@ def main() -> None:
         f"{min(share):.2f}-{max(share):.2f} % of the plain step in the same round (goal < 1 %)\n",
         flush=True,
     )
+    figures["wrapper"] = {"plain_s": plain, "wrapped_s": wrapped, "boundary_s": boundary}
+    _write(args.json, figures)
+
+
+def _write(path: Path | None, figures: dict) -> None:
+    if path is not None:
+        path.write_text(json.dumps(figures, indent=1, default=str))
+        print(f"figures written to {path}")
 
 
 if __name__ == "__main__":

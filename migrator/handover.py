@@ -36,6 +36,7 @@ from migrator import protocol as P
 from migrator.channels import Channels
 from migrator.faults import FaultPlan, Point
 from migrator.membership import Membership
+from migrator.peercopy import PeerCopies
 from migrator.state import Registry, peek_step, restore_rank_state
 from migrator.transport import TransferStats
 
@@ -142,6 +143,8 @@ class Handover:
         self.stop: int | None = None  # the step S of the command this rank agreed on
         self.ahead_bytes = 0  # optimizer state a spare allocated before its assignment
         self.cmd: dict[str, Any] | None = None
+        self.peers: PeerCopies | None = None  # the job's peer copies, if it keeps them
+        self.rewind: int | None = None  # the step a recovery went back to (peer copies)
 
     @property
     def _bound(self) -> float:
@@ -239,6 +242,8 @@ class Handover:
                 self.stop, self.cmd = None, None
                 return
             member.commands.close()
+            if self.peers is not None:  # this boundary's copies, sent and received
+                self.peers.wait()
             self.note("retired", rank=src, step=step, migration=mid)
             member.leave(broken=False)
             raise SystemExit(0)
@@ -318,19 +323,30 @@ class Handover:
         # A spare takes each lost rank; this rank redoes the step from its boundary state.
         layouts = member.layouts()
         member.leave(broken=True)
-        assert snapshot is not None
-        restore_rank_state(snapshot, self.registry.data)
+        rewind = decision.get("rewind")
+        if rewind is not None:  # every rank goes back to its own copy of that boundary
+            assert self.peers is not None
+            self.peers.restore(rewind)
+            self.peers.forget_after(rewind)
+        else:
+            assert snapshot is not None
+            restore_rank_state(snapshot, self.registry.data)
         self.registry.zero_grad()
         mid = decision["migration_id"]
         for lost in decision["replacements"]:
-            self._await_spare(mid, lost, step, sender=rank == decision["replica"])
+            sender = decision.get("senders", {}).get(str(lost), decision["replica"])
+            self._await_spare(mid, lost, step, sender=rank == sender, copy_of=rewind)
         self._join(decision["gen"], rank, layouts)
+        self.rewind = rewind
         self.store.set(f"m/{mid}/pause/{rank}", repr(time.perf_counter() - t0))
         self.note("recovered", rank=rank, step=step, migration=mid)
         return True
 
-    def _await_spare(self, mid: str, lost: int, step: int, *, sender: bool) -> None:
-        """Wait until a spare holds rank ``lost``; the replica (``sender``) sends it the state.
+    def _await_spare(
+        self, mid: str, lost: int, step: int, *, sender: bool, copy_of: int | None = None
+    ) -> None:
+        """Wait until a spare holds rank ``lost``; the replica (``sender``) sends it the state
+        (``copy_of``: the buddy sends its copy of that boundary instead, peer copies).
 
         A spare that dies while it receives is replaced by the agent with another one (a new
         attempt, announced under :func:`protocol.attempt_key`); the replica sends again.
@@ -340,8 +356,12 @@ class Handover:
         while True:
             if sender:
                 try:
-                    self._send(P.replica_prefix(mid, lost, attempt), step=step, rank_state=None)
-                except (RuntimeError, MigrationError) as exc:
+                    prefix = P.replica_prefix(mid, lost, attempt)
+                    if copy_of is not None and self.peers is not None:
+                        self.peers.send_held(prefix, copy_of)
+                    else:
+                        self._send(prefix, step=step, rank_state=None)
+                except (RuntimeError, MigrationError, KeyError) as exc:
                     log.warning("sending rank %d (attempt %d) failed: %s", lost, attempt, exc)
             keys = [f"{base}/received/{lost}", f"{base}/failed"]
             keys.append(P.attempt_key(mid, lost, attempt + 1))
@@ -412,7 +432,13 @@ class Handover:
         except (RuntimeError, MigrationError) as exc:
             if a["mode"] == "peer":
                 log.warning("spare: the source of rank %d failed mid-transfer: %s", rank, exc)
-            if self.registry.rank_unique:
+            holders = self.registry.holders
+            copied = a["mode"] == "replica" and self.registry.peer_copies  # a buddy's copy
+            if (
+                self.registry.rank_unique
+                and not copied
+                and (holders is None or len(holders(rank)) < 2)
+            ):
                 msg = f"rank {rank} holds rank-unique state and its source is gone"
                 failure = {"code": StateNotReplicated.code, "message": msg}
                 P.put_json(self.store, f"{base}/failed", failure)
@@ -421,11 +447,14 @@ class Handover:
             if a["mode"] == "peer":
                 self.store.set(f"{base}/fallback/{rank}", str(exc)[:500])
             meta, stats = self._receive(P.replica_prefix(mid, rank, a.get("attempt", 0)), rank)
-            rank_state = self.mirror_at(rank, meta["step"])
+            # A buddy's copy carries the rank's own state; a replica's comes from the mirror.
+            rank_state = meta.get("rank_state") or self.mirror_at(rank, meta["step"])
         self.registry.apply_meta(meta)
         step = restore_rank_state(rank_state, self.registry.data)
         if step != meta["step"]:
             raise MigrationError(f"rank {rank}'s state is at step {step}, not {meta['step']}")
+        if self.peers is not None:  # its own copy of this step; the ward's are lost
+            self.peers.took_over(rank, step, rank_state, planned=a["mode"] == "peer")
         self.store.set(f"{base}/received/{rank}", str(self.slot))
         self._join(a["gen"], rank, meta["layouts"])
         # From the first byte received to the new generation joined: the agent uses it as

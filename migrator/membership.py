@@ -60,6 +60,7 @@ class Membership:
         self.group: dist.ProcessGroup | None = None
         self.ddps: list[ElasticDDP] = []
         self.fsdps: list[ElasticFSDP] = []
+        self.subgroups: list[dist.ProcessGroup] = []  # the generation's HSDP sub-groups
         self.graveyard = graveyard or Graveyard()
         self.commands = commands or CommandWatcher(store, lambda: (self.gen, self.rank))
 
@@ -78,18 +79,46 @@ class Membership:
             timeout_s=self.timeout_s,
             device=self.device,
         )
+        for sub in self.subgroups:  # the last generation's, left unbroken
+            self.graveyard.bury(sub, broken=False)
+        self.subgroups = []
         for i, wrapped in enumerate(self.ddps):
             wrapped.rebuild(group, layouts[i] if layouts else None, initial=initial)
         for sharded in self.fsdps:
-            sharded.bind(group)
+            sharded.bind(sharded.mesh_groups(group, self._sub_group(gen)))
         self.group, self.gen, self.rank = group, gen, rank
         self.commands.clear()
         self.commands.start()
 
+    def _sub_group(self, gen: int) -> Any:
+        """Builds a sub-group of generation ``gen`` (an HSDP mesh dimension's) under
+        ``g{gen}/pg/{tag}``; left with the generation's group."""
+
+        def build(tag: str, rank: int, size: int) -> dist.ProcessGroup:
+            sub = new_group(
+                self.store,
+                f"g{gen}/pg/{tag}",
+                rank=rank,
+                size=size,
+                backend=self.backend,
+                timeout_s=self.timeout_s,
+                device=self.device,
+            )
+            self.subgroups.append(sub)
+            return sub
+
+        return build
+
     def leave(self, *, broken: bool) -> None:
-        """Leave the current group (kept referenced; NCCL aborted when ``broken``)."""
+        """Leave the current group (kept referenced; NCCL aborted when ``broken``). A
+        broken group cut a step short: the FSDP modules forget it (:meth:`ElasticFSDP.reset`)."""
+        if broken:
+            for sharded in self.fsdps:
+                sharded.reset()
         self.graveyard.bury(self.group, broken=broken)
-        self.group = None
+        for sub in self.subgroups:
+            self.graveyard.bury(sub, broken=broken)
+        self.group, self.subgroups = None, []
 
     def settle(self) -> None:
         """Keep each DDP wrapper's bucket layout once DDP settled it (at step boundaries;

@@ -40,6 +40,8 @@ from typing import Any, Protocol
 from forewarn.errors import NoSpareAvailable, StateNotReplicated
 from forewarn.wire import MigrationReason
 from migrator import protocol as P
+from migrator.layouts import read_layout, senders
+from migrator.peercopy import rewind_plan
 from migrator.table import JobTable, Migration, Slot
 
 __all__ = ["Recovery", "RecoverySettings", "Supervisor"]
@@ -100,6 +102,7 @@ class Recovery:
         """Per generation, the survivors' reports a decision already weighed."""
         self.checkpoint: dict[str, Any] | None = None
         """The stop checkpoint the survivors were asked to write (see :meth:`fail`)."""
+        self.why_not = ""  # why the lost ranks' state is in no healthy rank (peer copies)
 
     def clear(self) -> None:
         """The recovery in progress ended (its spares joined the new generation)."""
@@ -115,8 +118,32 @@ class Recovery:
         return spares[0] if spares else None
 
     def replica_for(self, lost: set[int]) -> int | None:
+        """The healthy rank that sends the state of the lowest lost rank: one that holds
+        the same state by the job's layout (:mod:`migrator.layouts`), else the lowest."""
         healthy = [r for r in range(self.table.world_size) if r not in lost]
-        return healthy[0] if healthy else None
+        if not lost or not healthy:
+            return healthy[0] if healthy else None
+        first = min(lost)
+        return senders(read_layout(self.store), [first], healthy).get(first, healthy[0])
+
+    def _unrebuildable(self, dead: list[int]) -> list[int]:
+        """The lost ranks whose state no healthy rank holds: by the job's published layout
+        (an HSDP rank has holders in the other replica groups; a peer-copy rank a copy in
+        its buddy's memory), else every lost rank when a rank registered rank-unique
+        state."""
+        layout = read_layout(self.store)
+        roster = self.table.roster
+        if layout is not None and layout.kind == "peer_copy":
+            healthy = [r for r in range(self.table.world_size) if r not in dead]
+            _, _, why = rewind_plan(self.store, self.table.world_size, dead, healthy)
+            if why:
+                self.why_not = why
+            return list(dead) if why else []
+        if layout is None or layout.kind == "replicated":
+            unique = any(self.store.check([f"slot{roster[r]}/unique"]) for r in roster)
+            return list(dead) if unique else []
+        healthy = [r for r in range(self.table.world_size) if r not in dead]
+        return [r for r in dead if r not in senders(layout, dead, healthy)]
 
     # -- unplanned --------------------------------------------------------------------------
 
@@ -221,10 +248,12 @@ class Recovery:
             P.put_json(self.store, P.recovery_key(g), {"status": "none"})
             self.current = None
             return
-        if any(self.store.check([f"slot{self.table.roster[r]}/unique"]) for r in self.table.roster):
+        self.why_not = ""
+        if self._unrebuildable(dead):
             self.fail(
                 f"rank(s) {dead} lost; the job registered rank-unique state, which no "
-                "replica holds: restart from a checkpoint",
+                f"replica holds{self.why_not and ' (' + self.why_not + ')'}: restart from a "
+                "checkpoint",
                 code=StateNotReplicated.code,
             )
             return
@@ -271,6 +300,12 @@ class Recovery:
             return
         mid = planned.migration_id if planned is not None else uuid.uuid4().hex[:12]
         replica = self.replica_for(set(dead))
+        healthy = [r for r in range(self.table.world_size) if r not in dead]
+        layout = read_layout(self.store)
+        sources = senders(layout, dead, healthy)
+        rewind = None
+        if layout is not None and layout.kind == "peer_copy":  # from the buddies' copies
+            sources, rewind, _ = rewind_plan(self.store, self.table.world_size, dead, healthy)
         targets = {}
         for rank, spare in zip(dead, spares, strict=False):
             spare.role, spare.rank = "assigned", rank
@@ -289,6 +324,8 @@ class Recovery:
                 "gen": g + 1,
                 "replacements": dead,
                 "replica": replica,
+                "senders": {str(r): sources.get(r, replica) for r in dead},
+                "rewind": rewind,
                 "migration_id": mid,
             },
         )
@@ -306,7 +343,7 @@ class Recovery:
             mid,
             dead,
             list(targets.values()),
-            replica,
+            ", ".join(str(sources.get(r, replica)) for r in dead),
         )
 
     def retarget(self, m: Migration, dead_spare: Slot) -> None:

@@ -26,7 +26,7 @@ import array
 import pickle
 import random
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -77,7 +77,10 @@ def refuse_bound_sharding(
             for name, p in model.named_parameters():
                 if isinstance(p, DTensor) and id(p) not in ours_params:
                     what = f"a DTensor parameter ({name})"
-                    hint = "DTensor tensor parallelism is not supported"
+                    hint = (
+                        "DTensor tensor parallelism is not supported outside job.fsdp: apply "
+                        "it through job.fsdp(module, tp=T, tp_plan=apply_tp)"
+                    )
                     break
         if not what:
             continue
@@ -95,7 +98,7 @@ class Layout:
     """What a job's registered state allows, stated at registration (``job.register``
     returns it and logs it; docs/migration.md, "What each layout is guaranteed")."""
 
-    kind: str  # "replicated", "rank_unique" or "fsdp2"
+    kind: str  # "replicated", "rank_unique", "fsdp2", "hsdp", "fsdp2_tp" or "peer_copy"
     planned: str  # planned and preventive moves
     unplanned: str  # a rank lost without warning
 
@@ -124,6 +127,24 @@ LAYOUTS = {
         "fsdp2",
         "bitwise equal, 0 steps lost: the rank sends its own shards",
         _REFUSED.format(what="shards (no replica group)"),
+    ),
+    "fsdp2_tp": Layout(
+        "fsdp2_tp",
+        "bitwise equal, 0 steps lost: the rank sends its own tensor-parallel and FSDP shards",
+        _REFUSED.format(what="shards (no replica dimension; peer copies rebuild it)"),
+    ),
+    "peer_copy": Layout(
+        "peer_copy",
+        "bitwise equal, 0 steps lost: the rank sends its own state",
+        "bitwise equal, at most k steps replayed (2k if the last copy had not landed): the "
+        "lost rank's copy comes from its buddy's memory and every rank goes back to that "
+        "copy's step; refused when a rank and its buddy are lost together",
+    ),
+    "hsdp": Layout(
+        "hsdp",
+        "bitwise equal, 0 steps lost: the rank sends its own shards",
+        "bitwise equal, 1 step lost, rebuilt from the rank with the same shard index in "
+        "another replica group (refused only if every rank of that shard index is lost)",
     ),
 }
 
@@ -160,6 +181,10 @@ class Registry:
     scaler: Any = None
     data: DataPosition | None = None
     rank_unique: bool = False
+    peer_copies: bool = False  # copied to a buddy every k steps (migrator.peercopy)
+    holders: Callable[[int], list[int]] | None = None
+    """The ranks that hold the same state as a rank (:meth:`MeshLayout.holders`); None
+    before registration."""
     # Optimizer state allocated ahead of a transfer (see preallocate), by manifest name.
     ahead: dict[str, torch.Tensor] = field(default_factory=dict)
 

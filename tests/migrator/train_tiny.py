@@ -1,10 +1,11 @@
 """A tiny migratable training job for the migrator tests (run by the agent, not by pytest).
 
 ``--mode fsdp`` shards the model with FSDP2 through ``job.fsdp`` (each rank saves its own
-shards). Uses every RNG a script may use (dropout: torch; noise: NumPy; a random scale: Python),
-an Adam optimizer, a StepLR scheduler and a sharded data position, so a handover that
-forgets any of them shows up as a different loss. Writes one JSON line per finished step to
-``OUT/log.slot<slot>.jsonl`` and the final state of each rank to ``OUT/final.rank<r>.pt``.
+shards; ``--replicate R``: HSDP, R replica groups). Uses every RNG a script may use
+(dropout: torch; noise: NumPy; a random scale: Python), an Adam optimizer, a StepLR
+scheduler and a sharded data position, so a handover that forgets any of them shows up as
+a different loss. Writes one JSON line per finished step to ``OUT/log.slot<slot>.jsonl``
+and the final state of each rank to ``OUT/final.rank<r>.pt``.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--mode", choices=["ddp", "plain", "fsdp"], default="ddp")
     ap.add_argument("--width", type=int, default=32)
+    ap.add_argument("--replicate", type=int, default=1, help="fsdp: replica groups (HSDP)")
+    ap.add_argument("--peer-copy", type=int, metavar="K", help="copy to a buddy every K steps")
     ap.add_argument("--unique", action="store_true", help="declare rank-unique state")
     ap.add_argument("--raise-at", metavar="RANK:STEP", help="RuntimeError there, every time")
     ap.add_argument("--raise-text", help="the --raise-at error's message")
@@ -61,11 +64,18 @@ def main() -> None:
     model.to(device)
     x_all, y_all = x_all.to(device), y_all.to(device)
     if args.mode == "fsdp":  # FSDP2: the first layer its own unit, the rest the root's
-        job.fsdp(model, layers=[model[0]])
+        job.fsdp(model, layers=[model[0]], replicate=args.replicate)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.7)
     batches = ShardedIndices(512, 8, rank=rank, world_size=job.world_size, seed=5)
-    job.register(model=model, optimizer=opt, scheduler=sched, data=batches, rank_unique=args.unique)
+    job.register(
+        model=model,
+        optimizer=opt,
+        scheduler=sched,
+        data=batches,
+        rank_unique=args.unique,
+        peer_copy_every=args.peer_copy,
+    )
     net = job.ddp(model) if args.mode == "ddp" else model
     args.out.mkdir(parents=True, exist_ok=True)
     log = open(args.out / f"log.slot{job.slot}.jsonl", "a")  # noqa: SIM115

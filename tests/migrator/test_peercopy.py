@@ -1,0 +1,181 @@
+"""In-memory peer copies (``job.register(..., peer_copy_every=k)``): FSDP2 with no replica,
+4 ranks, gloo.
+
+The real-process tests launch ``train_tiny.py --mode fsdp --width 33 --peer-copy 2``: every
+2 steps each rank's shards, optimizer state, RNG states and data position go to the memory
+of rank ``r + 1``. A rank killed without warning at step 5 is rebuilt from its buddy's copy
+of step 4 and every rank goes back to step 4: the steps run again give the same losses, and
+the run ends torch.equal to the run without a failure. A rank lost together with its buddy
+stops the job, naming both.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from migrator.faults import FaultPlan
+from migrator.job import Job
+from migrator.peercopy import buddy_of, held_key, rewind_plan, since_key
+from tests.migrator.harness import Run, assert_same_final, launch
+
+ARGS = ("--width", "33", "--peer-copy", "2")
+
+
+def _rows(run: Run) -> dict[tuple[int, int], list[dict[str, Any]]]:
+    """(rank, step) -> every logged row of it (a step replayed after a rewind twice)."""
+    rows: dict[tuple[int, int], list[dict[str, Any]]] = {}
+    for path in sorted(run.out.glob("log.slot*.jsonl")):
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            rows.setdefault((row["rank"], row["step"]), []).append(row)
+    return rows
+
+
+def test_rewind_plan_names_the_buddy_the_step_and_a_pair_lost_together() -> None:
+    store = dist.HashStore()
+    assert buddy_of(3, 4) == 0 and buddy_of(1, 4) == 2
+    assert rewind_plan(store, 4, [1], [0, 2, 3]) == (
+        {},
+        None,
+        "rank 1 was lost before its first copy reached rank 2",
+    )
+    store.set(held_key(1), "6")
+    store.set(held_key(3), "4")
+    assert rewind_plan(store, 4, [1], [0, 2, 3]) == ({1: 2}, 6, "")
+    assert rewind_plan(store, 4, [1, 3], [0, 2]) == ({1: 2, 3: 0}, 4, "")
+    assert rewind_plan(store, 4, [1, 2], [0, 3])[2] == (
+        "rank 1 and its buddy rank 2 were lost together"
+    )
+    store.set(since_key(0), "5")  # rank 0's process took the rank at step 5: no copy of 4
+    assert rewind_plan(store, 4, [1, 3], [0, 2])[2] == (
+        "rank 0 was taken over at step 5, after the copy of 4"
+    )
+    assert rewind_plan(store, 4, [1], [0, 2, 3]) == ({1: 2}, 6, "")
+
+
+def test_peer_copy_registration_states_the_layout() -> None:
+    job = Job(store=dist.HashStore(), slot=0, world_size=4, initial_rank=None, mirror=False)
+    model = torch.nn.Linear(4, 2)
+    layout = job.register(model=model, rank_unique=True, peer_copy_every=3)
+    assert layout.kind == "peer_copy" and "at most k steps replayed" in layout.unplanned
+    assert job.handover.peers is not None and job.handover.peers.every == 3
+    with pytest.raises(ValueError, match="a second rank"):
+        Job(store=dist.HashStore(), slot=0, world_size=1, initial_rank=None).register(
+            model=model, peer_copy_every=1
+        )
+
+
+@pytest.fixture(scope="module")
+def base_copies(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    out = tmp_path_factory.mktemp("base_copies")
+    run = launch(out, nproc=4, spares=0, steps=9, mode="fsdp", script_args=ARGS)
+    assert run.code == 0 and run.reports == [], run.agent.message
+    return run
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_rank_killed_is_rebuilt_from_its_buddys_copy_and_the_job_replays_bitwise(
+    base_copies: Run, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Rank 1 is SIGKILLed mid-forward at step 5; its buddy (rank 2) holds its copy of
+    step 4: the spare takes that copy, every rank goes back to step 4, and steps 4 and 5 run
+    again with the same losses and samples; final shards and optimizer state torch.equal."""
+    plan = FaultPlan().fail_at(1, 5, where="forward")
+    with caplog.at_level(logging.WARNING, logger="migrator.agent"):
+        run = launch(tmp_path, nproc=4, spares=1, plan=plan, steps=9, mode="fsdp", script_args=ARGS)
+    assert run.code == 0, run.agent.message
+    assert [(r.rank, r.outcome, r.step) for r in run.reports] == [(1, "completed", 4)]
+    assert "rank(s) [1] -> slot(s) [4] from replica rank 2" in caplog.text  # its buddy
+    base, rows = _rows(base_copies), _rows(run)
+    assert set(rows) == set(base)
+    for key, seen in rows.items():
+        for row in seen:  # the first run of a step and its replay alike
+            assert row["loss"] == base[key][0]["loss"], f"loss differs at {key}"
+            assert row["samples"] == base[key][0]["samples"], f"samples differ at {key}"
+    replayed = sorted(k for k, seen in rows.items() if len(seen) > 1)
+    # Step 4 ran twice on every rank (rank 1 had finished it before it was killed).
+    assert replayed == [(r, 4) for r in range(4)]
+    assert_same_final(base_copies, run, nproc=4)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_rank_lost_with_its_buddy_stops_naming_both(tmp_path: Path) -> None:
+    plan = FaultPlan().fail_at(1, 5, where="forward").fail_at(2, 5, where="forward")
+    run = launch(tmp_path, nproc=4, spares=2, plan=plan, steps=9, mode="fsdp", script_args=ARGS)
+    assert run.code == 1 and run.agent.status == "failed"
+    assert "rank 1 and its buddy rank 2 were lost together" in run.agent.message
+    assert "restart from a checkpoint" in run.agent.message
+    assert run.reports == []
+
+
+def test_auto_k_is_derived_by_rank_0_and_read_by_every_rank() -> None:
+    """``peer_copy_every="auto"``: rank 0 times the first steps and one copy into memory
+    and publishes k; another rank reads the same k at the same boundary, a spare joining
+    later at once; no copy is due before k is known."""
+    from migrator.peercopy import EVERY_KEY, PROBE, PeerCopies
+    from migrator.state import Registry
+
+    store = dist.HashStore()
+    registry = Registry(models=[torch.nn.Linear(64, 64)])
+
+    def copies(rank: int) -> PeerCopies:
+        return PeerCopies(
+            store,
+            registry,
+            channels=None,  # type: ignore[arg-type]
+            every="auto",
+            world=2,
+            timeout_s=5,
+            where=lambda: (0, rank),
+        )
+
+    first, second = copies(0), copies(1)
+    for step in range(PROBE + 1):
+        assert not first.due(step) and not second.due(step)
+        first._derive(step, 0)
+        second._derive(step, 1)
+        time.sleep(0.01)  # a step
+    assert first.every is not None and first.every >= 1
+    assert second.every == first.every == int(store.get(EVERY_KEY))
+    at = -(-PROBE // first.every) * first.every  # the first multiple of k from PROBE on
+    assert first.due(at) and not first.due(PROBE - 1)
+    late = copies(1)
+    late._derive(12, 1)
+    assert late.every == first.every
+    with pytest.raises(ValueError, match="'auto'"):
+        PeerCopies(
+            store, registry, channels=None, every=0, world=2, timeout_s=1, where=lambda: (0, 0)
+        )  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_preventive_move_at_a_copy_step_then_a_kill_replays_bitwise(
+    base_copies: Run, tmp_path: Path
+) -> None:
+    """Rank 1 moves preventively and hands over at step 4, a copy step (the round runs with
+    the source; the spare keeps its received state as its copy and skips that round); rank
+    3 is then SIGKILLed at step 7 and rebuilt from rank 0's copy of step 6: every loss and
+    the final state equal the undisturbed run's."""
+    plan = FaultPlan().migrate_at(1, 3, reason="preventive").fail_at(3, 7, where="forward")
+    run = launch(tmp_path, nproc=4, spares=2, plan=plan, steps=9, mode="fsdp", script_args=ARGS)
+    assert run.code == 0, run.agent.message
+    assert [(r.rank, r.outcome, r.step) for r in run.reports] == [
+        (1, "completed", 4),
+        (3, "completed", 6),
+    ]
+    base, rows = _rows(base_copies), _rows(run)
+    assert set(rows) == set(base)
+    for key, seen in rows.items():
+        assert all(row["loss"] == base[key][0]["loss"] for row in seen), f"loss differs at {key}"
+    assert_same_final(base_copies, run, nproc=4)
