@@ -414,6 +414,24 @@ def stalls(tmp: Path, sizes: Sequence[tuple[str, int]], repeat: int) -> list[dic
     return rows
 
 
+def stall_fit(rows: list[dict]) -> dict | None:
+    """stall = per_transfer x bytes/bandwidth + fixed_s, least squares on every run with the
+    group formed ahead (what ``goodput`` charges a preventive move)."""
+    xs, ys = [], []
+    for row in rows:
+        for run in row["ahead"]:
+            xs.append(row["bytes"] / row["bandwidth"])
+            ys.append(run["pause_s"])
+    if len(set(xs)) < 2:
+        return None
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum(
+        (x - mx) ** 2 for x in xs
+    )
+    return {"per_transfer": slope, "fixed_s": my - slope * mx, "runs": n}
+
+
 # -- (b) the cases ----------------------------------------------------------------------------
 
 SIZES = [("10MB", 10**7), ("100MB", 10**8), ("1GB", 10**9)]
@@ -583,6 +601,11 @@ def main() -> None:
     ap.add_argument("--layout", default="replicated", help=argparse.SUPPRESS)
     ap.add_argument("--layout-size", default="10MB", help="e: the state size (default 10MB)")
     ap.add_argument("--form-at-switch", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--write-stall",
+        type=Path,
+        help="f: write the stall figures and their fit here (goodput/data/preventive_stall.json)",
+    )
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--state-bytes", type=int, default=10**7, help=argparse.SUPPRESS)
     ap.add_argument("--steps", type=int, default=8, help=argparse.SUPPRESS)
@@ -690,6 +713,28 @@ def main() -> None:
     if "f" in args.parts.split(","):
         chosen = [x for x in SIZES if x[0] in args.sizes.split(",")]
         figures["stalls"] = stalls(tmp / "stalls", chosen, args.repeat)
+        fit = figures["stall_fit"] = stall_fit(figures["stalls"])
+        if fit is not None:
+            print(
+                f"    fit over the runs formed ahead: stall = {fit['per_transfer']:.2f} x "
+                f"bytes/bandwidth + {fit['fixed_s']:.3f} s\n",
+                flush=True,
+            )
+        if args.write_stall is not None and fit is not None:
+            doc = {
+                "benchmark": "benchmarks/migration.py --parts f",
+                "command": " ".join(sys.argv[1:]),
+                "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()),
+                "ranks": 4,
+                "transport": "gloo, loopback, one host",
+                "cpu_cores": os.cpu_count(),
+                "load_average_before": figures["load_average"],
+                "load_average": os.getloadavg(),
+                "rows": figures["stalls"],
+                "fit": fit,
+            }
+            args.write_stall.write_text(json.dumps(doc, indent=1) + "\n")
+            print(f"the stall's fit written to {args.write_stall}")
     if "e" in args.parts.split(","):
         size = dict(SIZES)[args.layout_size]
         bw = bandwidth()
