@@ -8,8 +8,9 @@ path.
 
 A planned or preventive move's command is first handed to ``on_command`` (the
 :class:`~migrator.membership.Membership` starts forming generation g+1 with the spare in a
-thread); the flag is raised and acknowledged only once every member of g+1 has formed it
-(``formed``), so S falls after the formation and the switch at S never waits for it.
+thread); when the spare is up, the flag is raised and acknowledged only once every member
+of g+1 has formed it (``formed``), so S falls after the formation and the switch at S never
+waits for it (a spare still starting is waited for at S, as the source always did).
 Training goes on on g meanwhile; an abort (or a change of generation: a recovery) seen while
 it forms drops the command (``on_abort``).
 

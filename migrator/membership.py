@@ -148,8 +148,10 @@ class Membership:
 
     def _on_command(self, cmd: dict[str, Any]) -> bool:
         """The watcher saw ``cmd``: a move to a spare forms g+1 ahead, here unless this rank
-        is the source (it leaves); True: the command waits until every member formed it. A
-        stop command has no next generation."""
+        is the source (it leaves); True: the command waits until every member formed it.
+        That is when the spare is up; a spare still starting (importing torch) is waited
+        for at S as before, the formation going on meanwhile and the switch waiting for it
+        if it has to. A stop command has no next generation."""
         rank = self.rank
         if not self.form_ahead or rank is None or "spare" not in cmd or cmd.get("kind") == "stop":
             return False
@@ -158,7 +160,7 @@ class Membership:
             self.preform(cmd["gen"] + 1, rank, cmd["migration_id"], before=lambda: ready(cmd))
         else:
             self.on_source(cmd)
-        return True
+        return bool(self.store.check([f"slot{cmd['spare']}/ready"]))
 
     def _formed_keys(self, migration_id: str) -> list[str]:
         return [f"m/{migration_id}/formed/{r}" for r in range(self.world_size)]
