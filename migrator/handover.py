@@ -188,6 +188,15 @@ class Handover:
             P.put_json(self.store, f"m/{used.migration_id}/group/{rank}", record)
         return waited
 
+    def _turned_unplanned(self, gen: int, mid: str) -> bool:
+        """Whether the agent took move ``mid`` of generation ``gen`` over as an unplanned
+        recovery (its source was lost before S)."""
+        key = P.recovery_key(gen)
+        if not self.store.check([key]):
+            return False
+        decision = P.get_json(self.store, key)
+        return bool(decision.get("status") == "plan" and decision.get("migration_id") == mid)
+
     def _abandon(self, mid: str) -> None:
         """The move ``mid`` will not happen: its g+1 formed ahead is left (kept referenced),
         and the report of the aborted move says how far it got."""
@@ -507,7 +516,7 @@ class Handover:
         self.store.set(f"{base}/received/{rank}", str(self.slot))
         # The group formed ahead is the move's only if the move went on as planned: a source
         # lost before S turned it into an unplanned recovery, whose ranks build g+1 anew.
-        planned = a["mode"] == "peer" and not self.store.check([P.recovery_key(a["gen"] - 1)])
+        planned = a["mode"] == "peer" and not self._turned_unplanned(a["gen"] - 1, mid)
         waited = self._join(a["gen"], rank, meta["layouts"], mid if planned else None)
         joined_at = time.time()
         # From the first byte received to the new generation joined: the agent uses it as

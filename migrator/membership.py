@@ -260,10 +260,14 @@ class Membership:
         if migration_id is None or formation.migration_id != migration_id or formation.gen != gen:
             self.abandon()
             return None
-        formation.done.wait(timeout=2 * self.timeout_s + 30)
+        deadline = time.monotonic() + 2 * self.timeout_s + 30
+        formation.done.wait(timeout=max(0.0, deadline - time.monotonic()))
         keys = self._formed_keys(migration_id)
-        # Every member decides alike from the same keys: the formed group if every member
-        # formed it, else one built now under the generation's own prefix.
+        # Every member decides alike from the same keys, once all are written (a spare that
+        # was still starting at S: the others may be finishing their rendezvous): the formed
+        # group if every member formed it, else one built now under the generation's prefix.
+        while not all(self.store.check([k]) for k in keys) and time.monotonic() < deadline:
+            time.sleep(0.005)
         if not (
             formation.done.is_set()
             and all(self.store.check([k]) and self.store.get(k) == b"1" for k in keys)
