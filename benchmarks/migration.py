@@ -31,6 +31,12 @@ In one run, on this machine (gloo, CPU, loopback):
     first (that step's compute included) beside bytes / loopback bandwidth, and a SIGKILL's
     kill-to-done (or the refusal), against checkpoint-restart of the same state.
 
+(f) (``--parts f``) the preventive stall with and without the next generation's group formed
+    ahead, 4 ranks (replicated DDP) + 1 spare, at each of ``--sizes`` (10MB,100MB; 1GB as an
+    option), ``--repeat`` runs each: the report's pause (from the source's last completed
+    step to the new rank joined), beside bytes / loopback bandwidth and the goal
+    1.2 x bytes/bandwidth + 0.2 s, and how long the group formed ahead took to form.
+
 ``--json FILE`` writes the figures measured, with the load average at the start.
 """
 
@@ -78,6 +84,7 @@ def worker(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     job = Job.from_env()
+    job.member.form_ahead = not args.form_at_switch
     torch.manual_seed(0)
     model = model_for(args.state_bytes)
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
@@ -332,6 +339,99 @@ def layout_cases(tmp: Path, size: int, layout: str) -> dict:
     return out
 
 
+# -- (f) the stall with and without the group formed ahead -----------------------------------
+
+
+def stall_case(tmp: Path, size: int, *, ahead: bool) -> dict | None:
+    """A 4-rank job (replicated DDP) whose rank 1 moves preventively: the report's pause
+    (the source at S to the new rank joined), its transfer, and the group formation."""
+    extra = ["--layout", "replicated"] + ([] if ahead else ["--form-at-switch"])
+    plan = FaultPlan().migrate_at(1, AT, reason="preventive")
+    agent, code, _, _ = launch(tmp, size, steps=STEPS, plan=plan, spares=1, extra=extra, nproc=4)
+    rep = agent.reports[0] if agent.reports and code == 0 else None
+    if rep is None or rep.pause_s is None:
+        return None
+    group = agent.groups.get(rep.migration_id) or {}
+    shutil.rmtree(tmp, ignore_errors=True)
+    return {
+        "pause_s": rep.pause_s,
+        "transfer_s": rep.transfer_s,
+        "bytes": rep.bytes_moved or 0,
+        "preformed": bool(group.get("preformed")),
+        "form_s": group.get("form_s"),
+        "waited_s": group.get("waited_s"),
+    }
+
+
+def stalls(tmp: Path, sizes: Sequence[tuple[str, int]], repeat: int) -> list[dict]:
+    print(
+        f"(f) preventive stall, 4 ranks (DDP) + 1 spare, {repeat} run(s) per case (min-max): "
+        "the report's pause, from the source's last completed step to the new rank joined;\n"
+        "    goal: stall <= 1.2 x bytes/bandwidth + 0.2 s; loopback bandwidth measured before "
+        "each size"
+    )
+    print(
+        f"    {'state':>6} {'bytes':>13} {'bytes/bw s':>10} {'goal s':>7} "
+        f"{'g+1 formed ahead s':>19} {'at the switch s':>16} {'formation s':>12}"
+    )
+    rows = []
+    for label, size in sizes:
+        bw = bandwidth()
+        got: dict[bool, list[dict]] = {True: [], False: []}
+        for i in range(repeat):
+            for ahead in (True, False):  # interleaved: the same load for both
+                row = stall_case(tmp / f"stall-{label}-{ahead}-{i}", size, ahead=ahead)
+                if row is not None:
+                    got[ahead].append(row)
+        nbytes = max((r["bytes"] for r in got[True] + got[False]), default=0)
+        goal = 1.2 * nbytes / bw + 0.2
+
+        def spread(rows: list[dict], key: str) -> str:
+            vals = [r[key] for r in rows if r.get(key) is not None]
+            if not vals:
+                return "failed"
+            text = f"{min(vals):.3f}-{max(vals):.3f}"
+            return text if len(vals) == repeat else text + f" ({repeat - len(vals)} failed)"
+
+        met = got[True] and max(r["pause_s"] for r in got[True]) <= goal
+        print(
+            f"    {label:>6} {nbytes:>13,} {nbytes / bw:>10.3f} {goal:>7.3f} "
+            f"{spread(got[True], 'pause_s'):>19} {spread(got[False], 'pause_s'):>16} "
+            f"{spread(got[True], 'form_s'):>12}  {'met' if met else 'MISSED'}",
+            flush=True,
+        )
+        rows.append(
+            {
+                "state": label,
+                "bandwidth": bw,
+                "bytes": nbytes,
+                "goal_s": goal,
+                "ahead": got[True],
+                "at_switch": got[False],
+            }
+        )
+    print()
+    return rows
+
+
+def stall_fit(rows: list[dict]) -> dict | None:
+    """stall = per_transfer x bytes/bandwidth + fixed_s, least squares on every run with the
+    group formed ahead (what ``goodput`` charges a preventive move)."""
+    xs, ys = [], []
+    for row in rows:
+        for run in row["ahead"]:
+            xs.append(row["bytes"] / row["bandwidth"])
+            ys.append(run["pause_s"])
+    if len(set(xs)) < 2:
+        return None
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum(
+        (x - mx) ** 2 for x in xs
+    )
+    return {"per_transfer": slope, "fixed_s": my - slope * mx, "runs": n}
+
+
 # -- (b) the cases ----------------------------------------------------------------------------
 
 SIZES = [("10MB", 10**7), ("100MB", 10**8), ("1GB", 10**9)]
@@ -491,7 +591,8 @@ def main() -> None:
         "--parts",
         default="b,c",
         help="b (moves and failures), c (wrapper cost), d (peer copies' cost against k), "
-        "e (per layout, 4 ranks)",
+        "e (per layout, 4 ranks), f (preventive stall with and without g+1 formed ahead, "
+        "4 ranks, at --sizes)",
     )
     ap.add_argument("--json", type=Path, help="write the figures measured to this file")
     ap.add_argument("--copy-ks", default="1,5,20", help="d: the k values (default 1,5,20)")
@@ -499,6 +600,12 @@ def main() -> None:
     ap.add_argument("--peer-copy", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--layout", default="replicated", help=argparse.SUPPRESS)
     ap.add_argument("--layout-size", default="10MB", help="e: the state size (default 10MB)")
+    ap.add_argument("--form-at-switch", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--write-stall",
+        type=Path,
+        help="f: write the stall figures and their fit here (goodput/data/preventive_stall.json)",
+    )
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--state-bytes", type=int, default=10**7, help=argparse.SUPPRESS)
     ap.add_argument("--steps", type=int, default=8, help=argparse.SUPPRESS)
@@ -603,6 +710,31 @@ def main() -> None:
                 f"process {mem:.0f} MB"
             )
         print(flush=True)
+    if "f" in args.parts.split(","):
+        chosen = [x for x in SIZES if x[0] in args.sizes.split(",")]
+        figures["stalls"] = stalls(tmp / "stalls", chosen, args.repeat)
+        fit = figures["stall_fit"] = stall_fit(figures["stalls"])
+        if fit is not None:
+            print(
+                f"    fit over the runs formed ahead: stall = {fit['per_transfer']:.2f} x "
+                f"bytes/bandwidth + {fit['fixed_s']:.3f} s\n",
+                flush=True,
+            )
+        if args.write_stall is not None and fit is not None:
+            doc = {
+                "benchmark": "benchmarks/migration.py --parts f",
+                "command": " ".join(sys.argv[1:]),
+                "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()),
+                "ranks": 4,
+                "transport": "gloo, loopback, one host",
+                "cpu_cores": os.cpu_count(),
+                "load_average_before": figures["load_average"],
+                "load_average": os.getloadavg(),
+                "rows": figures["stalls"],
+                "fit": fit,
+            }
+            args.write_stall.write_text(json.dumps(doc, indent=1) + "\n")
+            print(f"the stall's fit written to {args.write_stall}")
     if "e" in args.parts.split(","):
         size = dict(SIZES)[args.layout_size]
         bw = bandwidth()

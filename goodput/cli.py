@@ -102,10 +102,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "job's size, goodput/data/group_formation.json)",
     )
     parser.add_argument(
-        "--formation-overlapped",
+        "--formation-at-switch",
         action="store_true",
-        help="what-if: preventive moves form the next process group while training goes on "
-        "(their stall is the transfer alone); the migrator forms it in the pause today",
+        help="what-if: preventive moves form the next process group inside their stall (the "
+        "migrator forms it while training goes on, so by default a move's stall is the "
+        "transfer and the switch)",
     )
     parser.add_argument(
         "--layout",
@@ -148,7 +149,7 @@ def _assumptions(args: argparse.Namespace) -> Assumptions:
     values["regroup_s"] = args.regroup_s
     values["shard_ranks"] = args.shard_ranks
     values["peer_copy_every_steps"] = args.peer_copy_every_steps
-    values["formation_overlapped"] = args.formation_overlapped
+    values["formation_at_switch"] = args.formation_at_switch
     if args.ckpt_interval_min is not None:
         values["ckpt_interval_s"] = args.ckpt_interval_min * 60.0
     return Assumptions(**values)  # type: ignore[arg-type]
@@ -185,7 +186,7 @@ def _describe_assumptions(a: Assumptions, gpus: list[int]) -> list[str]:
         "shard_ranks": "sharded layouts: ranks a replica is sharded over",
         "peer_copy_every_steps": "peer-copy layout: steps between a rank's copies",
         "peer_copy_overhead": "peer-copy layout: per-step cost of the copies (goal bound)",
-        "formation_overlapped": "what-if: preventive moves form the group ahead (not today)",
+        "formation_at_switch": "what-if: preventive moves form the group in their stall",
         "wrapper_overhead": "per-step cost of the Migratable wrapper (measured 0.02 %)",
         "migrating_ckpt_interval_s": "checkpoints a migrating job still keeps",
         "replica_step_overhead": "extra per-step cost of the peer-replica baseline",
@@ -211,7 +212,7 @@ def _describe_assumptions(a: Assumptions, gpus: list[int]) -> list[str]:
     for g in gpus:
         lines.append(
             f"  {'=> at ' + f'{g:,}' + ' GPUs':<27} group {a.regroup_at(g):.2f} s, preventive "
-            f"pause {a.migration_pause_s(g):.2f} s (nothing lost), replica recovery "
+            f"stall {a.migration_pause_s(g):.2f} s (nothing lost), replica recovery "
             f"{a.replica_recovery_s(g):.2f} s + the step in flight"
         )
     lines.append(

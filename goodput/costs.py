@@ -1,9 +1,17 @@
-"""Measured costs the comparison uses instead of assumptions: forming a process group.
+"""Measured costs the comparison uses instead of assumptions: forming a process group, and
+the stall of a preventive move.
 
 Every move of a rank (preventive, planned, a recovery) forms a new process-group
-generation over all the job's ranks. ``benchmarks/group_formation.py --write
-goodput/data/group_formation.json`` measures how long that takes against the number of
-ranks (gloo, real processes, one host) and fits the scaling rule kept beside the figures:
+generation over all the job's ranks. A preventive or planned move forms it while training
+goes on (the migrator agrees on the handover step once it is formed), so only an unplanned
+recovery has it in its stall; a preventive move's stall is the transfer and the switch,
+measured by ``benchmarks/migration.py --parts f --write-stall
+goodput/data/preventive_stall.json`` (4 ranks, loopback) and fitted as
+``stall = per_transfer x bytes/bandwidth + fixed_s`` (:func:`preventive_stall`).
+
+``benchmarks/group_formation.py --write goodput/data/group_formation.json`` measures how
+long forming a generation takes against the number of ranks (gloo, real processes, one
+host) and fits the scaling rule kept beside the figures:
 
     formation_s(ranks) = a_s + b_s_per_rank x ranks        (least squares on the medians)
 
@@ -20,9 +28,23 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-__all__ = ["GROUP_FORMATION_PATH", "GroupFormation", "group_formation", "group_formation_s"]
+__all__ = [
+    "GROUP_FORMATION_PATH",
+    "PREVENTIVE_STALL_PATH",
+    "GroupFormation",
+    "group_formation",
+    "group_formation_s",
+    "preventive_stall",
+]
 
 GROUP_FORMATION_PATH = Path(__file__).with_name("data") / "group_formation.json"
+PREVENTIVE_STALL_PATH = Path(__file__).with_name("data") / "preventive_stall.json"
+
+
+def preventive_stall(path: Path = PREVENTIVE_STALL_PATH) -> tuple[float, float]:
+    """(per_transfer, fixed_s) of a preventive move's measured stall, g+1 formed ahead."""
+    fit = json.loads(path.read_text())["fit"]
+    return float(fit["per_transfer"]), float(fit["fixed_s"])
 
 
 @dataclass(frozen=True)

@@ -60,10 +60,13 @@ class Assumptions:
     """State moved per migrated rank (weights, optimizer, RNG, data position)."""
     transfer_gb_s: float = 25.0
     """Point-to-point bandwidth between the source (or replica) and the spare."""
-    pause_per_transfer: float = 0.96
-    """Pause per second of ideal transfer (bytes / bandwidth), from the migration benchmark."""
-    pause_fixed_s: float = 0.16
-    """Fixed part of the pause, from the migration benchmark (three ranks, loopback)."""
+    pause_per_transfer: float = 2.59
+    """A preventive move's stall per second of ideal transfer (bytes / bandwidth), the next
+    group formed ahead: the fit in ``goodput/data/preventive_stall.json``
+    (``benchmarks/migration.py --parts f``, 4 ranks, loopback, 10 and 100 MB, load ~12)."""
+    pause_fixed_s: float = 0.085
+    """Fixed part of that stall (the switch: the transfer's pair group, DDP rebuilt), from
+    the same fit."""
     regroup_s: float | None = None
     """A new process-group generation; None: measured, at the job's size
     (:func:`goodput.costs.group_formation_s`, ``benchmarks/group_formation.py``)."""
@@ -82,9 +85,11 @@ class Assumptions:
     rank lost without warning replays up to k steps from that copy."""
     peer_copy_overhead: float = 0.01
     """Peer-copy layout: per-step cost of the copies (the layout's goal bound, < 1 %)."""
-    formation_overlapped: bool = False
-    """What-if: a preventive or planned move forms the next generation while training goes
-    on, so its stall is the transfer alone (the migrator forms it in the pause today)."""
+    formation_at_switch: bool = False
+    """What-if (the migrator before it formed groups ahead): a preventive or planned move
+    forms the next generation inside its stall. By default the migrator forms it while
+    training goes on and agrees on the handover step only once it is formed
+    (``docs/migration.md``), so the stall is the transfer and the switch."""
 
     def regroup_at(self, ranks: int | None) -> float:
         """Seconds to form a new generation of ``ranks`` ranks (measured rule unless set)."""
@@ -102,9 +107,11 @@ class Assumptions:
 
     def migration_pause_s(self, ranks: int | None = None) -> float:
         """One preventive (or planned) migration of a job of ``ranks`` ranks: the job waits
-        this long, nothing is lost. With ``formation_overlapped`` the new generation was
-        formed while training went on, and only the transfer stalls the job."""
-        regroup = 0.0 if self.formation_overlapped else self.regroup_at(ranks)
+        this long, nothing is lost. The new generation was formed while training went on,
+        so the stall is the transfer and the switch (``pause_per_transfer`` x bytes /
+        bandwidth + ``pause_fixed_s``); with ``formation_at_switch`` the group formation
+        at the job's size is added."""
+        regroup = self.regroup_at(ranks) if self.formation_at_switch else 0.0
         return self._moved_s() + regroup
 
     def replica_recovery_s(self, ranks: int | None = None) -> float:

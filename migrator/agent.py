@@ -135,6 +135,8 @@ class Agent:
         self.stopper = Stopper(self.store, self.table, self.recovery, config, self.lock)
         self.reports: list[MigrationReport] = []
         self.agent_url: str | None = None
+        # Per migration id: how its g+1 was formed ahead (_group_record; None: unplanned).
+        self.groups: dict[str, dict[str, Any] | None] = {}
         self._refills: list[tuple[int, float]] = []  # (freed slot, kill it after)
         self._aborted: list[tuple[Migration, float]] = []  # (move, report it by then)
         self._endpoint: Any = None
@@ -453,6 +455,7 @@ class Agent:
             self.finish(
                 m,
                 "failed",
+                group=self._group_record(m),
                 step=m.stop,
                 pause_s=max((float(self.store.get(k)) for k in have), default=0.0),
                 error="the spare died during the handover; the source kept training",
@@ -493,6 +496,12 @@ class Agent:
             return
         pauses = [float(self.store.get(f"{base}/pause/{r}")) for r in others]
         pause = max(pauses) if pauses else max(r["joined_s"] for r in reports)
+        if self.store.check([f"{base}/source_at"]) and all("joined_at" in r for r in reports):
+            # The stall the job sees: from the source's last completed step (it stood at S)
+            # to the new rank's first (it joined g+1); the other ranks' pauses run within it
+            # unless one of them reached S later than the source.
+            source_at = float(self.store.get(f"{base}/source_at"))
+            pause = max(pause, max(r["joined_at"] for r in reports) - source_at)
         for rank in m.ranks:
             target = self.table.slots[m.targets[rank]]
             target.role = "active"
@@ -505,6 +514,7 @@ class Agent:
         self.finish(
             m,
             "completed",
+            group=self._group_record(m),
             step=reports[0]["step"],
             pause_s=pause,
             transfer_s=max(r["transfer_s"] for r in reports),
@@ -543,7 +553,35 @@ class Agent:
 
     # -- reporting --------------------------------------------------------------------------
 
-    def finish(self, m: Migration, outcome: str, **fields: Any) -> None:
+    def _group_record(self, m: Migration) -> dict[str, Any] | None:
+        """How generation g+1 of a planned or preventive move was formed ahead, from each
+        rank's record (:meth:`Formation.record`): ``preformed`` (every rank switched to the
+        group formed ahead), ``ready_at_switch`` (it was formed before any rank switched),
+        ``form_s`` (the longest rendezvous), ``waited_s`` (the longest wait at the switch),
+        ``abandoned`` (the move was aborted). None for an unplanned recovery."""
+        if m.reason is MigrationReason.UNPLANNED:
+            return None
+        base = f"m/{m.migration_id}/group"
+        ranks = {}
+        for r in range(self.table.world_size):
+            if self.store.check([f"{base}/{r}"]):
+                ranks[r] = P.get_json(self.store, f"{base}/{r}")
+        if not ranks:
+            return None
+        forms = [x["form_s"] for x in ranks.values() if x.get("form_s") is not None]
+        return {
+            "preformed": len(ranks) == self.table.world_size
+            and all(x["formed"] and not x.get("abandoned") for x in ranks.values()),
+            "ready_at_switch": all(x.get("ready_at_switch", False) for x in ranks.values()),
+            "abandoned": any(x.get("abandoned") for x in ranks.values()),
+            "form_s": max(forms) if forms else None,
+            "waited_s": max((x.get("waited_s", 0.0) for x in ranks.values()), default=0.0),
+            "ranks": ranks,
+        }
+
+    def finish(
+        self, m: Migration, outcome: str, group: dict[str, Any] | None = None, **fields: Any
+    ) -> None:
         rank = m.ranks[0]
         src = m.sources.get(rank)
         tgt = m.targets.get(rank)
@@ -566,13 +604,17 @@ class Agent:
         print(
             f"forewarn launch: migration {m.migration_id} ({m.reason.value}) rank {rank} "
             f"{outcome} at step {report.step}: pause {report.pause_s or 0:.3f} s, transfer "
-            f"{report.transfer_s or 0:.3f} s, {mb:.1f} MB",
+            f"{report.transfer_s or 0:.3f} s, {mb:.1f} MB{_said(group)}",
             file=sys.stderr,
             flush=True,
         )
+        self.groups[m.migration_id] = group
         if self.cfg.report_path is not None:
+            line = report.model_dump(mode="json")
+            if group is not None:
+                line["group"] = group
             with open(self.cfg.report_path, "a") as fh:
-                fh.write(report.model_dump_json() + "\n")
+                fh.write(json.dumps(line) + "\n")
         if self.link is not None:
             self.link.report(report)
         else:
@@ -618,3 +660,15 @@ class Agent:
             self._endpoint.server_close()
         if self._outbox is not None:
             self._outbox.close()
+
+
+def _said(group: dict[str, Any] | None) -> str:
+    """The launcher's words on a move's group formed ahead."""
+    if group is None:
+        return ""
+    if group["abandoned"]:
+        return "; its g+1 group, formed ahead, abandoned"
+    if not group["preformed"]:
+        return "; g+1 formed at the switch"
+    when = "before the switch" if group["ready_at_switch"] else "during the transfer"
+    return f"; g+1 formed ahead {when} in {group['form_s'] or 0:.3f} s"

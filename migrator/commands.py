@@ -6,6 +6,14 @@ acknowledges it with the last step boundary its rank passed (``m/{id}/ack/{rank}
 each step boundary the training loop reads only the flag: one attribute read on the common
 path.
 
+A planned or preventive move's command is first handed to ``on_command`` (the
+:class:`~migrator.membership.Membership` starts forming generation g+1 with the spare in a
+thread); when the spare is up, the flag is raised and acknowledged only once every member
+of g+1 has formed it (``formed``), so S falls after the formation and the switch at S never
+waits for it (a spare still starting is waited for at S, as the source always did).
+Training goes on on g meanwhile; an abort (or a change of generation: a recovery) seen while
+it forms drops the command (``on_abort``).
+
 Why the handover step S is still the same on every rank: the watcher raises the flag
 *before* it reads the boundary counter, and the loop bumps the counter *before* it reads the
 flag. So once a rank's acknowledgement says "boundary b", its loop cannot pass another
@@ -57,6 +65,13 @@ class CommandWatcher:
         self.where = where
         self.poll_s = poll_s
         self.flag: dict[str, Any] | None = None
+        # Called with each command when first seen; True: the next generation is being
+        # formed ahead (the membership's thread), and the flag waits until ``formed`` says
+        # every member of it is done. Neither may block.
+        self.on_command: Callable[[dict[str, Any]], bool] | None = None
+        self.formed: Callable[[dict[str, Any]], bool] = lambda cmd: True
+        self.on_abort: Callable[[str], Any] | None = None
+        self._forming: dict[str, Any] | None = None  # a command whose g+1 is being formed
         self.passed = -1  # the last step boundary the training loop passed (or stands at)
         self.ended: set[str] = set()  # migrations that were aborted
         self._thread: threading.Thread | None = None
@@ -86,6 +101,10 @@ class CommandWatcher:
         gen, rank = self.where()
         if rank is None or self.flag is not None:
             return
+        forming = self._forming
+        if forming is not None:
+            self._check_forming(forming, gen)
+            return
         try:
             if not self.store.check([P.cmd_key(gen)]):
                 return
@@ -95,12 +114,44 @@ class CommandWatcher:
         mid = cmd["migration_id"]
         if mid not in self.ended:
             cmd["gen"] = gen
-            self.flag = cmd  # first the flag ...
-            passed = self.passed  # ... then the boundary counter (see the module docstring)
-            try:
-                self.store.set(ack_key(mid, rank), str(passed))
-            except (RuntimeError, OSError) as exc:
-                log.warning("could not acknowledge migration %s: %s", mid, exc)
+            if self.on_command is not None and self.on_command(cmd):
+                self._forming = cmd  # flagged once g+1 is formed: training goes on meanwhile
+                return
+            self._raise(cmd, rank)
+
+    @property
+    def idle(self) -> bool:
+        """No command is being formed ahead (none seen, or it was dropped)."""
+        return self._forming is None
+
+    def _check_forming(self, cmd: dict[str, Any], gen: int) -> None:
+        """The command's g+1 is being formed: raise the flag once every member formed it;
+        forget it when the move was aborted or the generation changed (a recovery)."""
+        mid = cmd["migration_id"]
+        try:
+            if cmd["gen"] != gen or self.store.check([f"m/{mid}/aborted"]):
+                self._forming = None
+                self.ended.add(mid)
+                if self.on_abort is not None:
+                    self.on_abort(mid)
+                return
+            if not self.formed(cmd):
+                return
+        except (RuntimeError, OSError):  # the store is gone
+            return
+        rank = self.where()[1]
+        self._forming = None
+        if rank is not None:
+            self._raise(cmd, rank)
+
+    def _raise(self, cmd: dict[str, Any], rank: int) -> None:
+        mid = cmd["migration_id"]
+        self.flag = cmd  # first the flag ...
+        passed = self.passed  # ... then the boundary counter (see the module docstring)
+        try:
+            self.store.set(ack_key(mid, rank), str(passed))
+        except (RuntimeError, OSError) as exc:
+            log.warning("could not acknowledge migration %s: %s", mid, exc)
 
     def pending(self, gen: int) -> dict[str, Any] | None:
         """The command flagged for generation ``gen``, if any (a local read)."""
@@ -114,6 +165,7 @@ class CommandWatcher:
 
     def clear(self) -> None:
         self.flag = None
+        self._forming = None
 
     def abort(self, migration_id: str) -> None:
         self.ended.add(migration_id)

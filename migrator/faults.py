@@ -17,7 +17,10 @@ Points inside a step:
   collective, before the next boundary;
 - ``transfer``: while this rank is sending its state to a spare, after the first tensor;
 - ``receive``: in the spare taking over ``rank``, while it receives the state of ``step``
-  (the handover step), after the first tensor: the spare dies mid-receive.
+  (the handover step), after the first tensor: the spare dies mid-receive;
+- ``forming``: in ``rank``, the source of a planned or preventive move, when it sees the
+  command (``step``: the last boundary it passed), while the spare and the other ranks start
+  forming the next generation ahead.
 
 Kinds: ``kill`` (SIGKILL: the process vanishes), ``kill_node`` (SIGKILL of the process's
 whole process group: its launcher and all it started), ``wedge`` (SIGSTOP: alive, silent; only a
@@ -41,7 +44,14 @@ from typing import Any, Literal
 __all__ = ["Fault", "FaultPlan"]
 
 Point = Literal[
-    "step_start", "forward", "backward", "before_optimizer", "step_end", "transfer", "receive"
+    "step_start",
+    "forward",
+    "backward",
+    "before_optimizer",
+    "step_end",
+    "transfer",
+    "receive",
+    "forming",
 ]
 
 
@@ -117,7 +127,12 @@ class FaultPlan:
                 job.request_migration(
                     fault.rank if fault.target is None else fault.target, fault.reason
                 )
-                # Seen at this very boundary: the move happens at the next one, every run.
+                # Seen at this very boundary (once g+1 is formed ahead, which the other ranks
+                # do in their threads): the move happens at the next one, every run.
                 commands = getattr(job, "commands", None)
-                if commands is not None:
+                deadline = time.monotonic() + 120
+                while commands is not None and time.monotonic() < deadline:
                     commands.poll()
+                    if commands.flag is not None or commands.idle:
+                        break
+                    time.sleep(0.005)

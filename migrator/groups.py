@@ -99,6 +99,12 @@ class Graveyard:
 
     def __init__(self) -> None:
         self._groups: list[dist.ProcessGroup] = []
+        self._kept: list[Any] = []  # formations abandoned, some still forming in a thread
+
+    def keep(self, formation: Any) -> None:
+        """Keep an abandoned formation of a next generation (its thread may still be in the
+        rendezvous with a dead peer; its group, once formed, is buried by that thread)."""
+        self._kept.append(formation)
 
     def bury(self, group: dist.ProcessGroup | None, *, broken: bool) -> None:
         if group is None:

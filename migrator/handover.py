@@ -8,7 +8,9 @@ and called by the job's loop at its step boundaries and when a collective fails:
 
 - :meth:`Handover.hand_over` — planned or preventive, at the agreed boundary S: the source
   sends its whole state to the spare point-to-point; the other ranks wait for the spare to
-  confirm, then everyone joins generation g+1 with the spare at the source's rank. If the
+  confirm, then everyone switches to generation g+1 with the spare at the source's rank, a
+  group the spare and the other ranks formed while training went on on g
+  (:meth:`Membership.preform`; the switch waits for it only if it is still forming). If the
   source dies mid-transfer, the spare says so and the lowest other rank (a healthy replica)
   sends its replica state instead; the source's own state comes from its mirror at S.
 - :meth:`Handover.recover` — unplanned: a collective failed inside a step. The survivor
@@ -19,7 +21,9 @@ and called by the job's loop at its step boundaries and when a collective fails:
   place, restores the rank state and joins the new generation.
 
 Store keys of a migration ``id``: ``m/{id}/received/{rank}``, ``m/{id}/fallback/{rank}``,
-``m/{id}/aborted``, ``m/{id}/failed``, ``m/{id}/pause/{rank}``, ``m/{id}/report/{rank}``.
+``m/{id}/aborted``, ``m/{id}/failed``, ``m/{id}/pause/{rank}``, ``m/{id}/report/{rank}``,
+``m/{id}/source_at`` (wall-clock time the source stood at S, the start of the stall) and
+``m/{id}/group/{rank}`` (how this rank's g+1 was formed ahead, :meth:`Formation.record`).
 """
 
 from __future__ import annotations
@@ -145,14 +149,62 @@ class Handover:
         self.cmd: dict[str, Any] | None = None
         self.peers: PeerCopies | None = None  # the job's peer copies, if it keeps them
         self.rewind: int | None = None  # the step a recovery went back to (peer copies)
+        member.ready = self._spare_up
+        member.on_source = self._forming_fault
+
+    def _forming_fault(self, cmd: dict[str, Any]) -> None:
+        """A ``forming`` fault: the source of ``cmd`` fails while g+1 forms without it."""
+        rank, step = self.member.rank, self.member.commands.passed
+        if rank is not None and self.faults.due("forming", rank, step):
+            self.faults.fire("forming", rank, step)
+
+    def _spare_up(self, cmd: dict[str, Any]) -> bool:
+        """In the thread forming g+1 ahead: wait until the move's spare is up (it may still
+        be importing torch, longer than the rendezvous timeout); False: the move was aborted."""
+        mid = cmd["migration_id"]
+        keys = [f"slot{cmd['spare']}/ready", f"m/{mid}/aborted"]
+        got = P.first_present(self.store, keys, timeout_s=self.join_timeout_s, what="spare")
+        return got == keys[0]
 
     @property
     def _bound(self) -> float:
         return 4 * self.timeout_s + 30
 
-    def _join(self, gen: int, rank: int, layouts: list[Any] | None) -> None:
-        self.member.join(gen, rank, layouts)
+    def _join(
+        self, gen: int, rank: int, layouts: list[Any] | None, migration_id: str | None = None
+    ) -> float:
+        """Switch to generation ``gen`` (formed ahead for ``migration_id``, if given);
+        returns the seconds the switch waited for a formation still under way."""
+        t = time.perf_counter()
+        formation = self.member.formation
+        pending = formation is not None and not formation.done.is_set()
+        self.member.join(gen, rank, layouts, migration_id=migration_id)
         self.stop, self.cmd = None, None
+        used = self.member.used
+        waited = time.perf_counter() - t if pending and used is not None else 0.0
+        if used is not None:
+            record = used.record()
+            record.update(waited_s=waited, ready_at_switch=not pending)
+            P.put_json(self.store, f"m/{used.migration_id}/group/{rank}", record)
+        return waited
+
+    def _turned_unplanned(self, gen: int, mid: str) -> bool:
+        """Whether the agent took move ``mid`` of generation ``gen`` over as an unplanned
+        recovery (its source was lost before S)."""
+        key = P.recovery_key(gen)
+        if not self.store.check([key]):
+            return False
+        decision = P.get_json(self.store, key)
+        return bool(decision.get("status") == "plan" and decision.get("migration_id") == mid)
+
+    def _abandon(self, mid: str) -> None:
+        """The move ``mid`` will not happen: its g+1 formed ahead is left (kept referenced),
+        and the report of the aborted move says how far it got."""
+        formation = self.member.abandon()
+        if formation is not None and self.member.rank is not None:
+            record = formation.record()
+            record.update(abandoned=True)
+            P.put_json(self.store, f"m/{mid}/group/{self.member.rank}", record)
 
     # -- sending ----------------------------------------------------------------------------
 
@@ -200,6 +252,7 @@ class Handover:
                 return True
             if got.endswith("/aborted"):
                 commands.abort(mid)
+                self._abandon(mid)
                 return False
             if got.endswith("/failed"):
                 info = P.get_json(self.store, got)
@@ -228,6 +281,8 @@ class Handover:
         outcomes = [f"{base}/received/{src}", f"{base}/fallback/{src}", f"{base}/aborted"]
         outcomes.append(f"{base}/failed")
         if member.rank == src:
+            # The stall the job sees starts here: this rank's last step before S is done.
+            self.store.set(f"{base}/source_at", repr(time.time() - (time.perf_counter() - t0)))
             try:
                 if "spare" in cmd:  # a spare still starting (importing torch) is waited for
                     ready = [f"slot{cmd['spare']}/ready", f"{base}/aborted"]
@@ -249,6 +304,7 @@ class Handover:
             raise SystemExit(0)
         got = P.first_present(self.store, outcomes, timeout_s=self._bound, what="the spare")
         if got.endswith("/aborted"):  # the pause this rank stood at S, for the report
+            self._abandon(mid)
             self.store.set(f"{base}/pause/{member.rank}", repr(time.perf_counter() - t0))
             member.commands.abort(mid)
             self.stop, self.cmd = None, None
@@ -265,7 +321,7 @@ class Handover:
                 _raise_failed(self.store, got)
         layouts = member.layouts()
         member.graveyard.bury(member.group, broken=False)
-        self._join(member.gen + 1, member.rank, layouts)
+        self._join(member.gen + 1, member.rank, layouts, migration_id=mid)
         self.store.set(f"{base}/pause/{member.rank}", repr(time.perf_counter() - t0))
 
     def _stop_here(self, cmd: dict[str, Any], step: int, snapshot: bytes | None) -> NoReturn:
@@ -422,6 +478,8 @@ class Handover:
         mid, rank = a["migration_id"], a["rank"]
         base = f"m/{mid}"
         source = "peer"
+        if a["mode"] == "peer" and self.member.form_ahead:  # g+1 formed while the state comes
+            self.member.preform(a["gen"], rank, mid)
         for sharded in self.member.fsdps:  # a rank's shards depend on its rank
             sharded.shard(rank, self.member.world_size, None, self.registry.optimizers)
         try:
@@ -456,7 +514,11 @@ class Handover:
         if self.peers is not None:  # its own copy of this step; the ward's are lost
             self.peers.took_over(rank, step, rank_state, planned=a["mode"] == "peer")
         self.store.set(f"{base}/received/{rank}", str(self.slot))
-        self._join(a["gen"], rank, meta["layouts"])
+        # The group formed ahead is the move's only if the move went on as planned: a source
+        # lost before S turned it into an unplanned recovery, whose ranks build g+1 anew.
+        planned = a["mode"] == "peer" and not self._turned_unplanned(a["gen"] - 1, mid)
+        waited = self._join(a["gen"], rank, meta["layouts"], mid if planned else None)
+        joined_at = time.time()
         # From the first byte received to the new generation joined: the agent uses it as
         # the pause only when there is no other rank to measure it (a one-rank job).
         joined_s = time.perf_counter() - t0 - stats.wait_s
@@ -464,6 +526,8 @@ class Handover:
         report.update(transfer_s=stats.seconds)
         report.update(joined_s=joined_s)
         report.update(source=source, slot=self.slot, ahead_bytes=self.ahead_bytes)
+        used = self.member.used
+        report.update(joined_at=joined_at, preformed=used is not None, group_waited_s=waited)
         self.store.set(f"{base}/report/{rank}", json.dumps(report))
         self.note("took over", rank=rank, migration=mid, **report)
         return step

@@ -15,7 +15,13 @@ import numpy as np
 import pytest
 
 from goodput.compare import Scenario, compare
-from goodput.costs import GROUP_FORMATION_PATH, group_formation, group_formation_s
+from goodput.costs import (
+    GROUP_FORMATION_PATH,
+    PREVENTIVE_STALL_PATH,
+    group_formation,
+    group_formation_s,
+    preventive_stall,
+)
 from goodput.layouts import LAYOUTS, simulate_layout
 from goodput.model import Assumptions, Outcome, simulate
 from goodput.profile import DEFAULT_PROFILE, KINDS, PredictorProfile, find_card, from_card
@@ -373,12 +379,19 @@ def test_the_group_formation_cost_is_the_measured_rule() -> None:
         assert fitted == pytest.approx(measured, rel=doc["fit"]["max_relative_residual"] + 1e-9)
     a = Assumptions()
     assert a.regroup_s is None and a.regroup_at(16384) == pytest.approx(rule.at(16384))
-    assert a.migration_pause_s(16384) - a.migration_pause_s(1024) == pytest.approx(
+    # A preventive move's group is formed ahead, while training goes on: its stall is the
+    # transfer and the switch at every size; an unplanned recovery still forms it in the stall.
+    assert a.migration_pause_s(16384) == a.migration_pause_s(1024) == a.migration_pause_s()
+    assert a.replica_recovery_s(16384) - a.replica_recovery_s(1024) == pytest.approx(
+        rule.at(16384) - rule.at(1024)
+    )
+    at_switch = Assumptions(formation_at_switch=True)
+    assert at_switch.migration_pause_s(16384) - at_switch.migration_pause_s(1024) == pytest.approx(
         rule.at(16384) - rule.at(1024)
     )
     assert Assumptions(regroup_s=10.0).regroup_at(16384) == 10.0
     with pytest.raises(ValueError):
-        a.migration_pause_s()  # the measured rule needs the job's size
+        at_switch.migration_pause_s()  # the measured rule needs the job's size
 
 
 @pytest.mark.timeout(180)
@@ -395,3 +408,18 @@ def test_command_layouts_json() -> None:
             assert {(source, name, s) for s in layout.strategies} <= got
     assert len(doc["rows"]) == 2 * sum(len(x.strategies) for x in LAYOUTS.values())
     assert doc["group_formation"]["at"]["1024"] == pytest.approx(group_formation_s(1024))
+
+
+def test_a_preventive_moves_stall_is_the_measured_transfer_and_switch() -> None:
+    """The default charges a preventive move the stall measured with the next generation
+    formed ahead (benchmarks/migration.py --parts f), never the group formation."""
+    doc = json.loads(PREVENTIVE_STALL_PATH.read_text())
+    assert doc["benchmark"] == "benchmarks/migration.py --parts f" and doc["ranks"] == 4
+    runs = [run for row in doc["rows"] for run in row["ahead"]]
+    assert len(runs) >= 6 and all(run["preformed"] for run in runs)
+    per_transfer, fixed_s = preventive_stall()
+    a = Assumptions()
+    assert a.pause_per_transfer == pytest.approx(per_transfer, abs=0.01)
+    assert a.pause_fixed_s == pytest.approx(fixed_s, abs=0.005)
+    transfer = a.rank_state_gb / a.transfer_gb_s
+    assert a.migration_pause_s(16384) == pytest.approx(per_transfer * transfer + fixed_s, abs=0.02)
