@@ -38,7 +38,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +46,7 @@ import torch
 
 from migrator.channels import Channels
 from migrator.groups import Graveyard, pair_group
+from migrator.peerplan import EVERY_KEY, buddy_of, held_key, rewind_plan, since_key
 from migrator.state import Manifest, Registry, restore_rank_state
 from migrator.transport import PGTransport
 
@@ -56,51 +57,6 @@ log = logging.getLogger(__name__)
 
 PROBE = 5
 """With ``every="auto"``, the steps timed from the start before k is known."""
-EVERY_KEY = "pc/every"
-"""The store key of the k rank 0 derived."""
-
-
-def buddy_of(rank: int, world: int) -> int:
-    """The rank whose process holds ``rank``'s copies."""
-    return (rank + 1) % world
-
-
-def held_key(rank: int) -> str:
-    """The store key (written by the buddy) of the step of rank ``rank``'s last whole copy."""
-    return f"pc/held/{rank}"
-
-
-def since_key(rank: int) -> str:
-    """The store key of the first step whose copy rank ``rank``'s current process holds (a
-    spare that took the rank at step S holds no copy of an earlier step)."""
-    return f"pc/since/{rank}"
-
-
-def rewind_plan(
-    store: Any, world: int, lost: Iterable[int], healthy: Iterable[int]
-) -> tuple[dict[int, int], int | None, str]:
-    """For the lost ranks of a peer-copy job: the buddy that sends each one's copy, the step
-    every rank goes back to (the oldest lost rank's last whole copy), and why not ("" if
-    the plan holds)."""
-    alive = set(healthy)
-    senders: dict[int, int] = {}
-    steps = []
-    for rank in sorted(lost):
-        buddy = buddy_of(rank, world)
-        if buddy not in alive:
-            return {}, None, f"rank {rank} and its buddy rank {buddy} were lost together"
-        if not store.check([held_key(rank)]):
-            return {}, None, f"rank {rank} was lost before its first copy reached rank {buddy}"
-        senders[rank] = buddy
-        steps.append(int(store.get(held_key(rank))))
-    if not steps:
-        return senders, None, ""
-    step = min(steps)
-    for rank in sorted(alive):
-        if store.check([since_key(rank)]) and int(store.get(since_key(rank))) > step:
-            since = int(store.get(since_key(rank)))
-            return {}, None, f"rank {rank} was taken over at step {since}, after the copy of {step}"
-    return senders, step, ""
 
 
 @dataclass

@@ -41,7 +41,7 @@ from forewarn.errors import NoSpareAvailable, StateNotReplicated
 from forewarn.wire import MigrationReason
 from migrator import protocol as P
 from migrator.layouts import read_layout, senders
-from migrator.peercopy import rewind_plan
+from migrator.peerplan import rewind_plan
 from migrator.table import JobTable, Migration, Slot
 
 __all__ = ["Recovery", "RecoverySettings", "Supervisor"]

@@ -90,7 +90,7 @@ def test_cli_and_wire_parts_import_without_torch() -> None:
     modules = (
         "migrator migrator.protocol migrator.service_link migrator.webhook_listener "
         "migrator.endpoint migrator.migrate_cli migrator.launch_cli migrator.faults "
-        "migrator.commands migrator.table migrator.recovery forewarn.wire"
+        "migrator.commands migrator.table migrator.recovery migrator.peerplan forewarn.wire"
     )
     code = (
         "import importlib, sys; sys.modules['torch'] = None\n"
