@@ -141,14 +141,23 @@ class CollectiveFailed(RuntimeError):
     peer died, wedged or closed its connection."""
 
 
+_DISPATCH_MODULES = ("torch._ops", "torch.utils._pytree", "torch.utils._python_dispatch")
+"""Frames that only pass a call on (an op's dispatch, a tree map): where an error was raised
+is the first frame outside them (DTensor's functional collectives wait through them)."""
+
+
 def _raised_in(exc: BaseException) -> str:
-    """The module of the innermost Python frame ``exc`` went through ("" if none)."""
+    """The module of the innermost Python frame ``exc`` went through, dispatch frames
+    skipped ("" if none)."""
+    modules = []
     tb = exc.__traceback__
-    if tb is None:
-        return ""
-    while tb.tb_next is not None:
+    while tb is not None:
+        modules.append(str(tb.tb_frame.f_globals.get("__name__", "")))
         tb = tb.tb_next
-    return str(tb.tb_frame.f_globals.get("__name__", ""))
+    for module in reversed(modules):
+        if not any(module == m or module.startswith(m + ".") for m in _DISPATCH_MODULES):
+            return module
+    return ""
 
 
 def is_peer_failure(exc: BaseException) -> bool:

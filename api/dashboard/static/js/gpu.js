@@ -47,6 +47,7 @@ const CHARTS = [
 ];
 
 let root = null;
+let mounts = 0; // which mount is current: one that awaited past its unmount stops there
 let params = null;
 let windowS = 3600;
 let cols = null; // column arrays of the samples in the window
@@ -59,6 +60,7 @@ let threshold = null;
 let xRange = [0, 1]; // seconds: the window, shared by every chart
 
 export async function mount(el, p) {
+  const mine = ++mounts;
   root = el;
   params = p;
   const chosen = WINDOWS.find(([k]) => k === p.window);
@@ -104,6 +106,7 @@ export async function mount(el, p) {
   }
   if (!chosen) {
     windowS = await fittingWindow(p);
+    if (mine !== mounts || root !== el) return; // the operator left the page meanwhile
     for (const o of el.querySelectorAll("[data-window]")) {
       o.setAttribute("aria-pressed", String(Number(o.dataset.window) === windowS));
     }
