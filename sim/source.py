@@ -74,21 +74,7 @@ def tick_rows(model: FleetModel, tick: Tick) -> tuple[list[dict[str, Any]], list
             v = cols[k][j]
             row[k] = None if v != v else v  # NaN: a reading that vanished
         samples.append(row)
-    events = []
-    for ts_ms, n, gpu, kind, xid, msg, src in tick.events:
-        ev: dict[str, Any] = {
-            "node": model.node_names[n],
-            "ts": ts_ms / 1000.0,
-            "kind": kind,
-            "message": msg,
-            "source": src,
-        }
-        if gpu >= 0:
-            ev["gpu"] = gpu
-        if xid >= 0:
-            ev["xid"] = xid
-        events.append(ev)
-    return samples, events
+    return samples, [_event_json(model, row) for row in tick.events]
 
 
 @dataclass(frozen=True)
@@ -120,7 +106,8 @@ def _as_values(name: str, values: np.ndarray) -> np.ndarray:
     return values
 
 
-def _event(model: FleetModel, row: EventRow) -> Event:
+def _event_json(model: FleetModel, row: EventRow) -> dict[str, Any]:
+    """A tick's event as a wire JSON object (``ts`` as Unix seconds)."""
     ts_ms, n, gpu, kind, xid, msg, src = row
     ev: dict[str, Any] = {
         "node": model.node_names[n],
@@ -133,7 +120,11 @@ def _event(model: FleetModel, row: EventRow) -> Event:
         ev["gpu"] = gpu
     if xid >= 0:
         ev["xid"] = xid
-    return Event.model_validate(ev)
+    return ev
+
+
+def _event(model: FleetModel, row: EventRow) -> Event:
+    return Event.model_validate(_event_json(model, row))
 
 
 def tick_columns(model: FleetModel, tick: Tick) -> list[NodeBatch]:
