@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, Literal
 
 from anyio import to_thread
@@ -99,6 +100,19 @@ async def list_models(settings: SettingsDep, request: Request) -> dict[str, Any]
     return await to_thread.run_sync(lambda: _public(_life(settings), request))
 
 
+async def _change(
+    settings: Any, request: Request, change: Callable[[ModelLifecycle], object]
+) -> dict[str, Any]:
+    """Apply an operator's ``change`` to the lifecycle off the event loop; the models after it."""
+
+    def run() -> dict[str, Any]:
+        life = _life(settings, changing=True)
+        change(life)
+        return _public(life, request)
+
+    return await to_thread.run_sync(run)
+
+
 @router.post(
     "/v1/models/pin",
     response_model=ModelsPublic,
@@ -107,12 +121,7 @@ async def list_models(settings: SettingsDep, request: Request) -> dict[str, Any]
     summary="Put a model in force and keep it there (no promotion replaces it)",
 )
 async def pin_model(settings: SettingsDep, request: Request, body: PinRequest) -> dict[str, Any]:
-    def run() -> dict[str, Any]:
-        life = _life(settings, changing=True)
-        life.pin(body.model_id)
-        return _public(life, request)
-
-    return await to_thread.run_sync(run)
+    return await _change(settings, request, lambda life: life.pin(body.model_id))
 
 
 @router.post(
@@ -123,12 +132,7 @@ async def pin_model(settings: SettingsDep, request: Request, body: PinRequest) -
     summary="Let a better retrained model replace the one in force again",
 )
 async def unpin_model(settings: SettingsDep, request: Request) -> dict[str, Any]:
-    def run() -> dict[str, Any]:
-        life = _life(settings, changing=True)
-        life.unpin()
-        return _public(life, request)
-
-    return await to_thread.run_sync(run)
+    return await _change(settings, request, ModelLifecycle.unpin)
 
 
 @router.post(
@@ -139,12 +143,7 @@ async def unpin_model(settings: SettingsDep, request: Request) -> dict[str, Any]
     summary="Put back the model the last promotion or pin replaced (409 when none)",
 )
 async def rollback_model(settings: SettingsDep, request: Request) -> dict[str, Any]:
-    def run() -> dict[str, Any]:
-        life = _life(settings, changing=True)
-        life.rollback()
-        return _public(life, request)
-
-    return await to_thread.run_sync(run)
+    return await _change(settings, request, ModelLifecycle.rollback)
 
 
 class RetrainRequest(BaseModel):
