@@ -18,7 +18,7 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import AwareDatetime, BaseModel, ConfigDict, Field
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, model_validator
 
 __all__ = [
     "COUNTER_FIELDS",
@@ -37,6 +37,7 @@ __all__ = [
     "MigrationReason",
     "MigrationReport",
     "Placement",
+    "RankTimings",
     "RowError",
     "Vendor",
     "sample_columns",
@@ -63,6 +64,7 @@ UtcDatetime = AwareDatetime
 Counter = Annotated[int, Field(ge=0, le=MAX_COUNTER)]
 Celsius = Annotated[float, Field(ge=-60.0, le=250.0, allow_inf_nan=False)]
 Percent = Annotated[float, Field(ge=0.0, le=100.0, allow_inf_nan=False)]
+Seconds = Annotated[float, Field(ge=0.0, le=86400.0, allow_inf_nan=False)]
 # At least one character that is not a dot: "." and ".." cannot be read back by URL.
 Name = Annotated[
     str,
@@ -306,7 +308,9 @@ class MigrationCommand(_Wire):
     requested_at: UtcDatetime
     detail: str | None = Field(default=None, max_length=2000)
     trigger: str | None = Field(
-        default=None, max_length=32, description="preventive, planned, unplanned or manual."
+        default=None,
+        max_length=32,
+        description="preventive, planned, unplanned, manual or straggler.",
     )
     target: Placement | None = Field(
         default=None, description="The spare the service chose (its ``slot``); None: any."
@@ -325,6 +329,36 @@ class MigrationProgress(_Wire):
     error: str | None = Field(default=None, max_length=2000)
 
 
+class RankTimings(_Wire):
+    """Each active rank's step timing, as the job wrapper measured it: medians over its last steps.
+
+    Under data parallelism the all-reduce makes every rank's step take the same wall time, so a
+    slow rank cannot be told from step times: it shows in ``compute_s`` (from the step's start
+    to the rank's arrival at the step's first collective) and its peers show it in ``wait_s``
+    (from their arrival to that collective's end). Columns, one entry per active rank, so that
+    the heartbeat of a 16,384-rank job stays well inside the request size limit.
+    """
+
+    window: int = Field(ge=1, le=100_000, description="Steps each median is taken over.")
+    step: int = Field(ge=0, le=MAX_INT, description="The newest step measured.")
+    total_steps: int | None = Field(
+        default=None, ge=0, le=MAX_INT, description="Steps the job runs in all; None: unknown."
+    )
+    rank: list[Annotated[int, Field(ge=0, le=MAX_RANK)]] = Field(max_length=MAX_RANK + 1)
+    compute_s: list[Seconds] = Field(max_length=MAX_RANK + 1)
+    wait_s: list[Seconds] = Field(max_length=MAX_RANK + 1)
+    step_s: list[Seconds] = Field(max_length=MAX_RANK + 1)
+
+    @model_validator(mode="after")
+    def _one_row_per_rank(self) -> RankTimings:
+        n = len(self.rank)
+        if not len(self.compute_s) == len(self.wait_s) == len(self.step_s) == n:
+            raise ValueError("rank, compute_s, wait_s and step_s must have the same length")
+        if len(set(self.rank)) != n:
+            raise ValueError("a rank appears more than once")
+        return self
+
+
 class JobHeartbeat(_Wire):
     """A job agent's periodic sign of life."""
 
@@ -333,6 +367,9 @@ class JobHeartbeat(_Wire):
     )
     generation: int = Field(default=0, ge=0, le=MAX_INT)
     message: str | None = Field(default=None, max_length=2000)
+    timings: RankTimings | None = Field(
+        default=None, description="The active ranks' step timing; None: not measured yet."
+    )
 
 
 class MigrationReport(_Wire):
