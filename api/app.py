@@ -24,6 +24,7 @@ from api.docs import install_docs
 from api.errors import CatchAll, document_errors, error_body, install_error_handlers
 from api.guard import RequestGuard
 from api.metrics import Metrics, MetricsView, TimingMiddleware
+from api.retraining import retrain_on_schedule
 from api.routes import fleet
 from api.settings import DEV_TOKEN, Settings
 from api.state import AppState, TokenCache
@@ -83,6 +84,8 @@ def create_app(settings: Settings | None = None, *, store: Store | None = None) 
             log.warning("no tokens configured: development token '%s' has every scope", DEV_TOKEN)
         tasks = [asyncio.create_task(_retention(settings, opened), name="retention")]
         tasks += await start_control(state)
+        if settings.retrain_every_h is not None:
+            tasks.append(asyncio.create_task(retrain_on_schedule(state), name="retrain"))
         if settings.webhook_dispatch:
             dispatcher = webhook_dispatcher(settings, opened)
             tasks.append(asyncio.create_task(dispatcher.run(), name="webhooks"))

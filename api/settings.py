@@ -136,6 +136,14 @@ class Settings(BaseSettings):
     """Where trained models live (the newest is loaded when ``model`` is not set; with none
     there, the model shipped with Forewarn)."""
 
+    retrain_every_h: float | None = Field(default=None, gt=0, le=24 * 365)
+    """Retrain on the fleet's own history this often (``FOREWARN_RETRAIN_EVERY_H``), as
+    ``POST /v1/models/retrain`` does; the lifecycle promotes the candidate only if it beats the
+    model in force. None: only on demand. With replicas, only the control loop's leader does."""
+
+    retrain_holdout_days: float = Field(default=1.0, gt=0, le=30)
+    """The history's last days held out to judge a scheduled retraining's candidate."""
+
     policy: Policy = Field(default_factory=Policy)
     """Default policy as JSON (``FOREWARN_POLICY='{"hysteresis": 3}'``); PUT /v1/policy wins."""
 

@@ -49,10 +49,12 @@ class TokenCache:
 
 @dataclass
 class RetrainJob:
-    """The last retraining started by ``POST /v1/models/retrain`` (one at a time)."""
+    """The last retraining, on demand or on the schedule (one at a time: :mod:`api.retraining`)."""
 
     state: str = "idle"
     """idle, running, done or failed."""
+    trigger: str | None = None
+    """Who started it: ``request`` (the API) or ``schedule`` (``FOREWARN_RETRAIN_EVERY_H``)."""
     started_at: float | None = None
     finished_at: float | None = None
     decision: dict[str, Any] | None = None
@@ -62,6 +64,7 @@ class RetrainJob:
     def public(self) -> dict[str, Any]:
         return {
             "state": self.state,
+            "trigger": self.trigger,
             "started_at": self.started_at,
             "finished_at": self.finished_at,
             "decision": self.decision,

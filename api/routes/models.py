@@ -4,7 +4,8 @@ promotions, pins and rollbacks (``read``); pin, unpin, roll back, retrain (``adm
 ``POST /v1/models/retrain`` trains a candidate on the fleet's own history (the store's Parquet
 history, ``FOREWARN_HISTORY_URL``) on top of the model in force, in a worker thread (never in
 the event loop: ingest goes on), and lets the lifecycle judge it on the history's last
-``holdout_days``; ``GET /v1/models/retrain`` says how the last one went.
+``holdout_days``; ``GET /v1/models/retrain`` says how the last one went. The same runs on a
+schedule with ``FOREWARN_RETRAIN_EVERY_H`` (:mod:`api.retraining`).
 
 A thin layer over :class:`predictor.lifecycle.ModelLifecycle` on ``FOREWARN_MODELS_DIR``; the
 control loop follows the model in force at its next tick. With ``FOREWARN_MODEL`` set, that
@@ -13,8 +14,6 @@ card scores and the lifecycle does not decide: changes are refused (409).
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -23,8 +22,9 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field
 
 from api.deps import SettingsDep, require
-from api.state import RetrainJob, app_state
-from forewarn.errors import Conflict, ForewarnError
+from api.retraining import start_retraining
+from api.state import app_state
+from forewarn.errors import Conflict
 from predictor.lifecycle import ModelLifecycle
 
 __all__ = ["ModelsPublic", "PinRequest", "RetrainPublic", "RetrainRequest", "router"]
@@ -154,30 +154,14 @@ class RetrainRequest(BaseModel):
 
 class RetrainPublic(BaseModel):
     state: Literal["idle", "running", "done", "failed"]
+    trigger: Literal["request", "schedule"] | None = None
+    """Who started the last one: the API or the schedule (``FOREWARN_RETRAIN_EVERY_H``)."""
     started_at: float | None = None
     """Seconds since the epoch."""
     finished_at: float | None = None
     decision: dict[str, Any] | None = None
     """The lifecycle's decision (``judged``: both judgements, promoted or not)."""
     error: str | None = None
-
-
-def _retrain(settings: Any, job: RetrainJob, holdout_days: float) -> None:
-    from predictor.dataset import load_dataset
-
-    try:
-        url = settings.tier_policy().history_url
-        if url is None:
-            raise Conflict("the service keeps no history (FOREWARN_HISTORY_URL=none)")
-        history = load_dataset(url)
-        decision = _life(settings).retrain_on_history(history, holdout_days=holdout_days)
-        job.state, job.decision = "done", decision
-    except ForewarnError as exc:
-        job.state, job.error = "failed", exc.message
-    except Exception as exc:  # a worker thread must report, not die silently
-        job.state, job.error = "failed", f"{type(exc).__name__}: {exc}"
-    finally:
-        job.finished_at = time.time()
 
 
 @router.post(
@@ -193,17 +177,11 @@ async def retrain_model(
     settings: SettingsDep, request: Request, body: RetrainRequest | None = None
 ) -> dict[str, Any]:
     _life(settings, changing=True)
-    job = app_state(request.app).retrain
-    with job.lock:
-        if job.state == "running":
-            raise Conflict("a retraining is running", details={"started_at": job.started_at})
-        job.state, job.started_at, job.finished_at = "running", time.time(), None
-        job.decision, job.error = None, None
+    state = app_state(request.app)
     days = (body or RetrainRequest()).holdout_days
-    threading.Thread(
-        target=_retrain, args=(settings, job, days), name="model-retrain", daemon=True
-    ).start()
-    return job.public()
+    if not start_retraining(state, days, trigger="request"):
+        raise Conflict("a retraining is running", details={"started_at": state.retrain.started_at})
+    return state.retrain.public()
 
 
 @router.get(

@@ -114,3 +114,26 @@ def test_retrain_runs_in_a_worker_on_the_fleets_history_and_the_lifecycle_judges
         assert body["history"][-1]["candidate"] == decision["candidate"]
         bad = client.post("/v1/models/retrain", json={"holdout_days": 0}, headers=ADMIN)
         assert bad.status_code == 422
+
+
+def test_retraining_runs_on_a_schedule_and_says_it_was_the_schedule(tmp_path: Path) -> None:
+    """``FOREWARN_RETRAIN_EVERY_H`` starts the same retraining as the API, with nobody asking;
+    here the service keeps no history, so it fails at once and says why."""
+    settings = make_settings(
+        f"sqlite:///{tmp_path / 'api.db'}",
+        tmp_path,
+        models_dir=tmp_path / "models",
+        history_url="none",
+        control_enabled=False,
+        retrain_every_h=0.5 / 3600,
+    )
+    with TestClient(create_app(settings)) as client:
+        deadline = time.monotonic() + 60
+        while (job := client.get("/v1/models/retrain", headers=READ).json())["state"] in (
+            "idle",
+            "running",
+        ):
+            assert time.monotonic() < deadline, "no scheduled retraining started"
+            time.sleep(0.1)
+    assert job["trigger"] == "schedule" and job["state"] == "failed", job
+    assert "keeps no history" in job["error"]
