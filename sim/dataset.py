@@ -117,7 +117,8 @@ def generate_dataset(
             ``"lead_s"`` (see ``FleetModel.inject``); node: its name or index.
         slowdowns: forced straggler episodes, each ``{"at_s", "node", "gpu", "kind"}`` and
             optional ``"duration_s"`` and ``"factor"`` (see ``FleetModel.slow``); written to
-            ``slowdowns.parquet`` with those the rate draws, never to the failures.
+            ``slowdowns.parquet`` with those the rate draws, never to the failures (the file
+            is there when the fleet has stragglers: forced ones or a rate above 0).
 
     Returns:
         counts of what was written and the manifest.
@@ -196,7 +197,9 @@ def generate_dataset(
     fl = blocks.failures_frame(model, end_ms)
     write_parquet_frame(fl, out / "failures.parquet")
     sl = blocks.slowdowns_frame(model)
-    write_parquet_frame(sl, out / "slowdowns.parquet")
+    (out / "slowdowns.parquet").unlink(missing_ok=True)
+    if len(sl) or slowdowns or full["slowdowns"]["rate_per_gpu_day"] > 0:
+        write_parquet_frame(sl, out / "slowdowns.parquet")  # only a fleet with stragglers
     in_window = fl[fl["in_window"]]
     manifest = {
         "format": "forewarn-dataset",

@@ -279,9 +279,7 @@ class SimulatedSource:
         """
         n = self._node(node, gpu)
         if kind not in SLOWDOWN_KINDS:
-            raise InvalidInput(
-                f"unknown slowdown kind {kind!r}", details={"kinds": SLOWDOWN_KINDS}
-            )
+            raise InvalidInput(f"unknown slowdown kind {kind!r}", details={"kinds": SLOWDOWN_KINDS})
         if duration_s is not None and not duration_s > 0:
             raise InvalidInput("duration_s must be positive")
         if factor is not None and not factor >= 1.0:
