@@ -352,6 +352,8 @@ def _table(rows: list[Row]) -> list[str]:
     lines = [head, "-" * len(head)]
     for r in rows:
         spread = "" if r.ettr_min == r.ettr_max else f" ({r.ettr_min:.4f}-{r.ettr_max:.4f})"
+        if slow and spread:
+            spread = f" (ETTR {spread[2:]}"
         extra = ""
         if slow:
             extra = f" {r.straggler_gpu_hours_lost_per_day:>12,.0f} {r.ettr_with_stragglers:>9.4f}"
