@@ -6,6 +6,7 @@
     forewarn simulate --gpus 1024 --days 1 --seed 7 --out var/ds                # history
     forewarn simulate inject --node sim-node-0002 --gpu 3 --kind memory --lead-s 300
     forewarn simulate --gpus 16 --days 0.1 --out var/s --slow sim-node-0001:3:thermal:600@60
+    forewarn simulate slow --node sim-node-0002 --gpu 3 --kind pcie --duration-s 600
     forewarn simulate convert-csv --csv gpu.csv --node host1 --out var/real     # real export
     forewarn simulate --gpus 16 --speed 60 --serve-dcgm-exporter 9400           # for Prometheus
 
@@ -53,9 +54,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "action",
         nargs="?",
         default="run",
-        choices=["run", "inject", "convert-csv"],
-        help="run (default): live or history; inject: ask a running simulator; "
-        "convert-csv: turn a CSV export into a dataset",
+        choices=["run", "inject", "slow", "convert-csv"],
+        help="run (default): live or history; inject: ask a running simulator for a failure; "
+        "slow: ask it for a straggler; convert-csv: turn a CSV export into a dataset",
     )
     parser.add_argument("--gpus", type=int, default=64, help="fleet size (8 GPUs a node)")
     parser.add_argument("--seed", type=int, default=0, help="same seed, same fleet (default 0)")
@@ -134,9 +135,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
     inj.add_argument("--node", help="node name, e.g. sim-node-0002 (convert-csv: node of --csv)")
     inj.add_argument("--gpu", type=int, help="GPU index on the node")
     inj.add_argument(
-        "--kind", help="failure kind: memory, thermal, nvlink, pcie, power_loss, gpu_lost, other"
+        "--kind",
+        help="inject: failure kind (memory, thermal, nvlink, pcie, power_loss, gpu_lost, "
+        "other); slow: straggler kind (thermal, power_cap, power_brake, pcie)",
     )
     inj.add_argument("--lead-s", type=float, help="seconds of precursors before the failure")
+    inj.add_argument(
+        "--duration-s", type=float, help="slow: seconds the straggler lasts (default: drawn)"
+    )
+    inj.add_argument(
+        "--factor", type=float, help="slow: how much longer its share of a step takes (>= 1)"
+    )
     conv = parser.add_argument_group("convert-csv")
     conv.add_argument("--csv", action="append", default=[], help="samples CSV (repeatable)")
     conv.add_argument("--events-csv", help="events CSV (optional)")
@@ -202,7 +211,7 @@ def _params(args: argparse.Namespace) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        if args.action == "inject":
+        if args.action in ("inject", "slow"):
             return _inject(args)
         if args.action == "convert-csv":
             return _convert(args)
@@ -251,21 +260,24 @@ def _history(args: argparse.Namespace) -> int:
 def _inject(args: argparse.Namespace) -> int:
     import httpx
 
+    what = args.action
     if args.node is None or args.gpu is None or args.kind is None:
-        raise InvalidInput("inject needs --node, --gpu and --kind")
+        raise InvalidInput(f"{what} needs --node, --gpu and --kind")
     body: dict[str, Any] = {"node": args.node, "gpu": args.gpu, "kind": args.kind}
-    if args.lead_s is not None:
-        body["lead_s"] = args.lead_s
+    optional = ("lead_s",) if what == "inject" else ("duration_s", "factor")
+    for name in optional:
+        if getattr(args, name) is not None:
+            body[name] = getattr(args, name)
     try:
-        resp = httpx.post(args.control.rstrip("/") + "/inject", json=body, timeout=10.0)
+        resp = httpx.post(f"{args.control.rstrip('/')}/{what}", json=body, timeout=10.0)
     except httpx.HTTPError as exc:
-        print(f"forewarn simulate inject: cannot reach {args.control}: {exc}", file=sys.stderr)
+        print(f"forewarn simulate {what}: cannot reach {args.control}: {exc}", file=sys.stderr)
         return 1
     try:
         print(json.dumps(resp.json()))
     except ValueError:  # not the simulator's control API answering
         print(
-            f"forewarn simulate inject: {args.control} answered {resp.status_code}: "
+            f"forewarn simulate {what}: {args.control} answered {resp.status_code}: "
             f"{resp.text[:200]}",
             file=sys.stderr,
         )

@@ -11,6 +11,7 @@ import httpx
 import pandas as pd
 import pytest
 
+from forewarn import cli
 from forewarn.errors import InvalidInput
 from forewarn.wire import Event, GpuSample
 from sim.cli import parse_slow
@@ -156,6 +157,10 @@ def test_control_api_and_cli_take_a_slowdown_and_refuse_bad_ones() -> None:
             httpx.post(f"{server.url}/slow", json={**body, "node": "x"}, timeout=10).status_code
             == 404
         )
+        argv = ["simulate", "slow", "--control", server.url, "--node", "sim-node-0000"]
+        assert cli.main([*argv, "--gpu", "5", "--kind", "thermal", "--factor", "1.6"]) == 0
+        assert src.slowdown_factor("sim-node-0000", 5) == 1.6
+        assert cli.main([*argv, "--gpu", "5", "--kind", "nvlink"]) == 1
     finally:
         server.close()
     assert parse_slow("sim-node-0002:3:pcie:600:1.4@30") == {
