@@ -34,6 +34,7 @@ lognormal around ``duration_median_s``; or one is forced with :meth:`Slowdowns.s
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -124,7 +125,7 @@ class Slowdowns:
         ts_ms: int,
         live: np.ndarray,
         rng: np.random.Generator,
-        where: Any,
+        where: Callable[[int], tuple[str, int, str]],
     ) -> None:
         """End the episodes that are over at wall time ``t``; start new ones at the rate.
 
