@@ -271,7 +271,7 @@ class FleetModel:
             )
         if duration_s is None:
             duration_s = float(self.slowdowns.draw_durations(self.rng, 1)[0])
-        f = factor_of(self.params, kind) if factor is None else float(factor)
+        f = factor_of(self.params["slowdowns"], kind) if factor is None else float(factor)
         when = self._last_ts_ms if ts_ms is None else int(ts_ms)
         return self.slowdowns.start(
             g, kind, float(duration_s), f, self.t, when, self._where(g), injected=True

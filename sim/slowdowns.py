@@ -53,9 +53,9 @@ THERMAL, POWER_CAP, POWER_BRAKE, PCIE = range(4)
 _RUNNING_PCT = 5.0  # utilisation under which a GPU counts as idle (as the workload's idle bit)
 
 
-def factor_of(params: Params, kind: str) -> float:
-    """The default slowdown factor of ``kind`` from the parameters."""
-    spec = params["slowdowns"][kind]
+def factor_of(slowdowns: Params, kind: str) -> float:
+    """The default slowdown factor of ``kind`` from the ``[slowdowns]`` parameters."""
+    spec = slowdowns[kind]
     return float(spec["factor"]) if kind == "pcie" else 1.0 / float(spec["clock_frac"])
 
 
@@ -146,8 +146,8 @@ class Slowdowns:
         dur = self.draw_durations(rng, new.size)
         for gi, k, d in zip(new.tolist(), kinds.tolist(), dur.tolist(), strict=True):
             kind = SLOWDOWN_KINDS[k]
-            factor = 1.0 / self.p[kind]["clock_frac"] if k != PCIE else self.p[kind]["factor"]
-            self.start(gi, kind, d, float(factor), t, ts_ms, where(gi), injected=False)
+            factor = factor_of(self.p, kind)
+            self.start(gi, kind, d, factor, t, ts_ms, where(gi), injected=False)
 
     def draw_durations(self, rng: np.random.Generator, n: int) -> np.ndarray:
         med = max(float(self.p["duration_median_s"]), 1.0)
