@@ -3,7 +3,8 @@
 ``forewarn goodput`` simulates a long training job under failures drawn from the fleet
 model (``sim``) or replayed from the real StepFun fault trace, and compares
 checkpoint-restart, peer-replica recovery without prediction, and Forewarn (predicted
-failures moved away by a preventive migration, the rest recovered from a replica). See
+failures moved away by a preventive migration, the rest recovered from a replica), with a
+straggler term beside the failures (``stragglers.py``: a what-if, no rate was published). See
 ``docs/goodput.md``.
 
 This room may import the fleet model (``sim``) and numpy; matplotlib only to draw the PNG.
@@ -15,6 +16,7 @@ from goodput.model import STRATEGIES, Assumptions, Outcome, simulate
 from goodput.profile import PredictorProfile, from_card
 from goodput.published import run_sanity_check
 from goodput.schedule import Failure, fleet_schedule, trace_schedule
+from goodput.stragglers import Stragglers
 
 __all__ = [
     "STRATEGIES",
@@ -24,6 +26,7 @@ __all__ = [
     "PredictorProfile",
     "Row",
     "Scenario",
+    "Stragglers",
     "compare",
     "fleet_schedule",
     "from_card",

@@ -4,9 +4,12 @@
     forewarn goodput --gpus 4096 --source trace --trace ../shared/data/stepfun-fault-trace
     forewarn goodput --json --no-png
     forewarn goodput --layout ddp hsdp sharded peer-copy   # each layout's strategies
+    forewarn goodput --straggler-episodes-per-gpu-day 0.01 --straggler-slowdown 1.5  # what-if
 
 Prints every assumption, the predictor's figures it uses, the table (ETTR, GPU-hours lost per
-day, share of failures handled with nothing lost) and the 64xH200 sanity check; writes a PNG.
+day, share of failures handled with nothing lost), the straggler term (what was published, and
+with a rate and a slowdown given, its cost and Forewarn's gain) and the 64xH200 sanity check;
+writes a PNG.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import sys
 from dataclasses import asdict, fields, replace
 from pathlib import Path
 
+from forewarn.errors import InvalidInput
 from goodput import trace as trace_mod
 from goodput.compare import Row, Scenario, compare, model_mttf_h, write_png
 from goodput.costs import group_formation, group_formation_s
@@ -25,6 +29,7 @@ from goodput.layouts import LAYOUTS
 from goodput.model import Assumptions
 from goodput.profile import DEFAULT_PROFILE, KINDS, PredictorProfile, find_card, from_card
 from goodput.published import PUBLISHED_MIN, run_sanity_check
+from goodput.stragglers import STRAGGLERS_PATH, PublishedStragglers, Stragglers, published
 
 __all__ = ["configure", "run"]
 
@@ -134,6 +139,42 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="checkpoint-restart interval (default: Young/Daly optimum)",
     )
+    pub = published()
+    slow = parser.add_argument_group(
+        "stragglers",
+        "GPUs that run slower without failing (goodput/data/stragglers.json): no published "
+        "rate per GPU nor slowdown of an episode was found, so the term is shown only when "
+        "both are given (a what-if)",
+    )
+    slow.add_argument(
+        "--straggler-episodes-per-gpu-day",
+        type=float,
+        default=pub.episodes_per_gpu_day,
+        metavar="R",
+        help="straggler episodes per GPU per day",
+    )
+    slow.add_argument(
+        "--straggler-slowdown",
+        type=float,
+        default=pub.slowdown,
+        metavar="S",
+        help="how many times longer the straggler takes for its share of a step (>= 1)",
+    )
+    slow.add_argument(
+        "--straggler-duration-min",
+        type=float,
+        default=None if pub.duration_mean_s is None else pub.duration_mean_s / 60.0,
+        metavar="M",
+        help="mean episode length, minutes (default %(default)s: the published figure)",
+    )
+    slow.add_argument(
+        "--straggler-detect-s",
+        type=float,
+        default=Stragglers.detect_s,
+        metavar="S",
+        help="Forewarn: seconds from an episode's start until the slow rank is moved "
+        "(default %(default)s, assumed)",
+    )
     parser.add_argument(
         "--sanity-seeds", type=int, default=20, help="runs of the 64xH200 sanity check (0: skip it)"
     )
@@ -169,6 +210,84 @@ def _profile(args: argparse.Namespace) -> PredictorProfile:
             profile, false_alarms_per_1000_gpu_days=args.false_alarms_per_1000_gpu_days
         )
     return profile
+
+
+def _stragglers(args: argparse.Namespace) -> Stragglers | None:
+    """The straggler term of the flags; None without a rate and a slowdown.
+
+    Raises:
+        InvalidInput: only one of them given, or a value out of range.
+    """
+    rate, slowdown = args.straggler_episodes_per_gpu_day, args.straggler_slowdown
+    if rate is None and slowdown is None:
+        return None
+    if rate is None or slowdown is None or args.straggler_duration_min is None:
+        raise InvalidInput(
+            "the straggler term needs both --straggler-episodes-per-gpu-day and "
+            "--straggler-slowdown (and a duration): neither is published "
+            "(goodput/data/stragglers.json)"
+        )
+    try:
+        return Stragglers(
+            rate, slowdown, args.straggler_duration_min * 60.0, args.straggler_detect_s
+        )
+    except ValueError as exc:
+        raise InvalidInput(str(exc)) from exc
+
+
+def _describe_stragglers(
+    s: Stragglers | None, pub: PublishedStragglers, a: Assumptions, gpus: list[int]
+) -> list[str]:
+    """What was published, what the term uses, and an episode's arithmetic."""
+    g = pub.figures.get("greyhound", {})
+    lines = [
+        f"  published ({STRAGGLERS_PATH.name}): Greyhound (USENIX ATC '25, arXiv 2410.12588), "
+        f"a cluster of over 10,000 GPUs: episodes last {g.get('episode_duration', '?')}; "
+        f"fail-slows delay large jobs {g.get('job_delay_x_mean', '?')}x on average (slow "
+        f"computation and slow communication together)"
+    ]
+    if pub.duration_mean_s is not None:
+        lines.append(f"  episode length {pub.duration_mean_s / 60:g} min: {pub.duration_source}")
+    if s is None:
+        lines.append(f"  not in the table: {pub.missing}")
+        return lines
+    lines.append(
+        f"  what-if: {s.episodes_per_gpu_day:g} episodes per GPU-day, slowdown "
+        f"{s.slowdown:g}x, {s.duration_s / 60:g} min each (exponential), Forewarn moves the "
+        f"slow rank {s.detect_s:g} s after the start (assumed)"
+    )
+    for n in gpus:
+        pause = a.migration_pause_s(n)
+        lines.append(
+            f"  => at {n:,} GPUs: {s.episodes_per_gpu_day * n:.1f} episodes a day; an "
+            f"episode costs {s.duration_s * (1 - 1 / s.slowdown):.0f} s of training unmitigated "
+            f"on average, with Forewarn {s.detect_s * (1 - 1 / s.slowdown):.0f} s + a move's "
+            f"stall {pause:.2f} s (measured, preventive_stall.json); moving pays for an "
+            f"episode longer than {s.break_even_s(pause):.0f} s"
+        )
+    return lines
+
+
+def _straggler_summary(rows: list[Row]) -> list[str]:
+    """Per cluster and source: the straggler term without mitigation and with Forewarn."""
+    lines = ["Stragglers (beside failures): GPU-hours lost a day, ETTR with them too:"]
+    for gpus, source, layout in dict.fromkeys((r.gpus, r.source, r.layout) for r in rows):
+        sel = [r for r in rows if (r.gpus, r.source, r.layout) == (gpus, source, layout)]
+        fw = next(r for r in sel if r.strategy == "forewarn")
+        others = [r for r in sel if r.strategy != "forewarn"]
+        if not others or fw.ettr_with_stragglers is None:
+            continue
+        base = others[0]
+        best = max(others, key=lambda r: r.ettr_with_stragglers or 0.0)
+        gain = (fw.ettr_with_stragglers - (best.ettr_with_stragglers or 0.0)) * 100
+        lines.append(
+            f"  {gpus:>6} {source:<6} {layout:<9} {base.straggler_episodes_per_day:.1f} "
+            f"episodes/day: unmitigated {base.straggler_gpu_hours_lost_per_day:,.0f}, Forewarn "
+            f"{fw.straggler_gpu_hours_lost_per_day:,.0f} ({fw.straggler_moves_per_day:.1f} "
+            f"moves/day); ETTR {best.strategy} {best.ettr_with_stragglers:.4f}, forewarn "
+            f"{fw.ettr_with_stragglers:.4f} ({gain:+.2f} points)"
+        )
+    return lines
 
 
 def _describe_assumptions(a: Assumptions, gpus: list[int]) -> list[str]:
@@ -223,17 +342,25 @@ def _describe_assumptions(a: Assumptions, gpus: list[int]) -> list[str]:
 
 
 def _table(rows: list[Row]) -> list[str]:
+    slow = any(r.ettr_with_stragglers is not None for r in rows)
     head = (
         f"{'GPUs':>6} {'source':<6} {'MTTF h':>7} {'fail/d':>6} {'layout':<9} {'strategy':<19} "
         f"{'ETTR':>7} {'GPU-h lost/d':>12} {'no loss':>7} {'<=1 step':>8}"
     )
+    if slow:
+        head += f" {'slow GPU-h/d':>12} {'ETTR+slow':>9}"
     lines = [head, "-" * len(head)]
     for r in rows:
         spread = "" if r.ettr_min == r.ettr_max else f" ({r.ettr_min:.4f}-{r.ettr_max:.4f})"
+        if slow and spread:
+            spread = f" (ETTR {spread[2:]}"
+        extra = ""
+        if slow:
+            extra = f" {r.straggler_gpu_hours_lost_per_day:>12,.0f} {r.ettr_with_stragglers:>9.4f}"
         lines.append(
             f"{r.gpus:>6} {r.source:<6} {r.mttf_h:>7.2f} {r.failures_per_day:>6.1f} "
             f"{r.layout:<9} {r.strategy:<19} {r.ettr:>7.4f} {r.gpu_hours_lost_per_day:>12,.0f} "
-            f"{r.no_loss_share:>7.0%} {r.at_most_one_step_share:>8.0%}{spread}"
+            f"{r.no_loss_share:>7.0%} {r.at_most_one_step_share:>8.0%}{extra}{spread}"
         )
     return lines
 
@@ -256,12 +383,24 @@ def _layout_summary(rows: list[Row]) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        stragglers = _stragglers(args)
+    except InvalidInput as exc:
+        print(f"forewarn goodput: {exc.message}", file=sys.stderr)
+        return 2
+    found = published()
     assumptions = _assumptions(args)
     profile = _profile(args)
     trace_path = args.trace or trace_mod.find_trace_dir()
     faults, trace_source = trace_mod.load(trace_path) if "trace" in args.source else ([], "")
     scenario = Scenario(
-        tuple(args.gpus), tuple(args.source), args.days, args.seed, args.runs, tuple(args.layout)
+        tuple(args.gpus),
+        tuple(args.source),
+        args.days,
+        args.seed,
+        args.runs,
+        tuple(args.layout),
+        stragglers,
     )
     rows = compare(scenario, assumptions, profile, faults)
     sanity = run_sanity_check(args.sanity_seeds, args.seed) if args.sanity_seeds > 0 else None
@@ -291,6 +430,10 @@ def run(args: argparse.Namespace) -> int:
             "trace": trace_source,
             "predictor": {**asdict(profile), "notes": list(profile.notes)},
             "rows": [r.as_dict() for r in rows],
+            "stragglers": {
+                "term": None if stragglers is None else asdict(stragglers),
+                "published": {**asdict(found), "path": str(STRAGGLERS_PATH)},
+            },
             "sanity_64xh200": None
             if sanity is None
             else {
@@ -349,6 +492,12 @@ def run(args: argparse.Namespace) -> int:
     if args.layout:
         out("")
         for line in _layout_summary(rows):
+            out(line)
+    out("\nStragglers (GPUs that run slower without failing):")
+    for line in _describe_stragglers(stragglers, found, assumptions, args.gpus):
+        out(line)
+    if stragglers is not None:
+        for line in _straggler_summary(rows):
             out(line)
     if sanity is not None:
         out(

@@ -12,6 +12,8 @@ from goodput.layouts import LAYOUTS, simulate_layout
 from goodput.model import STRATEGIES, Assumptions, simulate, young_daly_interval_s
 from goodput.profile import PredictorProfile
 from goodput.schedule import Failure, fleet_schedule, job_mttf_h, trace_schedule
+from goodput.stragglers import StragglerCost, Stragglers, cost
+from goodput.stragglers import schedule as straggler_schedule
 from goodput.trace import TraceFault
 
 __all__ = ["Row", "Scenario", "compare"]
@@ -31,6 +33,8 @@ class Scenario:
     layouts: tuple[str, ...] = ()
     """Parallel layouts (:data:`goodput.layouts.LAYOUTS`); empty: the three strategies of
     replicated data parallelism, as before layouts were modelled."""
+    stragglers: Stragglers | None = None
+    """The straggler term (:mod:`goodput.stragglers`); None: failures only."""
 
 
 @dataclass
@@ -52,6 +56,12 @@ class Row:
     false_alarms_per_day: float
     lost_hours_per_day: dict[str, float] = field(default_factory=dict)
     layout: str = "ddp"
+    straggler_episodes_per_day: float = 0.0
+    straggler_moves_per_day: float = 0.0
+    straggler_gpu_hours_lost_per_day: float = 0.0
+    """GPU-hours a day the straggler episodes cost (slow steps, and Forewarn's moves)."""
+    ettr_with_stragglers: float | None = None
+    """ETTR with the straggler term too (None: no straggler term)."""
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -86,6 +96,7 @@ def compare(
         for source in scenario.sources:
             cases = _cases(scenario)
             outs: dict[tuple[str, str], list] = {c: [] for c in cases}
+            slow: dict[tuple[str, str], list[tuple[StragglerCost, float]]] = {c: [] for c in cases}
             counts, intervals = [], []
             for run in range(scenario.runs):
                 rng = np.random.default_rng([scenario.seed, gpus, run, source == "trace"])
@@ -97,6 +108,10 @@ def compare(
                     assumptions.ckpt_save_s, mttf_s
                 )
                 intervals.append(interval)
+                episodes = []
+                if scenario.stragglers is not None:
+                    srng = np.random.default_rng([scenario.seed, gpus, run, 11])
+                    episodes = straggler_schedule(gpus, horizon_s, scenario.stragglers, srng)
                 for layout, strategy in cases:
                     rng = np.random.default_rng([scenario.seed, gpus, run, 7])
                     if scenario.layouts:
@@ -123,6 +138,15 @@ def compare(
                             mttf_s=mttf_s,
                         )
                     outs[(layout, strategy)].append(out)
+                    if scenario.stragglers is not None:
+                        c = cost(
+                            episodes,
+                            scenario.stragglers,
+                            mitigate=strategy == "forewarn",
+                            pause_s=assumptions.migration_pause_s(gpus),
+                            horizon_s=horizon_s,
+                        )
+                        slow[(layout, strategy)].append((c, out.ettr - c.lost_s / out.wall_s))
             n = float(np.mean(counts))
             for (layout, strategy), runs in outs.items():
                 ettrs = [o.ettr for o in runs]
@@ -152,9 +176,27 @@ def compare(
                         / scenario.days,
                         lost_hours_per_day=lost,
                         layout=layout,
+                        **_straggler_fields(slow[(layout, strategy)], gpus, scenario.days),
                     )
                 )
     return rows
+
+
+def _straggler_fields(
+    runs: list[tuple[StragglerCost, float]], gpus: int, days: float
+) -> dict[str, float]:
+    """The straggler columns of a row: means over the runs (none: no straggler term)."""
+    if not runs:
+        return {}
+    return {
+        "straggler_episodes_per_day": float(np.mean([c.episodes for c, _ in runs])) / days,
+        "straggler_moves_per_day": float(np.mean([c.moves for c, _ in runs])) / days,
+        "straggler_gpu_hours_lost_per_day": float(np.mean([c.lost_s for c, _ in runs]))
+        * gpus
+        / 3600.0
+        / days,
+        "ettr_with_stragglers": float(np.mean([e for _, e in runs])),
+    }
 
 
 def _cases(scenario: Scenario) -> list[tuple[str, str]]:

@@ -1,7 +1,8 @@
 """The fleet simulator: GPUs that behave, and fail, the way real ones do.
 
 A vectorised model of a whole fleet (``fleet.py``), its healthy workload (``workload.py``),
-the physics of each failure mode and of benign noise (``precursors.py``), calibrated to
+the physics of each failure mode and of benign noise (``precursors.py``), stragglers that run
+slower without failing (``slowdowns.py``), calibrated to
 published fleet figures (``calibration.py``) with every parameter in ``defaults.toml``
 (``config.py``). It feeds the live source (``sim.source``) and writes labelled
 datasets (``dataset.py``). ``docs/simulator.md`` tells the story; ``docs/datasets.md`` the
@@ -19,10 +20,12 @@ node agent.
 from sim.config import FAILURE_KINDS, Params, default_params, load_params, randomised
 from sim.dataset import DEFAULT_START_MS, DatasetInfo, generate_dataset
 from sim.fleet import FleetModel, Tick
+from sim.slowdowns import SLOWDOWN_KINDS
 
 __all__ = [
     "DEFAULT_START_MS",
     "FAILURE_KINDS",
+    "SLOWDOWN_KINDS",
     "DatasetInfo",
     "FleetModel",
     "Params",

@@ -17,7 +17,28 @@ if TYPE_CHECKING:
 
     from sim.fleet import EventRow, FleetModel, Tick
 
-__all__ = ["BlockBuffer", "events_frame", "failures_frame", "pending_failures"]
+__all__ = [
+    "SLOWDOWN_COLUMNS",
+    "BlockBuffer",
+    "events_frame",
+    "failures_frame",
+    "pending_failures",
+    "slowdowns_frame",
+]
+
+SLOWDOWN_COLUMNS: dict[str, str] = {
+    "ts_ms": "int64",
+    "end_ts_ms": "int64",
+    "node": "str",
+    "gpu": "int64",
+    "uuid": "str",
+    "kind": "str",
+    "factor": "float64",
+    "throttle_reasons": "int64",
+    "injected": "bool",
+}
+"""The columns of ``slowdowns.parquet`` and their dtypes: one row per straggler episode
+(``sim.slowdowns``), ``end_ts_ms`` its end (planned, for one still running at the end)."""
 
 
 class BlockBuffer:
@@ -80,8 +101,6 @@ class BlockBuffer:
                 arr = pa.array(np.full(rows, float(m.params["fleet"]["mem_total_mib"])))
             elif c == "pcie_link_width_max":
                 arr = pa.array(np.full(rows, int(m.params["fleet"]["pcie_link_width_max"])))
-            elif c == "pcie_link_gen":
-                arr = pa.array(np.full(rows, int(m.params["fleet"]["pcie_link_gen"])))
             else:
                 # from_pandas: a NaN (a reading that vanished) is written as a null
                 arr = pa.array(self.cols[c][:n].ravel()[mask], from_pandas=True).cast(f.type)
@@ -168,3 +187,12 @@ def _row(m: FleetModel, g: int, ts: int, c: Any, inc: int, has: Any, onset: Any)
         "injected": bool(m.injected[g]),
         "uuid": m.uuids[g],
     }
+
+
+def slowdowns_frame(model: FleetModel) -> pd.DataFrame:
+    """Straggler episodes (none of them a failure), sorted by ts_ms, node, gpu."""
+    import pandas as pd
+
+    df = pd.DataFrame(model.slowdowns.records, columns=list(SLOWDOWN_COLUMNS))
+    df = df.astype(SLOWDOWN_COLUMNS)
+    return df.sort_values(["ts_ms", "node", "gpu"], kind="stable").reset_index(drop=True)

@@ -5,6 +5,8 @@
     forewarn simulate --gpus 64 --service http://127.0.0.1:8765 --speed 60      # live
     forewarn simulate --gpus 1024 --days 1 --seed 7 --out var/ds                # history
     forewarn simulate inject --node sim-node-0002 --gpu 3 --kind memory --lead-s 300
+    forewarn simulate --gpus 16 --days 0.1 --out var/s --slow sim-node-0001:3:thermal:600@60
+    forewarn simulate slow --node sim-node-0002 --gpu 3 --kind pcie --duration-s 600
     forewarn simulate convert-csv --csv gpu.csv --node host1 --out var/real     # real export
     forewarn simulate --gpus 16 --speed 60 --serve-dcgm-exporter 9400           # for Prometheus
 
@@ -16,7 +18,8 @@ failures can be injected while it runs. ``--serve-dcgm-exporter PORT`` serves th
 current readings as a dcgm-exporter would (``http://HOST:PORT/metrics``, ``sim/exposition.py``)
 for a Prometheus to scrape; it needs no service (with ``--service`` it does both).
 ``--inject NODE:GPU:KIND[:LEAD_S][@AT_S]`` injects from the command line, in both modes
-(AT_S: seconds after the start).
+(AT_S: seconds after the start); ``--slow NODE:GPU:KIND[:DURATION_S[:FACTOR]][@AT_S]`` makes a
+GPU a straggler the same way (``sim/slowdowns.py``: slower, never failing).
 
 Before streaming, live mode times a few warm-up ticks and says plainly whether this machine
 can hold the rate asked (GPUs x 1/interval); while it runs, a tick that comes a whole interval
@@ -40,7 +43,7 @@ from typing import Any
 from forewarn import __version__
 from forewarn.errors import ForewarnError, InvalidInput
 
-__all__ = ["Senders", "TickCost", "configure", "measure_tick", "parse_inject", "run"]
+__all__ = ["Senders", "TickCost", "configure", "measure_tick", "parse_inject", "parse_slow", "run"]
 
 WARM_UP_TICKS = 3
 """Ticks timed before a live stream starts (not sent)."""
@@ -51,9 +54,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "action",
         nargs="?",
         default="run",
-        choices=["run", "inject", "convert-csv"],
-        help="run (default): live or history; inject: ask a running simulator; "
-        "convert-csv: turn a CSV export into a dataset",
+        choices=["run", "inject", "slow", "convert-csv"],
+        help="run (default): live or history; inject: ask a running simulator for a failure; "
+        "slow: ask it for a straggler; convert-csv: turn a CSV export into a dataset",
     )
     parser.add_argument("--gpus", type=int, default=64, help="fleet size (8 GPUs a node)")
     parser.add_argument("--seed", type=int, default=0, help="same seed, same fleet (default 0)")
@@ -77,6 +80,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="NODE:GPU:KIND[:LEAD_S][@AT_S]",
         help="force a failure (repeatable)",
+    )
+    parser.add_argument(
+        "--slow",
+        action="append",
+        default=[],
+        metavar="NODE:GPU:KIND[:DURATION_S[:FACTOR]][@AT_S]",
+        help="make a GPU a straggler, never a failure (repeatable): KIND thermal, power_cap, "
+        "power_brake or pcie; DURATION_S wall seconds (default: drawn); FACTOR how much longer "
+        "its share of a step takes (default: the kind's); AT_S seconds after the start",
     )
     hist = parser.add_argument_group("history")
     hist.add_argument("--days", type=float, help="write DAYS of history to --out")
@@ -123,9 +135,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
     inj.add_argument("--node", help="node name, e.g. sim-node-0002 (convert-csv: node of --csv)")
     inj.add_argument("--gpu", type=int, help="GPU index on the node")
     inj.add_argument(
-        "--kind", help="failure kind: memory, thermal, nvlink, pcie, power_loss, gpu_lost, other"
+        "--kind",
+        help="inject: failure kind (memory, thermal, nvlink, pcie, power_loss, gpu_lost, "
+        "other); slow: straggler kind (thermal, power_cap, power_brake, pcie)",
     )
     inj.add_argument("--lead-s", type=float, help="seconds of precursors before the failure")
+    inj.add_argument(
+        "--duration-s", type=float, help="slow: seconds the straggler lasts (default: drawn)"
+    )
+    inj.add_argument(
+        "--factor", type=float, help="slow: how much longer its share of a step takes (>= 1)"
+    )
     conv = parser.add_argument_group("convert-csv")
     conv.add_argument("--csv", action="append", default=[], help="samples CSV (repeatable)")
     conv.add_argument("--events-csv", help="events CSV (optional)")
@@ -151,6 +171,35 @@ def parse_inject(text: str) -> dict[str, Any]:
     return out
 
 
+def parse_slow(text: str) -> dict[str, Any]:
+    """``NODE:GPU:KIND[:DURATION_S[:FACTOR]][@AT_S]`` -> ``{"node", "gpu", "kind",
+    "duration_s", "factor", "at_s"}`` (None: the default)."""
+    from sim.slowdowns import SLOWDOWN_KINDS
+
+    spec, _, at = text.partition("@")
+    parts = spec.split(":")
+    if not 3 <= len(parts) <= 5:
+        raise InvalidInput(f"--slow {text!r}: expected NODE:GPU:KIND[:DURATION_S[:FACTOR]][@AT_S]")
+    if parts[2] not in SLOWDOWN_KINDS:
+        raise InvalidInput(f"--slow {text!r}: KIND is one of {', '.join(SLOWDOWN_KINDS)}")
+    try:
+        out: dict[str, Any] = {
+            "node": parts[0],
+            "gpu": int(parts[1]),
+            "kind": parts[2],
+            "duration_s": float(parts[3]) if len(parts) > 3 and parts[3] else None,
+            "factor": float(parts[4]) if len(parts) > 4 else None,
+            "at_s": float(at) if at else 0.0,
+        }
+    except ValueError as exc:
+        raise InvalidInput(f"--slow {text!r}: {exc}") from exc
+    if out["duration_s"] is not None and not out["duration_s"] > 0:
+        raise InvalidInput(f"--slow {text!r}: DURATION_S must be positive")
+    if out["factor"] is not None and not out["factor"] >= 1.0:
+        raise InvalidInput(f"--slow {text!r}: FACTOR must be at least 1")
+    return out
+
+
 def _params(args: argparse.Namespace) -> dict[str, Any]:
     from sim.config import TELEMETRY_COLLAPSE, load_params, randomised
 
@@ -162,7 +211,7 @@ def _params(args: argparse.Namespace) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        if args.action == "inject":
+        if args.action in ("inject", "slow"):
             return _inject(args)
         if args.action == "convert-csv":
             return _convert(args)
@@ -186,6 +235,7 @@ def _history(args: argparse.Namespace) -> int:
 
     params = _params(args)
     injections = [parse_inject(t) for t in args.inject]
+    slowdowns = [parse_slow(t) for t in args.slow]
     t0 = time.perf_counter()
     info = generate_dataset(
         args.out,
@@ -195,11 +245,13 @@ def _history(args: argparse.Namespace) -> int:
         seed=args.seed,
         params=params,
         injections=injections,
+        slowdowns=slowdowns,
     )
     took = time.perf_counter() - t0
     print(
         f"wrote {info.path}: {info.samples:,} samples, {info.events:,} events, "
-        f"{info.failures} failures ({info.manifest['counts']['incidents']} incidents) "
+        f"{info.failures} failures ({info.manifest['counts']['incidents']} incidents), "
+        f"{info.manifest['counts']['slowdowns']} straggler episodes "
         f"in {took:.1f} s ({info.samples / max(took, 1e-9):,.0f} samples/s)"
     )
     return 0
@@ -208,21 +260,24 @@ def _history(args: argparse.Namespace) -> int:
 def _inject(args: argparse.Namespace) -> int:
     import httpx
 
+    what = args.action
     if args.node is None or args.gpu is None or args.kind is None:
-        raise InvalidInput("inject needs --node, --gpu and --kind")
+        raise InvalidInput(f"{what} needs --node, --gpu and --kind")
     body: dict[str, Any] = {"node": args.node, "gpu": args.gpu, "kind": args.kind}
-    if args.lead_s is not None:
-        body["lead_s"] = args.lead_s
+    optional = ("lead_s",) if what == "inject" else ("duration_s", "factor")
+    for name in optional:
+        if getattr(args, name) is not None:
+            body[name] = getattr(args, name)
     try:
-        resp = httpx.post(args.control.rstrip("/") + "/inject", json=body, timeout=10.0)
+        resp = httpx.post(f"{args.control.rstrip('/')}/{what}", json=body, timeout=10.0)
     except httpx.HTTPError as exc:
-        print(f"forewarn simulate inject: cannot reach {args.control}: {exc}", file=sys.stderr)
+        print(f"forewarn simulate {what}: cannot reach {args.control}: {exc}", file=sys.stderr)
         return 1
     try:
         print(json.dumps(resp.json()))
     except ValueError:  # not the simulator's control API answering
         print(
-            f"forewarn simulate inject: {args.control} answered {resp.status_code}: "
+            f"forewarn simulate {what}: {args.control} answered {resp.status_code}: "
             f"{resp.text[:200]}",
             file=sys.stderr,
         )
@@ -394,7 +449,11 @@ def _live(args: argparse.Namespace) -> int:
         if pusher is not None:
             pusher.close()
         raise InvalidInput(f"cannot listen: {exc}") from exc
-    pending = sorted((parse_inject(t) for t in args.inject), key=lambda j: j["at_s"])
+    pending = sorted(
+        [dict(parse_inject(t), what="inject") for t in args.inject]
+        + [dict(parse_slow(t), what="slow") for t in args.slow],
+        key=lambda j: j["at_s"],
+    )
     stop = False
 
     def _stop(*_: object) -> None:
@@ -442,7 +501,11 @@ def _live(args: argparse.Namespace) -> int:
                 break
             while pending and pending[0]["at_s"] <= elapsed:
                 j = pending.pop(0)
-                print(json.dumps(source.inject(j["node"], j["gpu"], j["kind"], j["lead_s"])))
+                if j["what"] == "slow":
+                    done = source.slow(j["node"], j["gpu"], j["kind"], j["duration_s"], j["factor"])
+                else:
+                    done = source.inject(j["node"], j["gpu"], j["kind"], j["lead_s"])
+                print(json.dumps(done))
             batches = source.read_batches(datetime.now(UTC))
             if pusher is not None:
                 for batch in batches:

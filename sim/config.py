@@ -170,6 +170,18 @@ def validate(params: Params) -> None:
             total += entry["trace_count"]
     check(total > 0, "at least one trace class that kills a job")
     check(sum(params["noise"]["app_xid_mix"].values()) > 0, "noise.app_xid_mix not empty")
+    slow = params["slowdowns"]
+    check(slow["rate_per_gpu_day"] >= 0, "slowdowns.rate_per_gpu_day >= 0")
+    check(slow["duration_median_s"] > 0, "slowdowns.duration_median_s > 0")
+    check(slow["duration_sigma"] >= 0, "slowdowns.duration_sigma >= 0")
+    kinds = ("thermal", "power_cap", "power_brake", "pcie")
+    check(all(slow[k]["weight"] >= 0 for k in kinds), "slowdowns.<kind>.weight >= 0")
+    check(sum(slow[k]["weight"] for k in kinds) > 0, "a slowdowns.<kind>.weight above 0")
+    for k in ("thermal", "power_cap", "power_brake"):
+        check(0.0 < slow[k]["clock_frac"] <= 1.0, f"slowdowns.{k}.clock_frac in (0, 1]")
+    check(slow["pcie"]["factor"] >= 1.0, "slowdowns.pcie.factor >= 1")
+    check(1 <= slow["pcie"]["width"] <= params["fleet"]["pcie_link_width_max"], "pcie width")
+    check(1 <= slow["pcie"]["gen"] <= params["fleet"]["pcie_link_gen"], "slowdowns.pcie.gen")
     from sim.shapes import check as check_shapes
 
     check_shapes(params["shapes"])

@@ -6,8 +6,12 @@ A small HTTP server on localhost (stdlib ``http.server``, one thread), for demos
   optional ``"lead_s"`` (wall seconds to the failure, precursors over that span; omitted: drawn
   from the kind's lead-time distribution, none for kinds without warning) answers
   ``{"node", "gpu", "kind", "fails_in_s"}``;
-- ``GET /status``: GPUs up, degrading, failures so far, speed, lemon nodes;
+- ``POST /slow`` with ``{"node", "gpu", "kind"}`` (``thermal``, ``power_cap``, ``power_brake``,
+  ``pcie``) and optional ``"duration_s"`` and ``"factor"`` makes the GPU a straggler, never a
+  failure (``SimulatedSource.slow``), answering the episode's record;
+- ``GET /status``: GPUs up, degrading, slowed, failures so far, speed, lemon nodes;
 - ``GET /failures``: the ground truth so far (one object per GPU failure);
+- ``GET /slowdowns``: the straggler episodes so far (one object each);
 - ``GET /healthz``.
 
 Errors are ``{"error": {"code", "message", ...}}`` (409 ``conflict`` for a GPU out of
@@ -51,30 +55,42 @@ def _handler(source: SimulatedSource) -> type[BaseHTTPRequestHandler]:
                 self.send_json(200, source.status())
             elif self.path == "/failures":
                 self.send_json(200, {"data": source.failures()})
+            elif self.path == "/slowdowns":
+                self.send_json(200, {"data": source.slowdowns()})
             else:
                 self.send_error_json(NotFound(f"no route {self.path}"))
 
         def do_POST(self) -> None:
-            if self.path != "/inject":
+            if self.path not in ("/inject", "/slow"):
                 self.send_error_json(NotFound(f"no route {self.path}"))
                 return
+            what = self.path[1:]
             try:
                 body = self.read_json()
                 if not isinstance(body, dict) or not {"node", "gpu", "kind"} <= body.keys():
-                    raise InvalidInput('expected {"node", "gpu", "kind"} and optional "lead_s"')
-                lead = body.get("lead_s")
-                result = source.inject(
-                    body["node"],
-                    int(body["gpu"]),
-                    str(body["kind"]),
-                    None if lead is None else float(lead),
-                )
+                    extra = '"lead_s"' if what == "inject" else '"duration_s", "factor"'
+                    raise InvalidInput(f'expected {{"node", "gpu", "kind"}} and optional {extra}')
+                node, gpu, kind = body["node"], int(body["gpu"]), str(body["kind"])
+                if what == "inject":
+                    result = source.inject(node, gpu, kind, _number(body.get("lead_s")))
+                else:
+                    duration, factor = _number(body.get("duration_s")), _number(body.get("factor"))
+                    result = source.slow(node, gpu, kind, duration, factor)
             except ForewarnError as exc:
                 self.send_error_json(exc)
                 return
             except (ValueError, TypeError) as exc:
-                self.send_error_json(InvalidInput(f"bad inject request: {exc}"))
+                self.send_error_json(InvalidInput(f"bad {what} request: {exc}"))
                 return
             self.send_json(200, result)
 
     return Handler
+
+
+def _number(value: object) -> float | None:
+    """An optional number of a request body (None stays None; anything else must be one)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise TypeError(f"expected a number, got {value!r}")
+    return float(value)

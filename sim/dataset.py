@@ -26,6 +26,7 @@ from sim.calibration import per_gpu_hazard_per_h
 from sim.config import Params, load_params, validate
 from sim.fleet import FleetModel
 from sim.shapes import families
+from sim.slowdowns import SLOWDOWN_KINDS
 
 __all__ = ["DEFAULT_START_MS", "DatasetInfo", "generate_dataset", "write_parquet_frame"]
 
@@ -99,6 +100,7 @@ def generate_dataset(
     params: Params | Mapping[str, Any] | None = None,
     start_ms: int = DEFAULT_START_MS,
     injections: Iterable[Mapping[str, Any]] = (),
+    slowdowns: Iterable[Mapping[str, Any]] = (),
 ) -> DatasetInfo:
     """Simulate ``gpus`` GPUs for ``days`` days and write the labelled dataset to ``out_dir``.
 
@@ -113,6 +115,10 @@ def generate_dataset(
         start_ms: timestamp of the first tick, ms since the epoch (UTC).
         injections: forced failures, each ``{"at_s", "node", "gpu", "kind"}`` and optional
             ``"lead_s"`` (see ``FleetModel.inject``); node: its name or index.
+        slowdowns: forced straggler episodes, each ``{"at_s", "node", "gpu", "kind"}`` and
+            optional ``"duration_s"`` and ``"factor"`` (see ``FleetModel.slow``); written to
+            ``slowdowns.parquet`` with those the rate draws, never to the failures (the file
+            is there when the fleet has stragglers: forced ones or a rate above 0).
 
     Returns:
         counts of what was written and the manifest.
@@ -129,7 +135,9 @@ def generate_dataset(
     for old in (out / "samples").glob("part-*.parquet"):
         old.unlink()
     model = FleetModel(gpus, full, seed)
+    injections, slowdowns = list(injections), list(slowdowns)
     pending = sorted(injections, key=lambda j: float(j["at_s"]))
+    slow_pending = sorted(slowdowns, key=lambda j: float(j["at_s"]))
     step_ms = round(step * 1000.0)
     block = max(1, ROWS_PER_GROUP // model.g)
     buf = blocks.BlockBuffer(model, block)
@@ -160,6 +168,18 @@ def generate_dataset(
             model.inject(
                 _node_index(model, j["node"]), int(j["gpu"]), str(j["kind"]), j.get("lead_s")
             )
+        while slow_pending and float(slow_pending[0]["at_s"]) <= k * step:
+            j = slow_pending.pop(0)
+            if j["kind"] not in SLOWDOWN_KINDS:
+                raise InvalidInput(f"unknown slowdown kind {j['kind']!r}")
+            model.slow(
+                _node_index(model, j["node"]),
+                int(j["gpu"]),
+                str(j["kind"]),
+                j.get("duration_s"),
+                j.get("factor"),
+                ts_ms=start_ms + max(k - 1, 0) * step_ms,  # the last tick: the model's time
+            )
         tick = model.step(step if k else 0.0, start_ms + k * step_ms)
         buf.add(tick)
         events.extend(tick.events)
@@ -176,6 +196,10 @@ def generate_dataset(
     write_parquet_frame(ev, out / "events.parquet")
     fl = blocks.failures_frame(model, end_ms)
     write_parquet_frame(fl, out / "failures.parquet")
+    sl = blocks.slowdowns_frame(model)
+    (out / "slowdowns.parquet").unlink(missing_ok=True)
+    if len(sl) or slowdowns or full["slowdowns"]["rate_per_gpu_day"] > 0:
+        write_parquet_frame(sl, out / "slowdowns.parquet")  # only a fleet with stragglers
     in_window = fl[fl["in_window"]]
     manifest = {
         "format": "forewarn-dataset",
@@ -197,8 +221,10 @@ def generate_dataset(
             "events": len(ev),
             "failures": len(in_window),
             "incidents": int(in_window["incident_id"].nunique()),
+            "slowdowns": len(sl),
         },
         "injections": [dict(j) for j in sorted(injections, key=lambda j: float(j["at_s"]))],
+        "slowdowns": [dict(j) for j in sorted(slowdowns, key=lambda j: float(j["at_s"]))],
     }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     del pd

@@ -29,6 +29,7 @@ from forewarn.errors import Conflict
 from sim import precursors
 from sim.calibration import Calibration
 from sim.config import FAILURE_KINDS, Params
+from sim.slowdowns import SLOWDOWN_KINDS, Slowdowns, factor_of
 from sim.workload import Workload
 
 __all__ = ["CounterState", "FleetModel", "Tick"]
@@ -118,6 +119,7 @@ class FleetModel:
         self.x8 = rng.random(self.g) < params["noise"]["x8_link_fraction"]
 
         self.t = 0.0  # wall seconds since start
+        self._last_ts_ms = 0  # timestamp of the last tick
         self.tf = 0.0  # failure-clock seconds since start
         self.counters = CounterState(self.g)
         self.workload = Workload(params, self.nodes, gpn, rng)
@@ -143,6 +145,7 @@ class FleetModel:
         self.stall_until = np.full(self.nodes, -1.0)
         self.failures: list[dict[str, Any]] = []
         self._incidents = 0
+        self.slowdowns = Slowdowns(params, self.g)
 
     # -- planning ---------------------------------------------------------------------------
 
@@ -238,12 +241,52 @@ class FleetModel:
         self.injected[g] = True
         return lead_f / self.speed
 
+    def slow(
+        self,
+        node: int,
+        gpu: int,
+        kind: str,
+        duration_s: float | None = None,
+        factor: float | None = None,
+        ts_ms: int | None = None,
+    ) -> dict[str, Any]:
+        """Make GPU ``gpu`` of node ``node`` a straggler of ``kind`` from now (not a failure).
+
+        ``duration_s``: wall seconds it lasts (None: drawn, lognormal around
+        ``slowdowns.duration_median_s``); ``factor``: how much longer its share of a step
+        takes (None: the kind's, ``sim.slowdowns.factor_of``; for a throttle the SM clock is
+        the application clock / factor). ``ts_ms``: the time of the record (None: the time of
+        the last tick). Returns the ground-truth record (``sim.slowdowns.Slowdowns.records``).
+
+        Raises:
+            Conflict: the GPU is out of service.
+        """
+        if kind not in SLOWDOWN_KINDS:
+            raise ValueError(f"unknown slowdown kind {kind!r}")
+        g = node * self.gpn + gpu
+        if not self.up[g]:
+            raise Conflict(
+                f"{self.node_names[node]} GPU {gpu} is out of service (failed, under repair)",
+                details={"node": self.node_names[node], "gpu": gpu},
+            )
+        if duration_s is None:
+            duration_s = float(self.slowdowns.draw_durations(self.rng, 1)[0])
+        f = factor_of(self.params["slowdowns"], kind) if factor is None else float(factor)
+        when = self._last_ts_ms if ts_ms is None else int(ts_ms)
+        return self.slowdowns.start(
+            g, kind, float(duration_s), f, self.t, when, self._where(g), injected=True
+        )
+
+    def _where(self, g: int) -> tuple[str, int, str]:
+        return self.node_names[self.node_of[g]], int(self.gpu_index[g]), self.uuids[g]
+
     # -- one tick ---------------------------------------------------------------------------
 
     def step(self, dt_s: float, ts_ms: int) -> Tick:
         """Advance wall time by ``dt_s`` (failure time by ``dt_s * speed``) and read the fleet."""
         self.t += dt_s
         self.tf += dt_s * self.speed
+        self._last_ts_ms = int(ts_ms)
         events: list[EventRow] = []
         self._recoveries(ts_ms, events)
         self._node_incidents(ts_ms, events)
@@ -252,6 +295,7 @@ class FleetModel:
         offline = np.repeat(self.t < self.offline_until, self.gpn)
         live = self.up & ~offline
         r_factor, width = precursors.apply(self, dt_s, dt_s * self.speed, live, ts_ms, events)
+        self.slowdowns.step(self.t, dt_s, ts_ms, live, self.rng, self._where)
         cols = self.workload.step(self.t, dt_s, ts_ms / 1000.0, r_factor)
         c = self.counters
         for k, v in c.counts.items():
@@ -259,6 +303,7 @@ class FleetModel:
         cols["remap_pending"] = c.remap_pending.copy()
         cols["remap_failure"] = c.remap_failure.copy()
         cols["pcie_link_width"] = width
+        self.slowdowns.apply(cols)
         stalled = np.repeat(self.t < self.stall_until, self.gpn)
         missing = self.rng.random(self.g) < self.params["sampling"]["missing_sample_prob"]
         dropped, vanished = precursors.collapse(self, live)
@@ -284,6 +329,7 @@ class FleetModel:
             )
         )
         self.up[g] = False
+        self.slowdowns.stop(g, ts_ms)
         self.recover_f[g] = self.tf + repair
         self.fail_f[g] = np.inf
         self.onset_f[g] = np.inf

@@ -8,7 +8,8 @@ turning on automatic migration; the demo and the end-to-end tests use it as thei
 
 Samples carry the ``now`` they were read at (the wall clock in live mode: the service refuses
 timestamps in the future); ``speed`` makes only the failure dynamics (hazard, precursor growth,
-repair) run faster. ``inject`` forces a failure on a chosen GPU, for demos and tests.
+repair) run faster. ``inject`` forces a failure on a chosen GPU, ``slow`` makes one a straggler
+(slower, never failing), for demos and tests.
 
 ``read_batches(now)`` is the same tick in the shape the service decodes fastest: per node,
 the ``sample_columns`` of an ingest batch built straight from the model's numpy arrays (one
@@ -40,6 +41,7 @@ from forewarn.errors import InvalidInput, NotFound
 from forewarn.wire import Event, GpuSample, to_ms
 from sim.config import FAILURE_KINDS, Params, load_params
 from sim.fleet import EventRow, FleetModel, Tick
+from sim.slowdowns import SLOWDOWN_KINDS
 
 __all__ = ["NodeBatch", "SimulatedSource", "from_collect_args", "tick_columns", "tick_rows"]
 
@@ -68,7 +70,6 @@ def tick_rows(model: FleetModel, tick: Tick) -> tuple[list[dict[str, Any]], list
             "vendor": "nvidia",
             "mem_total_mib": float(fleet["mem_total_mib"]),
             "pcie_link_width_max": int(fleet["pcie_link_width_max"]),
-            "pcie_link_gen": int(fleet["pcie_link_gen"]),
         }
         for k in names:
             v = cols[k][j]
@@ -144,7 +145,6 @@ def tick_columns(model: FleetModel, tick: Tick) -> list[NodeBatch]:
         "vendor": np.full(g, "nvidia", dtype=object),
         "mem_total_mib": np.full(g, float(fleet["mem_total_mib"])),
         "pcie_link_width_max": np.full(g, int(fleet["pcie_link_width_max"]), dtype=np.int64),
-        "pcie_link_gen": np.full(g, int(fleet["pcie_link_gen"]), dtype=np.int64),
         **tick.columns,
     }
     names = list(arrays)
@@ -236,6 +236,17 @@ class SimulatedSource:
             Conflict: the GPU is out of service (failed and not yet repaired).
         """
         m = self.model
+        n = self._node(node, gpu)
+        if kind not in FAILURE_KINDS:
+            raise InvalidInput(f"unknown failure kind {kind!r}", details={"kinds": FAILURE_KINDS})
+        if lead_s is not None and lead_s < 0:
+            raise InvalidInput("lead_s must not be negative")
+        with self._lock:
+            fails_in = m.inject(n, int(gpu), kind, lead_s)
+        return {"node": m.node_names[n], "gpu": int(gpu), "kind": kind, "fails_in_s": fails_in}
+
+    def _node(self, node: str | int, gpu: int) -> int:
+        m = self.model
         if isinstance(node, int) or (isinstance(node, str) and node.isdigit()):
             n = int(node)
         elif node in m.node_names:
@@ -244,13 +255,51 @@ class SimulatedSource:
             raise NotFound(f"no simulated node {node!r}", details={"node": node})
         if not 0 <= n < m.nodes or not 0 <= int(gpu) < m.gpn:
             raise NotFound(f"no GPU {gpu} on node {node!r}", details={"node": node, "gpu": gpu})
-        if kind not in FAILURE_KINDS:
-            raise InvalidInput(f"unknown failure kind {kind!r}", details={"kinds": FAILURE_KINDS})
-        if lead_s is not None and lead_s < 0:
-            raise InvalidInput("lead_s must not be negative")
+        return n
+
+    def slow(
+        self,
+        node: str | int,
+        gpu: int,
+        kind: str,
+        duration_s: float | None = None,
+        factor: float | None = None,
+    ) -> dict[str, Any]:
+        """Make GPU ``gpu`` of ``node`` a straggler of ``kind`` (``thermal``, ``power_cap``,
+        ``power_brake``, ``pcie``) for ``duration_s`` wall seconds, ``factor`` times slower;
+        see ``FleetModel.slow``. It is not a failure: no event, nothing in :meth:`failures`.
+
+        Returns the ground-truth record (``ts_ms``, ``end_ts_ms``, ``node``, ``gpu``, ``uuid``,
+        ``kind``, ``factor``, ``throttle_reasons``, ``injected``).
+
+        Raises:
+            NotFound: no such node or GPU.
+            InvalidInput: an unknown kind, a duration not above 0 or a factor under 1.
+            Conflict: the GPU is out of service.
+        """
+        n = self._node(node, gpu)
+        if kind not in SLOWDOWN_KINDS:
+            raise InvalidInput(f"unknown slowdown kind {kind!r}", details={"kinds": SLOWDOWN_KINDS})
+        if duration_s is not None and not duration_s > 0:
+            raise InvalidInput("duration_s must be positive")
+        if factor is not None and not factor >= 1.0:
+            raise InvalidInput("factor must be at least 1 (1: full speed)")
         with self._lock:
-            fails_in = m.inject(n, int(gpu), kind, lead_s)
-        return {"node": m.node_names[n], "gpu": int(gpu), "kind": kind, "fails_in_s": fails_in}
+            at = None if self._last is not None else to_ms(datetime.now(UTC))  # before a tick
+            return dict(self.model.slow(n, int(gpu), kind, duration_s, factor, ts_ms=at))
+
+    def slowdowns(self) -> list[dict[str, Any]]:
+        """Ground truth so far: one dict per straggler episode (see :meth:`slow`), the
+        running ones with their planned end."""
+        with self._lock:
+            return [dict(r) for r in self.model.slowdowns.records]
+
+    def slowdown_factor(self, node: str | int, gpu: int) -> float:
+        """How much longer GPU ``gpu`` of ``node`` takes for its share of a step now (1.0:
+        not slowed): a synchronous job runs at the speed of its slowest GPU."""
+        n = self._node(node, gpu)
+        with self._lock:
+            return float(self.model.slowdowns.factor[n * self.model.gpn + int(gpu)])
 
     def status(self) -> dict[str, Any]:
         """Fleet counts for the control API: GPUs up, degrading and failures so far."""
@@ -263,6 +312,7 @@ class SimulatedSource:
                 "gpus_up": int(m.up.sum()),
                 "gpus_degrading": degrading,
                 "failures": len(m.failures),
+                "gpus_slowed": int(m.slowdowns.active().size),
                 "speed": m.speed,
                 "lemon_nodes": [m.node_names[n] for n in np.flatnonzero(m.lemon).tolist()],
             }

@@ -1,0 +1,120 @@
+"""The straggler term of forewarn goodput: an episode's arithmetic, its place beside the
+failures, and numbers that come from the data files, never invented."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from goodput import cli
+from goodput.compare import Row, Scenario, compare
+from goodput.costs import preventive_stall
+from goodput.model import Assumptions
+from goodput.profile import DEFAULT_PROFILE
+from goodput.stragglers import STRAGGLERS_PATH, Episode, Stragglers, cost, published, schedule
+
+DAY = 86400.0
+A = Assumptions()
+
+
+def test_an_episode_slows_the_job_throughout_unless_forewarn_moves_the_rank() -> None:
+    s = Stragglers(episodes_per_gpu_day=1.0, slowdown=2.0, duration_s=3600.0, detect_s=60.0)
+    per_transfer, fixed_s = preventive_stall()  # the measured stall, not an assumption
+    pause = per_transfer * A.rank_state_gb / A.transfer_gb_s + fixed_s
+    assert A.migration_pause_s(1024) == pytest.approx(pause, abs=0.02)
+    long, short = Episode(1000.0, 3600.0), Episode(9000.0, 30.0)
+    kw = {"pause_s": A.migration_pause_s(1024), "horizon_s": DAY}
+    none = cost([long, short], s, mitigate=False, **kw)
+    assert none.lost_s == pytest.approx((3600 + 30) * 0.5) and none.moves == 0
+    fw = cost([long, short], s, mitigate=True, **kw)
+    # the long one: a minute at half speed, then one move; the short one ends before detection
+    assert fw.moves == 1 and fw.lost_s == pytest.approx((60 + 30) * 0.5 + A.migration_pause_s(1024))
+    assert s.break_even_s(A.migration_pause_s(1024)) == pytest.approx(
+        60 + 2 * A.migration_pause_s(1024)
+    )
+    # overlapping episodes slow the job once
+    both = cost([Episode(0.0, 100.0), Episode(50.0, 100.0)], s, mitigate=False, **kw)
+    assert both.slow_s == pytest.approx(150.0)
+    assert cost([long], replace(s, slowdown=1.0), mitigate=False, **kw).lost_s == 0.0
+
+
+def test_the_term_lowers_ettr_beside_failures_and_forewarn_keeps_most_of_it() -> None:
+    def rows(stragglers: Stragglers | None) -> dict[str, Row]:
+        sc = Scenario(gpus=(1024,), sources=("fleet",), days=20.0, stragglers=stragglers)
+        return {r.strategy: r for r in compare(sc, A, DEFAULT_PROFILE)}
+
+    plain = rows(None)
+    some = rows(Stragglers(0.005, 1.5, 600.0))
+    more = rows(Stragglers(0.02, 1.5, 600.0))
+    for strategy, r in some.items():
+        p = plain[strategy]
+        assert r.ettr == p.ettr and p.ettr_with_stragglers is None  # failures alone unchanged
+        assert _with(r) < r.ettr
+        assert _with(more[strategy]) < _with(r)
+        assert more[strategy].straggler_episodes_per_day > 2 * r.straggler_episodes_per_day
+    fw, pr = some["forewarn"], some["peer-replica"]
+    assert fw.straggler_gpu_hours_lost_per_day < 0.3 * pr.straggler_gpu_hours_lost_per_day
+    assert _with(fw) > _with(pr)
+    assert pr.straggler_moves_per_day == 0 < fw.straggler_moves_per_day
+    episodes = schedule(1024, 20 * DAY, Stragglers(0.005, 1.5, 600.0), np.random.default_rng(3))
+    assert abs(len(episodes) / 20 - 0.005 * 1024) < 2.0
+
+
+def _with(r: Row) -> float:
+    """ETTR with the straggler term (the row must have one)."""
+    assert r.ettr_with_stragglers is not None
+    return r.ettr_with_stragglers
+
+
+def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    parser = argparse.ArgumentParser()
+    cli.configure(parser)
+    rc = cli.run(parser.parse_args(argv))
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+BASE = ["--gpus", "1024", "--source", "fleet", "--days", "10", "--sanity-seeds", "0", "--no-png"]
+
+
+def test_the_numbers_come_from_the_data_file_and_none_is_invented(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    doc = json.loads(STRAGGLERS_PATH.read_text())
+    found = published()
+    assert doc["episodes_per_gpu_day"] is None and found.episodes_per_gpu_day is None
+    assert found.slowdown is None and "No published rate" in (found.missing or "")
+    assert found.duration_mean_s == doc["duration_mean_s"]
+    assert any("Greyhound" in c and "ATC 2025" in c for c in found.citations)
+    # by default: no straggler term in the table, and the command says why
+    rc, out, _ = _run(BASE, capsys)
+    assert rc == 0 and "ETTR+slow" not in out and "No published rate" in out
+    assert "1.34x" in out and "arXiv 2410.12588" in out
+    # one of the two what-if numbers alone is refused
+    rc, _, err = _run([*BASE, "--straggler-slowdown", "1.5"], capsys)
+    assert rc == 2 and "neither is published" in err
+    # both given: the term is there, its duration the published one unless told
+    rc, out, _ = _run(
+        [
+            *BASE,
+            "--json",
+            "--straggler-episodes-per-gpu-day",
+            "0.01",
+            "--straggler-slowdown",
+            "1.5",
+        ],
+        capsys,
+    )
+    j = json.loads(out)
+    assert j["stragglers"]["term"]["duration_s"] == doc["duration_mean_s"]
+    assert j["stragglers"]["published"]["episodes_per_gpu_day"] is None
+    by = {r["strategy"]: r for r in j["rows"]}
+    assert by["forewarn"]["ettr_with_stragglers"] > by["peer-replica"]["ettr_with_stragglers"]
+    rc, out, _ = _run(
+        [*BASE, "--straggler-episodes-per-gpu-day", "0.01", "--straggler-slowdown", "1.5"], capsys
+    )
+    assert "ETTR+slow" in out and "moving pays for an episode longer than" in out
