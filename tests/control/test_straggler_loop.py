@@ -5,10 +5,12 @@ them and samples of a throttled GPU -> one straggler migration with the named re
 from __future__ import annotations
 
 import time
+from datetime import UTC, datetime
 
+from api.control import orchestrator
 from api.control.loop import ControlLoop
 from api.routes.jobs import command_of
-from forewarn.wire import RankTimings
+from forewarn.wire import MigrationReport, Placement, RankTimings
 from store import Store
 from store import control as db
 from store.outbox import events_after
@@ -36,8 +38,6 @@ def heartbeat(store: Store, compute_1: float = 1.6, *, at_ms: int = NOW) -> None
 
 
 def throttled_gpu(store: Store) -> None:
-    from datetime import UTC, datetime
-
     for k, bits in enumerate((0, 0x40)):
         ts = datetime.fromtimestamp((NOW - 2000 + k * 1000) / 1000, UTC)
         store.write(samples=[sample_row(sample(node="n0", gpu=1, ts=ts, throttle_reasons=bits))])
@@ -107,6 +107,26 @@ def test_a_throttled_straggler_is_moved_once_with_its_reason(registered: Store) 
     slow = next(r for r in job["ranks"] if r["rank"] == 1)["timing"]
     assert slow["straggling"] and slow["reason"] == THROTTLED
 
+    # The move completes at step 100: medians over steps before it no longer judge the rank.
+    report = MigrationReport(
+        migration_id=m["id"],
+        job_id="j",
+        rank=1,
+        outcome="completed",
+        step=100,
+        source=Placement(rank=1, node="n0", gpu=1, slot=1),
+        target=Placement(rank=1, node="n1", gpu=0, slot=2),
+        pause_s=3.0,
+        finished_at=datetime.now(UTC),
+    )
+    with registered.begin() as c:
+        orchestrator.apply_report(c, report, now_ms=NOW + 40_000)
+    ticks(loop, 9, 11)
+    with registered.engine.connect() as c:
+        state = {t["rank"]: t for t in db.timing_rows(c, job_id="j")}[1]
+    assert not state["straggling"] and state["above_since_ms"] is None
+    assert len(read(registered)[0]) == 1
+
 
 def test_dry_run_records_once_and_a_new_leader_does_not_announce_again(
     registered: Store,
@@ -130,7 +150,9 @@ def test_dry_run_records_once_and_a_new_leader_does_not_announce_again(
 
 def test_a_gain_below_the_cost_is_declined_once_and_a_recovery_clears(registered: Store) -> None:
     loop, _ = make_loop(registered, straggler_window_s=0, straggler_move_cost_s=1000)
-    for k, compute in enumerate((1.3, 1.31, 1.32, 1.33)):  # 300 s gain; figures change, not the decision
+    for k, compute in enumerate(
+        (1.3, 1.31, 1.32, 1.33)
+    ):  # 300 s gain; figures change, not the decision
         heartbeat(registered, compute_1=compute, at_ms=NOW + k * 5000)
         loop.tick(NOW + k * 5000)
     moves, entries = read(registered)

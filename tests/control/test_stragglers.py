@@ -86,7 +86,7 @@ def test_the_reason_is_named_from_the_newest_sample(sample: dict, expected: str)
 
 
 def test_reasons_over_the_window_and_none() -> None:
-    samples = [
+    samples: list[dict[str, int | None]] = [
         {"pcie_link_gen": 4, "nvlink_replay": 10, "pcie_replay": 5},
         {"pcie_link_gen": 4, "nvlink_replay": 2, "pcie_replay": 5},  # a reset
         {"pcie_link_gen": 3, "nvlink_replay": 9, "pcie_replay": 5, "throttle_reasons": None},
