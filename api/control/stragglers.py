@@ -25,6 +25,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import numpy as np
+
 __all__ = [
     "THROTTLE_BITS",
     "Gain",
@@ -33,6 +35,7 @@ __all__ = [
     "judge",
     "move_cost",
     "name_reason",
+    "peer_medians",
     "projected_gain",
 ]
 
@@ -103,9 +106,9 @@ def judge(
         return []
     out = []
     ranks = sorted(compute_s)
-    for rank in ranks:
+    medians = peer_medians([compute_s[r] for r in ranks])
+    for rank, median in zip(ranks, medians.tolist(), strict=True):
         mine = compute_s[rank]
-        median = statistics.median(compute_s[r] for r in ranks if r != rank)
         excess = mine - median
         above = excess >= policy.straggler_min_s and excess > policy.straggler_margin * median
         below_clear = (
@@ -128,6 +131,28 @@ def judge(
             state = RankState()
         out.append(Judgement(rank, mine, median, state, became, cleared))
     return out
+
+
+def peer_medians(values: Sequence[float]) -> np.ndarray:
+    """For each value, the median of all the others: O(n log n), not O(n²) (a 16,384-rank
+    job is judged every tick)."""
+    v = np.asarray(values, dtype=np.float64)
+    n = len(v)
+    if n < 2:
+        return np.full(n, np.nan)
+    order = np.argsort(v, kind="stable")
+    s = v[order]
+    where = np.empty(n, dtype=np.int64)
+    where[order] = np.arange(n)  # each value's position in s
+
+    def others(k: int) -> np.ndarray:
+        # The k-th smallest of the others: s[k] below the value's own position, else s[k + 1].
+        return np.where(k < where, s[k], s[np.minimum(k + 1, n - 1)])
+
+    m = n - 1
+    if m % 2:
+        return others(m // 2)
+    return (others(m // 2 - 1) + others(m // 2)) / 2
 
 
 def name_reason(samples: Sequence[Mapping[str, Any]], *, hot_c: float) -> str:

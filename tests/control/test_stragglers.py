@@ -196,3 +196,17 @@ def test_the_clear_margin_must_be_below_the_margin() -> None:
         Policy(straggler_margin=0.1, straggler_clear_margin=0.1)
     with pytest.raises(ValidationError):
         Policy(straggler_window_s=-1)
+
+
+def test_peer_medians_equal_the_median_of_the_others() -> None:
+    import random
+    import statistics
+
+    from api.control.stragglers import peer_medians
+
+    rng = random.Random(3)
+    for n in (2, 3, 4, 7, 10):
+        values = [round(rng.uniform(0, 2), 1) for _ in range(n)]  # ties included
+        got = peer_medians(values).tolist()
+        want = [statistics.median(values[:i] + values[i + 1 :]) for i in range(n)]
+        assert got == pytest.approx(want)
