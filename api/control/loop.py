@@ -42,12 +42,11 @@ from prometheus_client import Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
 from api.control import orchestrator
-from api.control import stragglers as strag
+from api.control import straggler_watch as watch
 from api.control.leader import Leadership
 from api.control.policy import (
     Policy,
     Situation,
-    StragglerCase,
     breaker_should_trip,
     decide,
     stragglers_should_trip,
@@ -55,7 +54,7 @@ from api.control.policy import (
 from api.threads import to_thread_to_end
 from predictor.budget import AlarmBudget
 from predictor.floor import FLOOR_SCORE, floored
-from store import Store, reads
+from store import Store
 from store import control as db
 from store.outbox import emit_event
 
@@ -70,33 +69,6 @@ BUDGET_KEEP_EVERY_MS = 60_000
 """A GPU's stored score is rewritten at least this often even when nothing in it changed."""
 
 FATAL_EVENT_KINDS = frozenset({"gpu_lost", "power_loss", "thermal_shutdown"})
-
-REASON_SAMPLES_S = 300.0
-"""A straggler's GPU is named from its samples of at least the last 5 minutes (counters
-rising, a PCIe generation that dropped) — the straggler window when that is longer."""
-_REASON_FIELDS = (
-    "throttle_reasons",
-    "temp_gpu_c",
-    "pcie_link_width",
-    "pcie_link_width_max",
-    "pcie_link_gen",
-    "nvlink_crc_flit",
-    "nvlink_crc_data",
-    "nvlink_replay",
-    "nvlink_recovery",
-    "pcie_replay",
-)
-
-
-@dataclass(frozen=True)
-class Straggler:
-    """A rank judged a straggler this tick, with what its decision weighs."""
-
-    compute_s: float
-    peers_median_s: float
-    reason: str
-    step: int
-    total_steps: int | None
 
 
 class ArrivalCursor:
@@ -633,7 +605,15 @@ class ControlLoop:
                 last[k] = max(last.get(k, 0), m["requested_ms"])
         drained = db.drained_nodes(c)
         unsafe = {k for k, st in self.gpus.items() if st.crossed or st.failed or st.stale}
-        slow, judged = self._judge_stragglers(c, policy, now_ms, active, recent)
+        slow, judged = watch.judge_stored(
+            c,
+            policy,
+            now_ms=now_ms,
+            active=active,
+            recent=recent,
+            fresh_s=self.agent_timeout_s,
+            forget=self._forget_straggler,
+        )
         pauses: dict[str, list[float]] = {}
         for m in recent:
             if m["state"] == "completed" and m["pause_s"] is not None:
@@ -665,28 +645,17 @@ class ControlLoop:
                 trigger, acting = "straggler", policy
             else:
                 continue
-            case = None
             slow_one = slow.get((r["job_id"], r["rank"])) if trigger == "straggler" else None
-            if slow_one is not None:
-                gain = strag.projected_gain(
-                    compute_s=slow_one.compute_s,
-                    peers_median_s=slow_one.peers_median_s,
-                    step=slow_one.step,
-                    total_steps=slow_one.total_steps,
-                    horizon_steps=policy.straggler_horizon_steps,
-                )
-                cost_s, cost_from = strag.move_cost(
+            case = (
+                watch.case_of(
+                    policy,
+                    slow_one,
                     job_pauses_s=pauses.get(r["job_id"], []),
                     fleet_pauses_s=fleet_pauses,
-                    default_s=policy.straggler_move_cost_s,
                 )
-                case = StragglerCase(
-                    gain_s=gain.seconds,
-                    remaining_steps=gain.remaining_steps,
-                    remaining_from=gain.remaining_from,
-                    cost_s=cost_s,
-                    cost_from=cost_from,
-                )
+                if slow_one is not None
+                else None
+            )
             decision = decide(
                 acting,
                 situation,
@@ -773,104 +742,6 @@ class ControlLoop:
                     data=data,
                 )
 
-    def _judge_stragglers(
-        self,
-        c: Any,
-        policy: Policy,
-        now_ms: int,
-        active: list[dict[str, Any]],
-        recent: list[dict[str, Any]],
-    ) -> tuple[dict[tuple[str, int], Straggler], int]:
-        """Judge the ranks of every running job from their stored timings; write each changed
-        straggler state and announce each new straggler.
-
-        A rank's timings count while they are fresh (its job heartbeated within the agent
-        timeout) and, after the rank moved (a completed migration), once their window lies
-        past the handover step: medians that still hold the old GPU's steps would judge it.
-
-        Returns:
-            (the stragglers by (job, rank), how many ranks were judged).
-        """
-        rows = db.timing_rows(c)
-        if not rows:
-            return {}, 0
-        where = {(r["job_id"], r["rank"]): (r["node"], r["gpu"]) for r in active}
-        moved: dict[tuple[str, int], int] = {}
-        for m in recent:
-            if m["state"] == "completed" and m["step"] is not None:
-                k = (m["job_id"], m["rank"])
-                moved[k] = max(moved.get(k, -1), int(m["step"]))
-        by_job: dict[str, list[dict[str, Any]]] = {}
-        for t in rows:
-            k = (t["job_id"], t["rank"])
-            if k not in where or where[k][1] is None:
-                continue  # not an active rank of a running job
-            if now_ms - t["received_ms"] > self.agent_timeout_s * 1000:
-                continue
-            if k in moved and t["step"] - t["window"] < moved[k]:
-                if t["above_since_ms"] is not None or t["straggling"]:  # judged afresh
-                    db.set_straggler_state(c, job_id=k[0], rank=k[1], values=_state_values())
-                    self._forget_straggler(k)
-                continue
-            by_job.setdefault(t["job_id"], []).append(t)
-        slow: dict[tuple[str, int], Straggler] = {}
-        judged = 0
-        for job_id, timed in by_job.items():
-            stored = {t["rank"]: t for t in timed}
-            states = {
-                rank: strag.RankState(
-                    t["above_since_ms"], bool(t["straggling"]), t["straggling_ms"], t["reason"]
-                )
-                for rank, t in stored.items()
-            }
-            found = strag.judge(
-                policy, {r: t["compute_s"] for r, t in stored.items()}, states, now_ms=now_ms
-            )
-            judged += len(found)
-            for j in found:
-                k = (job_id, j.rank)
-                t = stored[j.rank]
-                node, gpu = where[k]
-                state = j.state
-                if state.straggling:
-                    state.reason = self._name_reason(c, policy, node, int(gpu), now_ms)
-                    slow[k] = Straggler(
-                        j.compute_s, j.peers_median_s, state.reason, t["step"], t["total_steps"]
-                    )
-                if j.became:
-                    emit_event(
-                        c,
-                        "rank.straggling",
-                        {
-                            "job_id": job_id,
-                            "rank": j.rank,
-                            "node": node,
-                            "gpu": int(gpu),
-                            "compute_s": j.compute_s,
-                            "peers_median_s": j.peers_median_s,
-                            "wait_s": t["wait_s"],
-                            "step": t["step"],
-                            "reason": state.reason,
-                            "above_since_ms": state.above_since_ms,
-                        },
-                        job_id=job_id,
-                        node=node,
-                    )
-                if j.cleared:
-                    self._forget_straggler(k)
-                values = _state_values(state)
-                if values != {n: t[n] for n in db.STRAGGLER_COLUMNS}:
-                    db.set_straggler_state(c, job_id=job_id, rank=j.rank, values=values)
-        return slow, judged
-
-    def _name_reason(self, c: Any, policy: Policy, node: str, gpu: int, now_ms: int) -> str:
-        since = now_ms - int(max(REASON_SAMPLES_S, policy.straggler_window_s) * 1000)
-        frame = reads.gpu_window(
-            c, node=node, gpu=gpu, since_ms=since, fields=list(_REASON_FIELDS), limit=10_000
-        )
-        rows = frame.astype(object).where(frame.notna(), None).to_dict("records")
-        return strag.name_reason(rows, hot_c=policy.straggler_hot_c)  # type: ignore[arg-type]
-
     def _forget_straggler(self, k: tuple[str, int]) -> None:
         """A straggler cleared or moved: its next decline is audited again."""
         self._audited = {e: v for e, v in self._audited.items() if e[1:] != (*k, "straggler")}
@@ -878,16 +749,6 @@ class ControlLoop:
     def _risk_of(self, c: Any, key: tuple[str, int]) -> dict[str, Any]:
         rows = [r for r in db.risk_rows(c, node=key[0]) if r["gpu"] == key[1]]
         return rows[0] if rows else {}
-
-
-def _state_values(state: strag.RankState | None = None) -> dict[str, Any]:
-    state = state or strag.RankState()
-    return {
-        "above_since_ms": state.above_since_ms,
-        "straggling": state.straggling,
-        "straggling_ms": state.straggling_ms,
-        "reason": state.reason,
-    }
 
 
 class _RiskCollector:
