@@ -147,18 +147,23 @@ class StragglerCase:
     cost_from: str
     """``job`` (this job's measured pauses), ``fleet`` or ``policy`` (its default)."""
 
+    @property
+    def cost_named(self) -> str:
+        return {
+            "job": "this job's measured pause",
+            "fleet": "the fleet's measured pause",
+            "policy": "the policy's default",
+        }.get(self.cost_from, self.cost_from)
+
     def describe(self) -> str:
         steps = (
             f"{self.remaining_steps} steps left"
             if self.remaining_from == "total_steps"
             else f"a horizon of {self.remaining_steps} steps"
         )
-        cost = {
-            "job": "this job's measured pause",
-            "fleet": "the fleet's measured pause",
-            "policy": "the policy's default",
-        }.get(self.cost_from, self.cost_from)
-        return f"gain {self.gain_s:.3g} s over {steps}, cost {self.cost_s:.3g} s ({cost})"
+        return (
+            f"gain {self.gain_s:.3g} s over {steps}, cost {self.cost_s:.3g} s ({self.cost_named})"
+        )
 
 
 @dataclass
@@ -216,8 +221,8 @@ def decide(
             # records a decline once per reason (the figures are in the entry's data).
             return Decision(
                 "declined",
-                f"straggler: the projected gain does not exceed the move's cost "
-                f"({straggler.remaining_from}, cost from {straggler.cost_from})",
+                "straggler: the projected gain does not exceed the move's cost "
+                f"({straggler.cost_named})",
             )
     if situation.inflight_by_job.get(job_id, 0) >= policy.max_inflight_per_job:
         return Decision("declined", f"job {job_id} already has a migration in flight")
