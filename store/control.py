@@ -1,5 +1,6 @@
-"""Tables and reads/writes of the control loop: risk, jobs and placement, migrations, audit,
-node drain state, policy, and the arrival cursor over samples and events.
+"""Tables and reads/writes of the control loop: risk, jobs and placement, the ranks' step
+timings and straggler state, migrations, audit, node drain state, policy, and the arrival
+cursor over samples and events.
 
 Every function takes the caller's connection, so a state change, its audit entry and its
 outbox event (``store.outbox.emit_event``) commit together. Times are integer milliseconds
