@@ -425,12 +425,15 @@ def get_jobs(connection: Connection, *, job_id: str | None = None) -> list[dict[
     tq = select(rank_timings)
     if job_id is not None:
         tq = tq.where(rank_timings.c.job_id == job_id)
-    timed = {(t["job_id"], t["rank"]): dict(t) for t in connection.execute(tq).mappings()}
+    timed: dict[str, dict[int, dict[str, Any]]] = {}
+    for t in connection.execute(tq).mappings():
+        timed.setdefault(t["job_id"], {})[t["rank"]] = dict(t)
     for j in found:
         j["ranks"] = by_job.get(j["job_id"], [])
+        mine = timed.get(j["job_id"], {})
         for r in j["ranks"]:
-            r["timing"] = timed.get((j["job_id"], r["rank"])) if r["role"] == "active" else None
-        j["timings"] = [t for k, t in timed.items() if k[0] == j["job_id"]]
+            r["timing"] = mine.get(r["rank"]) if r["role"] == "active" else None
+        j["timings"] = list(mine.values())
     return found
 
 
@@ -450,12 +453,14 @@ def store_timings(
         + ", ".join(f"{_quoted(n)} = excluded.{_quoted(n)}" for n in _TIMING_COLUMNS)
     )
     window, step, total = timings["window"], timings["step"], timings.get("total_steps")
-    rows = [
+    # In rank order, the order the control loop writes a job's straggler states in: two
+    # transactions that lock the same rows in one order cannot deadlock.
+    rows = sorted(
         (job_id, rank, window, step, total, compute, wait, step_s, received_ms, False)
         for rank, compute, wait, step_s in zip(
             ranks, timings["compute_s"], timings["wait_s"], timings["step_s"], strict=True
         )
-    ]
+    )
     keep = set(ranks)
     listed = connection.execute(
         select(rank_timings.c.rank).where(rank_timings.c.job_id == job_id)
