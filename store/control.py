@@ -1,5 +1,6 @@
-"""Tables and reads/writes of the control loop: risk, jobs and placement, migrations, audit,
-node drain state, policy, and the arrival cursor over samples and events.
+"""Tables and reads/writes of the control loop: risk, jobs and placement, the ranks' step
+timings and straggler state, migrations, audit, node drain state, policy, and the arrival
+cursor over samples and events.
 
 Every function takes the caller's connection, so a state change, its audit entry and its
 outbox event (``store.outbox.emit_event``) commit together. Times are integer milliseconds
@@ -53,6 +54,7 @@ __all__ = [
     "migrations",
     "node_drain",
     "policy",
+    "rank_timings",
     "risk_history",
     "risk_latest",
     "samples_after",
@@ -122,6 +124,40 @@ job_ranks = Table(
     PrimaryKeyConstraint("job_id", "slot", name="pk_job_ranks"),
     Index("ix_job_ranks_gpu", "node", "gpu"),
 )
+
+rank_timings = Table(
+    "rank_timings",
+    metadata,
+    Column("job_id", String(253), nullable=False),
+    Column("rank", Integer, nullable=False),
+    Column("window", Integer, nullable=False),
+    Column("step", BigInteger, nullable=False),
+    Column("total_steps", BigInteger),
+    Column("compute_s", Float, nullable=False),
+    Column("wait_s", Float, nullable=False),
+    Column("step_s", Float, nullable=False),
+    Column("received_ms", BigInteger, nullable=False),
+    Column("above_since_ms", BigInteger),
+    Column("straggling", Boolean, nullable=False, default=False),
+    Column("straggling_ms", BigInteger),
+    Column("reason", Text),
+    PrimaryKeyConstraint("job_id", "rank", name="pk_rank_timings"),
+)
+"""The newest step timing of every active rank (``JobHeartbeat.timings``, written by the
+heartbeat) and its straggler state (written by the control loop: since when its compute stayed
+above its peers', whether it is a straggler, since when and why), so a new leader judges on
+from where the last one stopped. Revision ``0005_stragglers``."""
+
+_TIMING_COLUMNS = (
+    "window",
+    "step",
+    "total_steps",
+    "compute_s",
+    "wait_s",
+    "step_s",
+    "received_ms",
+)
+STRAGGLER_COLUMNS = ("above_since_ms", "straggling", "straggling_ms", "reason")
 
 MIGRATION_STATES = ("requested", "acknowledged", "transferring", "completed", "failed", "cancelled")
 ACTIVE_STATES = ("requested", "acknowledged", "transferring")
@@ -386,9 +422,87 @@ def get_jobs(connection: Connection, *, job_id: str | None = None) -> list[dict[
     by_job: dict[str, list[dict[str, Any]]] = {}
     for r in connection.execute(rq).mappings():
         by_job.setdefault(r["job_id"], []).append({k: v for k, v in r.items() if k != "job_id"})
+    tq = select(rank_timings)
+    if job_id is not None:
+        tq = tq.where(rank_timings.c.job_id == job_id)
+    timed: dict[str, dict[int, dict[str, Any]]] = {}
+    for t in connection.execute(tq).mappings():
+        timed.setdefault(t["job_id"], {})[t["rank"]] = dict(t)
     for j in found:
         j["ranks"] = by_job.get(j["job_id"], [])
+        mine = timed.get(j["job_id"], {})
+        for r in j["ranks"]:
+            r["timing"] = mine.get(r["rank"]) if r["role"] == "active" else None
+        j["timings"] = list(mine.values())
     return found
+
+
+def store_timings(
+    connection: Connection, *, job_id: str, timings: dict[str, Any], received_ms: int
+) -> None:
+    """Replace the step timing of every rank of ``job_id`` in ``timings`` (the columns of
+    :class:`forewarn.wire.RankTimings`), keeping each rank's straggler state; ranks the
+    heartbeat no longer lists are dropped."""
+    ranks = list(timings["rank"])
+    names = ("job_id", "rank", *_TIMING_COLUMNS, "straggling")
+    mark = "?" if connection.dialect.name == "sqlite" else "%s"
+    sql = (
+        f"INSERT INTO rank_timings ({', '.join(_quoted(n) for n in names)}) "
+        f"VALUES ({', '.join([mark] * len(names))}) "
+        "ON CONFLICT (job_id, rank) DO UPDATE SET "
+        + ", ".join(f"{_quoted(n)} = excluded.{_quoted(n)}" for n in _TIMING_COLUMNS)
+    )
+    window, step, total = timings["window"], timings["step"], timings.get("total_steps")
+    # In rank order, the order the control loop writes a job's straggler states in: two
+    # transactions that lock the same rows in one order cannot deadlock.
+    rows = sorted(
+        (job_id, rank, window, step, total, compute, wait, step_s, received_ms, False)
+        for rank, compute, wait, step_s in zip(
+            ranks, timings["compute_s"], timings["wait_s"], timings["step_s"], strict=True
+        )
+    )
+    keep = set(ranks)
+    listed = connection.execute(
+        select(rank_timings.c.rank).where(rank_timings.c.job_id == job_id)
+    ).scalars()
+    gone = [r for r in listed if r not in keep]
+    if gone:
+        connection.execute(
+            delete(rank_timings).where(
+                rank_timings.c.job_id == job_id, rank_timings.c.rank.in_(gone)
+            )
+        )
+    if not rows:
+        return
+    cursor = connection.connection.driver_connection.cursor()  # type: ignore[union-attr]
+    try:
+        cursor.executemany(sql, rows)
+    finally:
+        cursor.close()
+
+
+def timing_rows(connection: Connection, *, job_id: str | None = None) -> list[dict[str, Any]]:
+    """Every stored rank timing with its straggler state, by job and rank."""
+    query = select(rank_timings).order_by(rank_timings.c.job_id, rank_timings.c.rank)
+    if job_id is not None:
+        query = query.where(rank_timings.c.job_id == job_id)
+    return [dict(r) for r in connection.execute(query).mappings()]
+
+
+def set_straggler_state(
+    connection: Connection, *, job_id: str, rank: int, values: dict[str, Any]
+) -> None:
+    """Write a rank's straggler state (keys of :data:`STRAGGLER_COLUMNS`)."""
+    connection.execute(
+        update(rank_timings)
+        .where(rank_timings.c.job_id == job_id, rank_timings.c.rank == rank)
+        .values(values)
+    )
+
+
+def _quoted(name: str) -> str:
+    # "window" is a reserved word in both SQLite and PostgreSQL.
+    return f'"{name}"'
 
 
 def placements(connection: Connection) -> list[dict[str, Any]]:

@@ -37,12 +37,15 @@ __all__ = [
 EVENT_TYPES: dict[str, str] = {
     "risk.threshold_crossed": "A GPU's risk crossed the alarm threshold (after hysteresis).",
     "risk.cleared": "A GPU's risk fell back below the threshold.",
-    "migration.requested": "A migration was requested (preventive, planned, unplanned or manual).",
+    "migration.requested": "A migration was requested (preventive, planned, unplanned, manual or "
+    "straggler).",
     "migration.acknowledged": "The job agent accepted a migration command.",
     "migration.transferring": "The source rank is sending its state to the spare.",
     "migration.completed": "The spare took over the rank; training continued.",
     "migration.failed": "A migration did not complete; the error says why.",
     "migration.cancelled": "A migration was cancelled before it moved state.",
+    "rank.straggling": "A rank's compute stayed above its peers' for the policy's window: a "
+    "straggler, named from its GPU's telemetry.",
     "gpu.failed": "A GPU was lost or reported a fatal Xid.",
     "gpu.stale": "A GPU's collector stopped reporting; its risk is unknown.",
     "node.drained": "A node was drained: no new placements, its ranks moved off.",

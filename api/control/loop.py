@@ -9,16 +9,21 @@ Every ``control_tick_s`` the replica that holds the leadership (:mod:`api.contro
 2. updates each GPU's streak of alarming scores (hysteresis), its crossed/cleared, stale and
    failed flags, writes the latest risk and a bounded history, and announces changes
    (``risk.threshold_crossed``, ``risk.cleared``, ``gpu.stale``, ``gpu.failed``);
-3. for every crossed or failed GPU under an active rank, and every active rank on a drained
-   node, asks the policy (:func:`api.control.policy.decide`) and records the decision in the
-   audit log (once per episode and outcome, not once per tick); a ``request`` becomes a
-   ``requested`` migration that the job agent long-polls;
-4. fails in-flight migrations that can no longer finish (:func:`orchestrator.reconcile`).
+3. judges every running job's ranks from the step timings its heartbeats stored
+   (:mod:`api.control.stragglers`): a rank whose compute stayed above its peers' for the
+   policy's window becomes a straggler, named from its GPU's newest samples
+   (``rank.straggling``);
+4. for every crossed or failed GPU under an active rank, every active rank on a drained
+   node and every straggler, asks the policy (:func:`api.control.policy.decide`) and records
+   the decision in the audit log (once per episode and outcome, not once per tick); a
+   ``request`` becomes a ``requested`` migration that the job agent long-polls;
+5. fails in-flight migrations that can no longer finish (:func:`orchestrator.reconcile`).
 
-Steps 2-4 commit in one transaction with their audit entries and outbox events. Becoming leader
+Steps 2-5 commit in one transaction with their audit entries and outbox events. Becoming leader
 (at start, or when the previous leader died) warms the scorer from the window the store still
 holds and reloads each GPU's streak and flags from ``risk_latest``, so a restart neither loses
-a crossing nor announces it twice.
+a crossing nor announces it twice; a straggler's state is in ``rank_timings`` and is read
+every tick.
 """
 
 from __future__ import annotations
@@ -37,8 +42,15 @@ from prometheus_client import Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
 from api.control import orchestrator
+from api.control import straggler_watch as watch
 from api.control.leader import Leadership
-from api.control.policy import Policy, Situation, breaker_should_trip, decide
+from api.control.policy import (
+    Policy,
+    Situation,
+    breaker_should_trip,
+    decide,
+    stragglers_should_trip,
+)
 from api.threads import to_thread_to_end
 from predictor.budget import AlarmBudget
 from predictor.floor import FLOOR_SCORE, floored
@@ -593,6 +605,20 @@ class ControlLoop:
                 last[k] = max(last.get(k, 0), m["requested_ms"])
         drained = db.drained_nodes(c)
         unsafe = {k for k, st in self.gpus.items() if st.crossed or st.failed or st.stale}
+        slow, judged = watch.judge_stored(
+            c,
+            policy,
+            now_ms=now_ms,
+            active=active,
+            recent=recent,
+            fresh_s=self.agent_timeout_s,
+            forget=self._forget_straggler,
+        )
+        pauses: dict[str, list[float]] = {}
+        for m in recent:
+            if m["state"] == "completed" and m["pause_s"] is not None:
+                pauses.setdefault(m["job_id"], []).append(float(m["pause_s"]))
+        fleet_pauses = [p for job_pauses in pauses.values() for p in job_pauses]
         situation = Situation(
             now_ms=now_ms,
             breaker_tripped=tripped,
@@ -602,6 +628,7 @@ class ControlLoop:
             spares_by_job=spares,
             drained=drained,
             unsafe=unsafe,
+            stragglers_tripped=stragglers_should_trip(policy, stragglers=len(slow), judged=judged),
         )
         for r in active:
             if (r["job_id"], r["rank"]) in moving or r["gpu"] is None:
@@ -614,10 +641,29 @@ class ControlLoop:
                 trigger, acting = "preventive", policy
             elif r["node"] in drained:
                 trigger, acting = "planned", policy.model_copy(update={"dry_run": False})
+            elif (r["job_id"], r["rank"]) in slow and policy.act_on_stragglers:
+                trigger, acting = "straggler", policy
             else:
                 continue
+            slow_one = slow.get((r["job_id"], r["rank"])) if trigger == "straggler" else None
+            case = (
+                watch.case_of(
+                    policy,
+                    slow_one,
+                    job_pauses_s=pauses.get(r["job_id"], []),
+                    fleet_pauses_s=fleet_pauses,
+                )
+                if slow_one is not None
+                else None
+            )
             decision = decide(
-                acting, situation, job_id=r["job_id"], node=key[0], gpu=key[1], trigger=trigger
+                acting,
+                situation,
+                job_id=r["job_id"],
+                node=key[0],
+                gpu=key[1],
+                trigger=trigger,
+                straggler=case,
             )
             risk_row = self._risk_of(c, key)
             outcome = f"{decision.action}:{decision.reason}"
@@ -640,6 +686,17 @@ class ControlLoop:
                     "slot": decision.target["slot"],
                 },
             }
+            if slow_one is not None and case is not None:
+                data["straggler"] = {
+                    "compute_s": slow_one.compute_s,
+                    "peers_median_s": slow_one.peers_median_s,
+                    "reason": slow_one.reason,
+                    "gain_s": case.gain_s,
+                    "remaining_steps": case.remaining_steps,
+                    "remaining_from": case.remaining_from,
+                    "cost_s": case.cost_s,
+                    "cost_from": case.cost_from,
+                }
             if decision.action == "request":
                 m = orchestrator.request(
                     c,
@@ -650,8 +707,10 @@ class ControlLoop:
                     source=key,
                     target=decision.target,
                     risk=risk_row.get("risk"),
-                    reasons=risk_row.get("reasons", []),
-                    detail=f"scored by model {self.model_id}"
+                    reasons=[slow_one.reason] if slow_one else risk_row.get("reasons", []),
+                    detail=f"straggler: {slow_one.reason}"
+                    if slow_one
+                    else f"scored by model {self.model_id}"
                     if trigger == "preventive" and self.model_id
                     else None,
                     why=decision.reason,
@@ -682,6 +741,10 @@ class ControlLoop:
                     job_id=r["job_id"],
                     data=data,
                 )
+
+    def _forget_straggler(self, k: tuple[str, int]) -> None:
+        """A straggler cleared or moved: its next decline is audited again."""
+        self._audited = {e: v for e, v in self._audited.items() if e[1:] != (*k, "straggler")}
 
     def _risk_of(self, c: Any, key: tuple[str, int]) -> dict[str, Any]:
         rows = [r for r in db.risk_rows(c, node=key[0]) if r["gpu"] == key[1]]

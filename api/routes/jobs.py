@@ -8,6 +8,7 @@ the fleet, not reading it; reads need ``read``.
 from __future__ import annotations
 
 import asyncio
+import statistics
 import time
 from typing import Annotated, Any
 
@@ -17,7 +18,7 @@ from pydantic import BaseModel
 from sqlalchemy import text
 
 from api.deps import StoreDep, require
-from api.routes._common import now_ms, stamp
+from api.routes._common import iso, now_ms, stamp
 from forewarn.errors import InvalidInput, NotFound
 from forewarn.wire import JobHeartbeat, JobRegistration, MigrationCommand, Placement
 from store import control as db
@@ -39,6 +40,33 @@ class RankPublic(BaseModel):
     pid: int | None
     role: str
     """active, spare or retired."""
+    compute_s: float | None = None
+    """An active rank's median seconds from step start to its arrival at the step's first
+    collective (the job's last heartbeat with timings); null: not measured."""
+    wait_s: float | None = None
+    """Its median seconds from arrival to that collective's end (it waited for its peers)."""
+    step_s: float | None = None
+    """Its median step time (the same on every rank under data parallelism)."""
+    peers_median_s: float | None = None
+    """The median compute_s of the job's other ranks in the same heartbeat."""
+    straggler: bool = False
+    """Its compute stayed above its peers' by the policy's margin for the policy's window."""
+    straggler_reason: str | None = None
+    """What its GPU's telemetry shows (clock-event reasons, temperature, PCIe link, link
+    errors rising), or ``unknown``."""
+    straggler_since: str | None = None
+
+
+class TimingsPublic(BaseModel):
+    """The job's step timing as its last heartbeat carried it."""
+
+    window: int
+    """Steps each median is taken over."""
+    step: int
+    """The newest step measured."""
+    total_steps: int | None
+    measured_at: str | None
+    """When the heartbeat that carried it arrived."""
 
 
 class JobPublic(BaseModel):
@@ -52,6 +80,10 @@ class JobPublic(BaseModel):
     registered_at: str | None
     heartbeat_at: str | None
     ranks: list[RankPublic]
+    timings: TimingsPublic | None = None
+    """null: no heartbeat carried step timings yet."""
+    stragglers: list[int] = []
+    """The ranks that are stragglers now."""
 
 
 class JobsPublic(BaseModel):
@@ -65,6 +97,31 @@ class CommandsPublic(BaseModel):
 
 
 def _public(job: dict[str, Any]) -> dict[str, Any]:
+    timed = job.pop("timings", [])
+    computes = {t["rank"]: t["compute_s"] for t in timed}
+    for r in job["ranks"]:
+        t = r.pop("timing", None)
+        if t is None:
+            continue
+        peers = [v for k, v in computes.items() if k != r["rank"]]
+        r.update(
+            compute_s=t["compute_s"],
+            wait_s=t["wait_s"],
+            step_s=t["step_s"],
+            peers_median_s=statistics.median(peers) if peers else None,
+            straggler=bool(t["straggling"]),
+            straggler_reason=t["reason"] if t["straggling"] else None,
+            straggler_since=iso(t["straggling_ms"]) if t["straggling"] else None,
+        )
+    if timed:
+        newest = max(timed, key=lambda t: t["received_ms"])
+        job["timings"] = {
+            "window": newest["window"],
+            "step": newest["step"],
+            "total_steps": newest["total_steps"],
+            "measured_at": iso(newest["received_ms"]),
+        }
+    job["stragglers"] = sorted(t["rank"] for t in timed if t["straggling"])
     return stamp(job, "registered_ms", "heartbeat_ms")
 
 
@@ -129,15 +186,16 @@ async def register_job(store: StoreDep, body: JobRegistration) -> dict[str, Any]
     "/v1/jobs/{job_id}/heartbeat",
     response_model=JobPublic,
     dependencies=[require("operate")],
-    summary="A job agent's sign of life",
+    summary="A job agent's sign of life (with its ranks' step timings, when measured)",
 )
 async def heartbeat(store: StoreDep, job_id: str, body: JobHeartbeat) -> dict[str, Any]:
     if body.generation > _MAX_GENERATION:  # the wire allows more than the store's column holds
         raise InvalidInput(f"generation: at most {_MAX_GENERATION}")
 
     def write() -> dict[str, Any]:
+        ts = now_ms()
         values = {
-            "heartbeat_ms": now_ms(),
+            "heartbeat_ms": ts,
             "status": body.status,
             "generation": body.generation,
             "message": body.message,
@@ -145,6 +203,10 @@ async def heartbeat(store: StoreDep, job_id: str, body: JobHeartbeat) -> dict[st
         with store.begin() as c:
             if not db.heartbeat_job(c, job_id=job_id, values=values):
                 raise NotFound(f"no job {job_id!r} (register it first)")
+            if body.timings is not None:
+                db.store_timings(
+                    c, job_id=job_id, timings=body.timings.model_dump(), received_ms=ts
+                )
             return db.get_jobs(c, job_id=job_id)[0]
 
     return _public(await to_thread.run_sync(write))
@@ -194,7 +256,8 @@ def command_of(m: dict[str, Any]) -> MigrationCommand:
         migration_id=m["id"],
         job_id=m["job_id"],
         rank=m["rank"],
-        reason="planned" if trigger == "manual" else trigger,  # type: ignore[arg-type]
+        # A manual move and a straggler's are planned: the rank's GPU is slow, not failing.
+        reason="planned" if trigger in ("manual", "straggler") else trigger,  # type: ignore[arg-type]
         requested_at=m["requested_ms"] / 1000,  # type: ignore[arg-type]
         detail=m["detail"],
         trigger=trigger,

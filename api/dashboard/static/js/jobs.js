@@ -1,8 +1,10 @@
 // Jobs: every registered job, and one job's ranks with placement, spares, generation, step,
-// health; a rank can be moved to a spare by hand (operate scope), after a confirmation.
+// health, step timing (compute before the first collective, wait in it) and the stragglers with
+// what their GPU shows; a rank can be moved to a spare by hand (operate scope), after a
+// confirmation.
 
 import { get, getAll, has, hasScope, post, withQuery } from "./api.js";
-import { ago, confirmAction, errorNote, esc, fmtPct, gpuHref, unavailable } from "./util.js";
+import { ago, confirmAction, errorNote, esc, fmtPct, fmtSeconds, gpuHref, unavailable } from "./util.js";
 import { jobIdOf, ranksOf } from "./shapes.js";
 
 export const section = "jobs";
@@ -21,6 +23,7 @@ export async function mount(el, p) {
   el.innerHTML = p.job
     ? `<section><div class="page-head"><h1>job ${esc(p.job)}</h1><a href="#/jobs">← all jobs</a></div>
         <div id="job-summary"></div>
+        <div id="job-stragglers"></div>
         <div id="job-action-result" role="status" aria-live="polite"></div>
         <h2>Ranks</h2><div id="job-ranks"></div></section>`
     : `<section><div class="page-head"><h1>Jobs</h1></div><div id="jobs-list"></div></section>`;
@@ -43,7 +46,7 @@ export async function refresh() {
     el.innerHTML = `<p class="muted">No job has registered. Start one with <code>forewarn launch --service …</code>.</p>`;
     return;
   }
-  el.innerHTML = `<table><thead><tr><th>job</th><th>status</th><th>ranks</th><th>spares</th><th>generation</th><th>message</th><th>heartbeat</th></tr></thead><tbody>
+  el.innerHTML = `<table><thead><tr><th>job</th><th>status</th><th>ranks</th><th>spares</th><th>generation</th><th>stragglers</th><th>message</th><th>heartbeat</th></tr></thead><tbody>
     ${jobs.map((j) => {
       const ranks = ranksOf(j);
       const active = ranks.filter((r) => (r.role || "active") === "active").length;
@@ -52,7 +55,9 @@ export async function refresh() {
         <td>${esc(j.status ?? j.health ?? "–")}</td>
         <td class="num">${ranks.length ? active : esc(j.world_size ?? "–")}</td>
         <td class="num">${ranks.length ? spares : esc(j.spares ?? "–")}</td>
-        <td class="num">${esc(j.generation ?? "–")}</td><td>${esc(j.message ?? "")}</td>
+        <td class="num">${esc(j.generation ?? "–")}</td>
+        <td data-stragglers="${esc(jobIdOf(j))}">${stragglersOf(j).map((r) => `<span class="badge warn">rank ${esc(r)}</span>`).join(" ")}</td>
+        <td>${esc(j.message ?? "")}</td>
         <td>${ago(j.heartbeat_at)}</td></tr>`;
     }).join("")}</tbody></table>`;
 }
@@ -76,6 +81,11 @@ async function refreshJob(p) {
     ${steps ? `<dt>step</dt><dd>${esc(job.step)}</dd>` : ""}
     ${job.message ? `<dt>message</dt><dd>${esc(job.message)}</dd>` : ""}
     <dt>heartbeat</dt><dd>${ago(job.heartbeat_at)}</dd></dl>`;
+  const slow = ranks.filter((r) => r.straggler);
+  root.querySelector("#job-stragglers").innerHTML = slow.length
+    ? slow.map((r) => `<p class="note warn" data-straggler="${esc(r.rank)}">Rank ${esc(r.rank)} is a straggler: it computes ${fmtSeconds(r.compute_s)} a step, its peers ${fmtSeconds(r.peers_median_s)}${r.straggler_since ? ` (flagged ${ago(r.straggler_since)})` : ""}. Its GPU shows: <span data-reason>${esc(r.straggler_reason ?? "unknown")}</span>.</p>`).join("")
+    : "";
+  const timed = ranks.some((r) => r.compute_s !== null && r.compute_s !== undefined);
   const canMigrate = has("POST /v1/migrations");
   const finished = FINISHED.has(job.status);
   const mayMove = canMigrate && !finished; // a token without operate is refused, and told why
@@ -86,7 +96,7 @@ async function refreshJob(p) {
     next = `<p class="note muted" data-scope-hint="operate">Moving a rank to a spare needs a token with the <code>operate</code> scope.</p>`;
   }
   const el = root.querySelector("#job-ranks");
-  el.innerHTML = `<table><thead><tr><th>rank</th><th>role</th><th>GPU</th><th>risk</th><th>generation</th>${steps ? "<th>step</th>" : ""}<th></th></tr></thead><tbody>
+  el.innerHTML = `<table><thead><tr><th>rank</th><th>role</th><th>GPU</th><th>risk</th>${timed ? `<th title="step start to arrival at the step's first collective">compute</th><th title="arrival to that collective's end">wait</th><th>step time</th>` : ""}<th>generation</th>${steps ? "<th>step</th>" : ""}<th></th></tr></thead><tbody>
     ${ranks.map((r) => {
       const g = r.gpu !== null && r.gpu !== undefined ? gpuRisk.get(`${r.node}/${r.gpu}`) : null;
       const where = r.gpu !== null && r.gpu !== undefined ? `<a href="${gpuHref(r.node, r.gpu)}">${esc(r.node)}/${r.gpu}</a>` : esc(r.node);
@@ -94,12 +104,17 @@ async function refreshJob(p) {
         ? `<button type="button" data-migrate="${esc(r.rank)}">Move to a spare…</button>` : "";
       return `<tr class="${r.role === "retired" ? "muted" : ""}"><td class="num">${esc(r.rank)}</td><td>${esc(r.role || "active")}</td><td>${where}</td>
         <td class="num">${g && typeof g.risk === "number" ? fmtPct(g.risk) : "–"}${g && g.alarm ? ` <span class="badge bad">alarm</span>` : ""}</td>
+        ${timed ? `<td class="num" data-compute="${esc(r.rank)}">${fmtSeconds(r.compute_s)}${r.straggler ? ` <span class="badge warn" title="${esc(r.straggler_reason ?? "")}">straggler</span>` : ""}</td><td class="num">${fmtSeconds(r.wait_s)}</td><td class="num">${fmtSeconds(r.step_s)}</td>` : ""}
         <td class="num">${esc(r.generation ?? job.generation ?? "–")}</td>${steps ? `<td class="num">${esc(r.step ?? job.step ?? "–")}</td>` : ""}<td>${action}</td></tr>`;
     }).join("")}</tbody></table>
     ${canMigrate ? next : unavailable("Manual migration", "POST /v1/migrations")}`;
   for (const b of el.querySelectorAll("[data-migrate]")) {
     b.addEventListener("click", () => migrate(p.job, Number(b.dataset.migrate)));
   }
+}
+
+function stragglersOf(job) {
+  return job.stragglers ?? ranksOf(job).filter((r) => r.straggler).map((r) => r.rank);
 }
 
 async function migrate(job, rank) {

@@ -1,0 +1,199 @@
+"""The control loop's side of stragglers: judge the timings the heartbeats stored, name each
+straggler's GPU from its samples, and weigh a move's gain against its cost.
+
+:mod:`api.control.stragglers` holds the pure rules; this module reads and writes the store on
+the loop's connection (inside its tick's transaction), so a straggler's state, its
+``rank.straggling`` event and the decision about it commit together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import Connection
+
+from api.control import stragglers as strag
+from api.control.policy import Policy, StragglerCase
+from store import control as db
+from store import reads
+from store.outbox import emit_event
+
+__all__ = ["Straggler", "case_of", "judge_stored", "name_gpu", "state_values"]
+
+REASON_SAMPLES_S = 300.0
+"""A straggler's GPU is named from its samples of the last 5 minutes: the newest for its clock
+reasons, temperature and link width, all of them for counters rising and a PCIe generation
+that dropped."""
+_REASON_FIELDS = (
+    "throttle_reasons",
+    "temp_gpu_c",
+    "pcie_link_width",
+    "pcie_link_width_max",
+    "pcie_link_gen",
+    "nvlink_crc_flit",
+    "nvlink_crc_data",
+    "nvlink_replay",
+    "nvlink_recovery",
+    "pcie_replay",
+)
+
+
+@dataclass(frozen=True)
+class Straggler:
+    """A rank judged a straggler this tick, with what its decision weighs."""
+
+    compute_s: float
+    peers_median_s: float
+    reason: str
+    step: int
+    total_steps: int | None
+
+
+def judge_stored(
+    c: Connection,
+    policy: Policy,
+    *,
+    now_ms: int,
+    active: list[dict[str, Any]],
+    recent: list[dict[str, Any]],
+    fresh_s: float,
+    forget: Callable[[tuple[str, int]], None],
+) -> tuple[dict[tuple[str, int], Straggler], int]:
+    """Judge the ranks of every running job from their stored timings; write each changed
+    straggler state and announce each new straggler.
+
+    A rank's timings count while they are fresh (its job heartbeated within the agent
+    timeout) and, after the rank moved (a completed migration), once their window lies
+    past the handover step: medians that still hold the old GPU's steps would judge it.
+
+    Args:
+        active: the active ranks of the running jobs (``job_ranks`` rows).
+        recent: recent migrations (their handover steps and outcomes).
+        fresh_s: timings that arrived longer ago are not judged (the agent timeout).
+        forget: called with (job, rank) of a straggler that cleared or moved.
+
+    Returns:
+        (the stragglers by (job, rank), how many ranks were judged).
+    """
+    rows = db.timing_rows(c)
+    if not rows:
+        return {}, 0
+    where = {(r["job_id"], r["rank"]): (r["node"], r["gpu"]) for r in active}
+    moved: dict[tuple[str, int], int] = {}
+    for m in recent:
+        if m["state"] == "completed" and m["step"] is not None:
+            k = (m["job_id"], m["rank"])
+            moved[k] = max(moved.get(k, -1), int(m["step"]))
+    by_job: dict[str, list[dict[str, Any]]] = {}
+    for t in rows:
+        k = (t["job_id"], t["rank"])
+        if k not in where or where[k][1] is None:
+            continue  # not an active rank of a running job
+        if now_ms - t["received_ms"] > fresh_s * 1000:
+            continue
+        if k in moved and t["step"] - t["window"] < moved[k]:
+            if t["above_since_ms"] is not None or t["straggling"]:  # judged afresh
+                db.set_straggler_state(c, job_id=k[0], rank=k[1], values=state_values())
+                forget(k)
+            continue
+        by_job.setdefault(t["job_id"], []).append(t)
+    slow: dict[tuple[str, int], Straggler] = {}
+    judged = 0
+    for job_id, timed in by_job.items():
+        stored = {t["rank"]: t for t in timed}
+        states = {
+            rank: strag.RankState(
+                t["above_since_ms"], bool(t["straggling"]), t["straggling_ms"], t["reason"]
+            )
+            for rank, t in stored.items()
+        }
+        found = strag.judge(
+            policy, {r: t["compute_s"] for r, t in stored.items()}, states, now_ms=now_ms
+        )
+        judged += len(found)
+        for j in found:
+            k = (job_id, j.rank)
+            t = stored[j.rank]
+            node, gpu = where[k]
+            state = j.state
+            if state.straggling:
+                state.reason = name_gpu(c, policy, node, int(gpu), now_ms)
+                slow[k] = Straggler(
+                    j.compute_s, j.peers_median_s, state.reason, t["step"], t["total_steps"]
+                )
+            if j.became:
+                emit_event(
+                    c,
+                    "rank.straggling",
+                    {
+                        "job_id": job_id,
+                        "rank": j.rank,
+                        "node": node,
+                        "gpu": int(gpu),
+                        "compute_s": j.compute_s,
+                        "peers_median_s": j.peers_median_s,
+                        "wait_s": t["wait_s"],
+                        "step": t["step"],
+                        "reason": state.reason,
+                        "above_since_ms": state.above_since_ms,
+                    },
+                    job_id=job_id,
+                    node=node,
+                )
+            if j.cleared:
+                forget(k)
+            values = state_values(state)
+            if values != {n: t[n] for n in db.STRAGGLER_COLUMNS}:
+                db.set_straggler_state(c, job_id=job_id, rank=j.rank, values=values)
+    return slow, judged
+
+
+def name_gpu(c: Connection, policy: Policy, node: str, gpu: int, now_ms: int) -> str:
+    """Why the GPU is slow, from its recent samples (:func:`stragglers.name_reason`)."""
+    since = now_ms - int(REASON_SAMPLES_S * 1000)
+    frame = reads.gpu_window(
+        c, node=node, gpu=gpu, since_ms=since, fields=list(_REASON_FIELDS), limit=10_000
+    )
+    rows = frame.astype(object).where(frame.notna(), None).to_dict("records")
+    return strag.name_reason(rows, hot_c=policy.straggler_hot_c)  # type: ignore[arg-type]
+
+
+def case_of(
+    policy: Policy,
+    slow: Straggler,
+    *,
+    job_pauses_s: list[float],
+    fleet_pauses_s: list[float],
+) -> StragglerCase:
+    """What the decision about ``slow`` weighs: the seconds a move saves, what it costs."""
+    gain = strag.projected_gain(
+        compute_s=slow.compute_s,
+        peers_median_s=slow.peers_median_s,
+        step=slow.step,
+        total_steps=slow.total_steps,
+        horizon_steps=policy.straggler_horizon_steps,
+    )
+    cost_s, cost_from = strag.move_cost(
+        job_pauses_s=job_pauses_s,
+        fleet_pauses_s=fleet_pauses_s,
+        default_s=policy.straggler_move_cost_s,
+    )
+    return StragglerCase(
+        gain_s=gain.seconds,
+        remaining_steps=gain.remaining_steps,
+        remaining_from=gain.remaining_from,
+        cost_s=cost_s,
+        cost_from=cost_from,
+    )
+
+
+def state_values(state: strag.RankState | None = None) -> dict[str, Any]:
+    state = state or strag.RankState()
+    return {
+        "above_since_ms": state.above_since_ms,
+        "straggling": state.straggling,
+        "straggling_ms": state.straggling_ms,
+        "reason": state.reason,
+    }
