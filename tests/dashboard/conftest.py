@@ -73,6 +73,9 @@ class SimFeed:
     stop: threading.Event = field(default_factory=threading.Event)
     thread: threading.Thread | None = None
     errors: list[str] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    slowed: list[tuple[int, int, str, float]] = field(default_factory=list)
+    """Slowdowns asked for, started by the feed thread (which owns the model) at its next tick."""
 
     def __post_init__(self) -> None:
         self.model = FleetModel(self.gpus, load_params(), seed=7, speed=1.0)
@@ -104,12 +107,21 @@ class SimFeed:
             last = datetime.now(UTC)
             while not self.stop.wait(1.0):
                 now = datetime.now(UTC)
+                with self.lock:
+                    slowed, self.slowed = self.slowed, []
+                for node, gpu, kind, duration_s in slowed:
+                    self.model.slow(node, gpu, kind, duration_s=duration_s)
                 tick = self.model.step((now - last).total_seconds(), to_ms(now))
                 last = now
                 try:
                     post_rows(client, self.service.ingest_token, *tick_rows(self.model, tick))
                 except (httpx.HTTPError, AssertionError) as exc:
                     self.errors.append(str(exc))
+
+    def slow(self, node: str, gpu: int, kind: str, duration_s: float) -> None:
+        """Make a GPU of the fleet a straggler of ``kind`` (``sim.slowdowns``) at the next tick."""
+        with self.lock:
+            self.slowed.append((self.model.node_names.index(node), gpu, kind, duration_s))
 
     def start(self) -> SimFeed:
         self.thread = threading.Thread(target=self._run, name="sim-feed", daemon=True)
