@@ -54,7 +54,7 @@ class MigrationPublic(BaseModel):
     job_id: str
     rank: int
     trigger: str
-    """preventive, planned, unplanned or manual."""
+    """preventive, planned, unplanned, manual or straggler."""
     state: State
     risk: float | None
     reasons: list[str]
