@@ -20,7 +20,10 @@ In one run, on this machine (gloo, CPU, loopback):
     - checkpoint-restart of the same job: checkpoint every K steps, kill, restart all,
       load, recompute: seconds lost for a failure K/2 steps after a checkpoint;
 (c) the per-step cost of ``job.steps()`` + ``with step:`` against the same plain loop, and
-    of the step-boundary check alone, per round (min-max of 5 rounds);
+    of the step-boundary check alone, per round (min-max of 5 rounds), step timing included
+    (it is always on: the clock around the step and its first collective, the timing's
+    encoding and its ride on the mirror's store write); once with ``job.all_reduce`` per
+    gradient, once with ``job.ddp`` (its timing comm hook) against plain DDP without a hook;
 (d) (``--parts d``) the per-step cost of in-memory peer copies against k: a 4-rank job
     with copies every k steps against the same job without, seconds per step over the whole
     loop, per round, and the host memory the copies take per process.
@@ -48,6 +51,7 @@ import os
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -216,9 +220,20 @@ def bandwidth(nbytes: int = 256 * 2**20, reps: int = 3) -> float:
 # -- (c) wrapper overhead ---------------------------------------------------------------------
 
 
-def overhead(steps: int = 60, rounds: int = 5) -> tuple[list[float], list[float], list[float]]:
-    """Per round: plain and wrapped seconds per step (interleaved), and the boundary check
-    alone (1000 calls)."""
+def overhead(
+    steps: int = 100, rounds: int = 5, *, ddp: bool = False
+) -> tuple[list[float], list[float], list[float], list[float]]:
+    """Per round: plain and wrapped seconds per step (medians, step by step interleaved),
+    the boundary check alone (1000 calls) and the same with step timing (each call after a
+    timed step's clock work: it writes the step's timing with the mirror).
+
+    ``ddp``: the plain loop runs DDP without a comm hook on a copy of the model, the wrapped
+    one ``job.ddp`` (the timing hook) on the model; else both ``job.all_reduce`` each
+    gradient."""
+    import copy
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
     from migrator import Job
 
     store = dist.TCPStore(
@@ -230,39 +245,80 @@ def overhead(steps: int = 60, rounds: int = 5) -> tuple[list[float], list[float]
     )
     opt = torch.optim.Adam(model.parameters())
     job = Job(store=store, slot=0, world_size=1, initial_rank=0, timeout_s=30)
+    twin = copy.deepcopy(model)
+    twin_opt = torch.optim.Adam(twin.parameters())
     job.register(model=model, optimizer=opt)
     job.start()
     x = torch.randn(64, 1024)
+    if ddp:
+        plain_net = DDP(twin, process_group=job.group)
+        net = job.ddp(model)
 
-    def body() -> None:
-        loss = model(x).square().mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        for p in model.parameters():
-            assert p.grad is not None
-            job.all_reduce(p.grad)
-        opt.step()
+        def body() -> None:
+            loss = net(x).square().mean()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+
+        def plain_body() -> None:
+            loss = plain_net(x).square().mean()
+            twin_opt.zero_grad(set_to_none=True)
+            loss.backward()
+            twin_opt.step()
+
+    else:
+
+        def body() -> None:
+            loss = model(x).square().mean()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            for p in model.parameters():
+                assert p.grad is not None
+                job.all_reduce(p.grad)
+            opt.step()
+
+        plain_body = body
 
     for _ in range(20):
         body()
-    plain, wrapped, boundary = [], [], []
+        plain_body()
+    plain, wrapped, boundary, timed = [], [], [], []
     for _ in range(rounds):  # interleave to share the machine's noise
-        t = time.perf_counter()
-        for _ in range(steps):
-            body()
-        plain.append((time.perf_counter() - t) / steps)
-        job._next = 0
-        t = time.perf_counter()
-        for step in job.steps(steps):
-            with step:
-                body()
-        wrapped.append((time.perf_counter() - t) / steps)
+        # Step by step, plain and wrapped (the boundary included) in turn, which first
+        # alternating: the medians share the machine's noise.
+        plain_s, wrapped_s = [], []
+        loop = job.steps(steps)
+
+        for i in range(steps):
+            for plain_turn in (False, True) if i % 2 == 0 else (True, False):
+                t = time.perf_counter()
+                if plain_turn:
+                    plain_body()
+                    plain_s.append(time.perf_counter() - t)
+                else:
+                    with next(loop):
+                        body()
+                    wrapped_s.append(time.perf_counter() - t)
+        for _ in loop:  # the loop's end (never a step: all ran)
+            pass
+        plain.append(statistics.median(plain_s))
+        wrapped.append(statistics.median(wrapped_s))
         job._next = 0
         t = time.perf_counter()
         for k in range(1000):
             job._boundary(k)
         boundary.append((time.perf_counter() - t) / 1000)
-    return plain, wrapped, boundary
+        job._next = 0
+        t = time.perf_counter()
+        clock = job.clock
+        for k in range(1000):
+            clock.begin()
+            clock.arrive()
+            clock.completed()
+            clock.end(k)
+            job._boundary(k)
+        timed.append((time.perf_counter() - t) / 1000)
+    return plain, wrapped, boundary, timed
 
 
 # -- (d) peer copies -------------------------------------------------------------------------
@@ -774,21 +830,38 @@ def main() -> None:
     if "c" not in args.parts.split(","):
         _write(args.json, figures)
         return
-    print("(c) per-step cost of the wrapper (1-rank group, 3x1024 MLP, batch 64, Adam), 5 rounds")
-    plain, wrapped, boundary = overhead()
-    extra = [100 * (w - p) / p for p, w in zip(plain, wrapped, strict=True)]
-    share = [100 * b / p for p, b in zip(plain, boundary, strict=True)]
     print(
-        f"    plain loop {min(plain) * 1e3:.3f}-{max(plain) * 1e3:.3f} ms/step, wrapped "
-        f"{min(wrapped) * 1e3:.3f}-{max(wrapped) * 1e3:.3f} ms/step: {min(extra):+.2f} to "
-        f"{max(extra):+.2f} % per round (noisy on a shared machine)"
+        "(c) per-step cost of the wrapper, step timing on (1-rank group, 3x1024 MLP, batch 64, "
+        "Adam), 5 rounds"
     )
-    print(
-        f"    boundary alone {min(boundary) * 1e6:.1f}-{max(boundary) * 1e6:.1f} us = "
-        f"{min(share):.2f}-{max(share):.2f} % of the plain step in the same round (goal < 1 %)\n",
-        flush=True,
-    )
-    figures["wrapper"] = {"plain_s": plain, "wrapped_s": wrapped, "boundary_s": boundary}
+    figures["wrapper"] = {}
+    for ddp in (False, True):
+        plain, wrapped, boundary, timed = overhead(ddp=ddp)
+        extra = [100 * (w - p) / p for p, w in zip(plain, wrapped, strict=True)]
+        share = [100 * b / p for p, b in zip(plain, timed, strict=True)]
+        timing = [100 * (t - b) / p for p, b, t in zip(plain, boundary, timed, strict=True)]
+        what = "job.ddp against DDP without a hook" if ddp else "job.all_reduce per gradient"
+        print(
+            f"    {what}: plain loop {min(plain) * 1e3:.3f}-{max(plain) * 1e3:.3f} ms/step, "
+            f"wrapped {min(wrapped) * 1e3:.3f}-{max(wrapped) * 1e3:.3f} ms/step: "
+            f"{min(extra):+.2f} to {max(extra):+.2f} % per round (medians; noisy on a shared "
+            "machine)"
+        )
+        print(
+            f"    boundary alone {min(boundary) * 1e6:.1f}-{max(boundary) * 1e6:.1f} us; with "
+            f"the step's timing {min(timed) * 1e6:.1f}-{max(timed) * 1e6:.1f} us = "
+            f"{min(share):.2f}-{max(share):.2f} % of the plain step in the same round (goal "
+            f"< 1 %), of which the timing {min(timing):+.2f} to {max(timing):+.2f} %",
+            flush=True,
+        )
+        key = "ddp" if ddp else "all_reduce"
+        figures["wrapper"][key] = {
+            "plain_s": plain,
+            "wrapped_s": wrapped,
+            "boundary_s": boundary,
+            "boundary_timed_s": timed,
+        }
+    print()
     _write(args.json, figures)
 
 

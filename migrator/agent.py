@@ -13,7 +13,9 @@ One :class:`Agent` per job, on one host (``docs/migration.md`` on several nodes)
   and fails after ``pause_timeout_s`` (its :class:`~migrator.recovery.Recovery`
   collaborator decides, on the job's :class:`~migrator.table.JobTable`);
 - reports each migration (:class:`forewarn.wire.MigrationReport`) to its log, its report
-  file, its endpoint and, if given, the service.
+  file, its endpoint and, if given, the service;
+- keeps its ranks' step timing (:meth:`Agent.timings`: medians over each rank's last
+  ``timing_window`` steps, :mod:`migrator.timing`), which the service link's heartbeat carries.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from typing import Any
 import torch.distributed as dist
 
 from forewarn.errors import Conflict, InvalidInput, NoSpareAvailable
-from forewarn.wire import JobRegistration, MigrationReason, MigrationReport
+from forewarn.wire import JobRegistration, MigrationReason, MigrationReport, RankTimings
 from migrator import protocol as P
 from migrator.commands import handover_step
 from migrator.endpoint import serve
@@ -54,6 +56,7 @@ from migrator.nodes import (
 from migrator.recovery import Recovery
 from migrator.stopping import Stopper, StopRequested
 from migrator.table import JobTable, Migration, Slot
+from migrator.timing import DEFAULT_WINDOW, summarize, timing_key
 
 __all__ = ["Agent", "AgentConfig", "Slot"]
 
@@ -103,6 +106,8 @@ class AgentConfig:
     (no spare came, a crash loop, the launcher stopped); None: none (migrator.checkpoint)."""
     resume_from: Path | None = None
     """A checkpoint (file, or directory: its latest) the active ranks start from."""
+    timing_window: int = DEFAULT_WINDOW
+    """Steps each rank's timing medians are taken over (:meth:`Agent.timings`)."""
 
 
 class Agent:
@@ -194,7 +199,12 @@ class Agent:
                 "join_timeout_s": self.cfg.join_timeout_s,
                 "checkpoint_dir": str(self.cfg.checkpoint_dir or ""),
                 "resume_from": str(self.cfg.resume_from or ""),
+                "timing_window": self.cfg.timing_window,
             }
+            # Every rank's timing key exists from the start: the heartbeat reads them all in
+            # one round trip (multi_get waits for a missing key).
+            ranks = range(self.table.world_size)
+            self.store.multi_set([timing_key(r) for r in ranks], [b""] * len(ranks))  # type: ignore[attr-defined]
             if self.cfg.nnodes > 1:
                 grace = self.cfg.node_timeout_s or min(self.cfg.timeout_s, 10.0)
                 self.monitor = NodeMonitor(self.store, node_timeout_s=grace)
@@ -244,6 +254,20 @@ class Agent:
                 placement=[s.placement(self.cfg.node, self.cfg.backend) for s in live],
                 agent_url=self.agent_url,
             )
+
+    def timings(self) -> RankTimings | None:
+        """The ranks' step timing: medians over each one's last ``timing_window`` steps, in
+        rank order; a rank moved to a spare counts from the spare's first step. None before
+        any rank finished a timed step (or with no timed collective: FSDP)."""
+        with self.lock:
+            roster = dict(self.table.roster)
+            if not roster:
+                return None
+            ranks = sorted(roster)
+            blobs = self.store.multi_get([timing_key(r) for r in ranks])
+        return summarize(
+            dict(zip(ranks, blobs, strict=True)), roster, window=self.cfg.timing_window
+        )
 
     # -- commands ---------------------------------------------------------------------------
 

@@ -11,6 +11,13 @@ more ranks gloo's ring sums depend on that order, so bitwise equality does too).
 
 The rebuilt DDP skips its initial broadcast (``init_sync=False``): the parameters are
 already equal on every rank, bit for bit, by construction of the handover.
+
+Each DDP it builds gets a communication hook that times the step's first gradient bucket
+(:mod:`migrator.timing`: this rank's arrival and the bucket's completion) and otherwise does
+what DDP does without a hook, bit for bit: scale the bucket by ``1 / world_size`` (a
+multiplication, as DDP's reducer does; the stock ``allreduce_hook`` divides, which differs in
+the last bit for a world size that is not a power of two), then all-reduce it with a sum. A
+script therefore cannot register a comm hook of its own on ``ElasticDDP.ddp``.
 """
 
 from __future__ import annotations
@@ -22,6 +29,8 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+from migrator.timing import StepClock
 
 __all__ = ["ElasticDDP"]
 
@@ -45,13 +54,18 @@ def _bucket_plan(layout: list[list[int]] | None, cap_bytes: int) -> Iterator[Non
         dist._compute_bucket_assignment_by_size = original  # type: ignore[attr-defined]
 
 
+def _reduced(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+    """The all-reduced bucket (a Python comm hook's future must hold a tensor)."""
+    return fut.value()[0]
+
+
 class ElasticDDP(torch.nn.Module):
     """A DDP-wrapped module whose process group the job may replace between steps.
 
     Build it with ``job.ddp(module, **ddp_kwargs)``; call it like the module. ``module``
     stays the owner of the parameters (give ``module.parameters()`` to the optimizer).
     ``after_forward`` runs after each forward, before the backward's all-reduces (the job
-    mirrors the rank's state there).
+    mirrors the rank's state there). ``clock`` times the step's first gradient bucket.
     """
 
     def __init__(
@@ -59,11 +73,13 @@ class ElasticDDP(torch.nn.Module):
         module: torch.nn.Module,
         *,
         after_forward: Callable[[], None] | None = None,
+        clock: StepClock | None = None,
         **ddp_kwargs: Any,
     ) -> None:
         super().__init__()
         self.module = module
         self._after_forward = after_forward
+        self.clock = clock or StepClock()
         ddp_kwargs.pop("process_group", None)
         ddp_kwargs.pop("init_sync", None)
         self._kwargs = ddp_kwargs
@@ -121,8 +137,20 @@ class ElasticDDP(torch.nn.Module):
         cap = int(self._kwargs.get("bucket_cap_mb", 25) * 1024 * 1024)
         with _bucket_plan(layout, cap):
             ddp = DDP(self.module, process_group=group, init_sync=initial, **self._kwargs)
+        ddp.register_comm_hook(group, self._timed_allreduce)
         object.__setattr__(self, "_ddp", ddp)
         self._layout = None
+
+    # No annotations: DDP compares them with its own classes, and postponed annotations are
+    # strings. ``group``: the generation's process group; ``bucket``: a dist.GradBucket.
+    def _timed_allreduce(self, group, bucket):  # type: ignore[no-untyped-def]
+        """DDP's own all-reduce of ``bucket`` (see the module docstring), its first of the
+        step timed: the future handed back completes after the clock noted the end."""
+        first = self.clock.arrive()
+        buf = bucket.buffer()
+        buf.mul_(1.0 / group.size())  # the reducer's own scaling: grad * (1.0 / world_size)
+        fut = group.allreduce([buf]).get_future()
+        return fut.then(self.clock.completed_value if first else _reduced)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         out = self.ddp(*args, **kwargs)

@@ -1,4 +1,4 @@
-"""Fault injection for migration tests and demos: kill, wedge or migrate a rank at a step.
+"""Fault injection for migration tests and demos: kill, wedge, slow or migrate a rank at a step.
 
 A :class:`FaultPlan` is a list of faults, each tied to a rank, a step and a point inside the
 step. The launcher hands the plan to every process it starts (``FOREWARN_FAULTS``, JSON);
@@ -25,11 +25,23 @@ Points inside a step:
 Kinds: ``kill`` (SIGKILL: the process vanishes), ``kill_node`` (SIGKILL of the process's
 whole process group: its launcher and all it started), ``wedge`` (SIGSTOP: alive, silent; only a
 timeout can tell), ``migrate`` (the rank asks its agent, over the agent's HTTP endpoint, to
-migrate ``target`` — the same path ``forewarn migrate`` takes).
+migrate ``target`` — the same path ``forewarn migrate`` takes), ``slow`` (a throttled GPU:
+see below).
+
+``slow_at(rank, step, delay_s, where=...)`` makes a *process* slow, not a rank: the process
+that holds ``rank`` at ``step`` sleeps ``delay_s`` at ``where`` from that step on, each time
+the point fires (once a step for every point but ``forward``, which fires at each forward of
+the first model), for as long as it holds any rank. When its rank moves to a spare, the spare
+is not slow: the slowness stays with the process, as a throttled GPU stays with its node.
+Under data parallelism the slow rank's peers then wait for it in the step's first collective
+(:mod:`migrator.timing` measures both).
 
 Example::
 
     plan = FaultPlan().migrate_at(0, 10, reason="preventive").fail_at(1, 25, where="backward")
+    straggler = FaultPlan().slow_at(1, 2, 0.1, where="forward")  # rank 1's process, from step 2
+
+``forewarn launch --faults "$(python -c 'print(plan.to_json())')" ...`` hands a plan to a job.
 """
 
 from __future__ import annotations
@@ -57,12 +69,13 @@ Point = Literal[
 
 @dataclass(frozen=True)
 class Fault:
-    kind: Literal["kill", "wedge", "migrate", "kill_node"]
+    kind: Literal["kill", "wedge", "migrate", "kill_node", "slow"]
     rank: int
     step: int
     where: Point = "forward"
     reason: str = "planned"
     target: int | None = None
+    delay_s: float = 0.0
 
 
 @dataclass
@@ -70,6 +83,8 @@ class FaultPlan:
     """Faults to inject into a job; build with the chaining helpers below."""
 
     faults: list[Fault] = field(default_factory=list)
+    slowed: dict[str, float] = field(default_factory=dict, repr=False, compare=False)
+    """This process's own slowness: seconds slept at each point (``slow`` faults it took)."""
 
     def fail_at(self, rank: int, step: int, *, where: Point = "forward") -> FaultPlan:
         """SIGKILL the process holding ``rank`` at ``step`` (at ``where`` in the step)."""
@@ -86,6 +101,17 @@ class FaultPlan:
     def wedge_at(self, rank: int, step: int, *, where: Point = "forward") -> FaultPlan:
         """SIGSTOP the process holding ``rank``: it stays alive and never answers."""
         self.faults.append(Fault("wedge", rank, step, where))
+        return self
+
+    def slow_at(
+        self, rank: int, step: int, delay_s: float, *, where: Point = "forward"
+    ) -> FaultPlan:
+        """From ``step`` on, the process holding ``rank`` at ``step`` sleeps ``delay_s`` at
+        ``where`` each time the point fires, while it holds any rank (a spare that takes its
+        rank over is not slow)."""
+        if delay_s <= 0:
+            raise ValueError(f"slow_at: delay_s must be positive, not {delay_s}")
+        self.faults.append(Fault("slow", rank, step, where, delay_s=delay_s))
         return self
 
     def migrate_at(
@@ -110,7 +136,8 @@ class FaultPlan:
         ]
 
     def fire(self, where: Point, rank: int, step: int, *, store: Any, job: Any) -> None:
-        """Fire every fault due at this point, each at most once per job."""
+        """Fire every fault due at this point, each at most once per job; then, if this
+        process was made slow at this point, sleep."""
         for i, fault in self.due(where, rank, step):
             if store.add(f"fault/{i}", 1) != 1:
                 continue
@@ -123,6 +150,8 @@ class FaultPlan:
                 os.killpg(os.getpgrp(), signal.SIGKILL)
             elif fault.kind == "wedge":
                 os.kill(os.getpid(), signal.SIGSTOP)
+            elif fault.kind == "slow":
+                self.slowed[where] = self.slowed.get(where, 0.0) + fault.delay_s
             else:
                 job.request_migration(
                     fault.rank if fault.target is None else fault.target, fault.reason
@@ -136,3 +165,5 @@ class FaultPlan:
                     if commands.flag is not None or commands.idle:
                         break
                     time.sleep(0.005)
+        if delay := self.slowed.get(where):
+            time.sleep(delay)

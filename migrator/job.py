@@ -29,6 +29,9 @@ stopped. A source whose rank moved to a spare leaves the loop with ``SystemExit(
 At each step boundary the job snapshots this rank's own state (RNG, data position), mirrors it
 to the agent's store and checks for a migration command: one local pickle and two store round
 trips (tens of microseconds; ``benchmarks/migration.py`` measures it against a plain loop).
+The mirror's round trip also carries this rank's step timing (:mod:`migrator.timing`: the
+compute before the step's first collective and the wait in it, over the last
+``timing_window`` steps), which the agent sends to the service with its heartbeat.
 Inside the step, before its collectives (after each forward of :meth:`ddp`'s module, before
 each :meth:`all_reduce`), the rank mirrors its state once more as the next boundary will find
 it: a rank that dies after its last collective of step k, before boundary k+1, leaves the
@@ -83,10 +86,14 @@ from migrator.state import (
     refuse_bound_sharding,
     restore_rank_state,
 )
+from migrator.timing import DEFAULT_WINDOW, StepClock, timing_key
 
 __all__ = ["CollectiveFailed", "Job", "Step", "is_peer_failure", "spare_may_help"]
 
 log = logging.getLogger(__name__)
+
+TIMING_EVERY = 10
+"""Without the state mirror (``mirror=False``), steps between two writes of the timing."""
 
 
 def _seq(one: Any, many: Sequence[Any] | None) -> list[Any]:
@@ -112,11 +119,13 @@ class Step:
 
     def __enter__(self) -> Step:
         self.job._stepped = False
+        self.job.clock.begin()
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
         if exc is None:
             self.ok = True
+            self.job.clock.end(self.index)
             if self.job.rank is not None:
                 self.job.hooks.fire("step_end", self.job.rank, self.index)
             return False
@@ -229,6 +238,7 @@ class Job:
         resume_from: a checkpoint file or directory to start from: an active rank loads
             the replica state and its own rank state, and :meth:`steps` continues at the
             checkpoint's step.
+        timing_window: steps this rank keeps its step timing over (the agent's medians).
     """
 
     def __init__(
@@ -249,6 +259,7 @@ class Job:
         channels: Channels | None = None,
         checkpoint_dir: str | Path | None = None,
         resume_from: str | Path | None = None,
+        timing_window: int = DEFAULT_WINDOW,
     ) -> None:
         self.store = store
         self.slot = slot
@@ -262,6 +273,8 @@ class Job:
         self.mirror = mirror
         self.join_timeout_s = join_timeout_s
         self.registry = Registry()
+        self.clock = StepClock(timing_window)
+        """This rank's step timing (:mod:`migrator.timing`)."""
         self.events: list[dict[str, Any]] = []
         self.member = Membership(
             store,
@@ -353,6 +366,7 @@ class Job:
             "join_timeout_s": float(env.get("FOREWARN_JOIN_TIMEOUT_S", "300")),
             "checkpoint_dir": env.get("FOREWARN_CHECKPOINT_DIR") or None,
             "resume_from": env.get("FOREWARN_RESUME_FROM") or None,
+            "timing_window": int(env.get("FOREWARN_TIMING_WINDOW") or DEFAULT_WINDOW),
         }
         if kwargs["backend"] == "nccl":
             local = int(env.get("LOCAL_RANK", env.get("FOREWARN_LOCAL_SLOT", "0")))
@@ -459,7 +473,9 @@ class Job:
 
     def ddp(self, module: torch.nn.Module, **ddp_kwargs: Any) -> ElasticDDP:
         """Wrap ``module`` in DDP on the job's current process group, whatever it becomes."""
-        wrapped = ElasticDDP(module, after_forward=self._mirror_ahead, **ddp_kwargs)
+        wrapped = ElasticDDP(
+            module, after_forward=self._mirror_ahead, clock=self.clock, **ddp_kwargs
+        )
         self.member.ddps.append(wrapped)
         if self.group is not None:
             wrapped.rebuild(self.group, None, initial=True)
@@ -548,10 +564,13 @@ class Job:
         self._mirror_ahead()
         opts = dist.AllreduceOptions()
         opts.reduceOp = op
+        first = self.clock.arrive()
         try:
             self.group.allreduce([tensor], opts).wait(timedelta(seconds=self.timeout_s))
         except RuntimeError as exc:  # converted here, where it is known to be the group's
             raise CollectiveFailed(f"all_reduce on generation {self.gen}: {exc}") from exc
+        if first:
+            self.clock.completed()
         return tensor
 
     # -- the loop ---------------------------------------------------------------------------
@@ -611,6 +630,7 @@ class Job:
         ends with ``SystemExit(0)`` at the handover boundary.
         """
         self.start()
+        self.clock.total = total
         while self._next < total:
             k = self._next
             self._boundary(k)
@@ -623,6 +643,8 @@ class Job:
                 self._next, self.handover.rewind = self.handover.rewind, None
         if self.handover.peers is not None:
             self.handover.peers.wait()  # the last round's copies, sent and received
+        if self.rank is not None and (timing := self.clock.take(self.slot)) is not None:
+            self.store.set(timing_key(self.rank), timing)  # the last step's, once
         self.commands.close()
         self.store.set(f"done/{self.rank}", str(self.slot))
 
@@ -631,8 +653,17 @@ class Job:
         self.commands.passed = k  # before the flag is read (see migrator.commands)
         self._boundary_t = time.perf_counter()
         snapshot = self._snapshot = capture_rank_state(k, self.registry.data)
-        if self.mirror:
+        # The last step's timing rides the mirror's round trip (without the mirror, its own
+        # write every TIMING_EVERY steps).
+        timing = self.clock.take(self.slot) if self.mirror or k % TIMING_EVERY == 0 else None
+        if self.mirror and timing is not None:
+            self.store.multi_set(
+                [P.mirror_key(self.rank), timing_key(self.rank)], [snapshot, timing]
+            )
+        elif self.mirror:
             self.store.set(P.mirror_key(self.rank), snapshot)
+        elif timing is not None:
+            self.store.set(timing_key(self.rank), timing)
         if self.handover.peers is not None:
             self.handover.peers.at_boundary(k, snapshot)
         self.hooks.fire("step_start", self.rank, k)

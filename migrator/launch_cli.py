@@ -25,6 +25,13 @@ from migrator.nodes import node_rank_from_env, run_node
 __all__ = ["configure", "run"]
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive number of steps")
+    return value
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     env = os.environ.get
     parser.add_argument(
@@ -81,6 +88,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=300.0,
         help="how long launchers wait for each other at the start (default 300)",
+    )
+    parser.add_argument(
+        "--timing-window",
+        type=_positive_int,
+        default=20,
+        metavar="STEPS",
+        help="steps each rank's step-timing medians are taken over, as the heartbeat sends "
+        "them (default 20)",
     )
     parser.add_argument("--service", metavar="URL", help="register the job with the service")
     parser.add_argument(
@@ -220,6 +235,7 @@ def run(args: argparse.Namespace) -> int:
         node_timeout_s=args.node_timeout_s,
         checkpoint_dir=args.checkpoint_dir.resolve() if args.checkpoint_dir else None,
         resume_from=args.resume.resolve() if args.resume else None,
+        timing_window=args.timing_window,
     )
     if args.node_name:
         cfg.node = args.node_name

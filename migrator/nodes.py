@@ -108,6 +108,7 @@ def slot_env(
         "FOREWARN_JOIN_TIMEOUT_S": str(config.get("join_timeout_s", 300.0)),
         "FOREWARN_CHECKPOINT_DIR": config.get("checkpoint_dir") or "",
         "FOREWARN_RESUME_FROM": config.get("resume_from") or "",
+        "FOREWARN_TIMING_WINDOW": str(config.get("timing_window") or ""),
         # torchrun's names, for code that reads them (a spare's RANK is set when it takes one)
         "LOCAL_RANK": str(spec.local),
         "LOCAL_WORLD_SIZE": str(local_world),

@@ -7,7 +7,8 @@ collaborator. It
   (:meth:`preflight`): a refused token (401/403) or any other refusal is a clear error before
   a single rank starts, never a warning lost in a log;
 - registers the job and its placement (``POST /v1/jobs``), again whenever the placement
-  changes, and heartbeats (``POST /v1/jobs/{id}/heartbeat``);
+  changes, and heartbeats (``POST /v1/jobs/{id}/heartbeat``) with the ranks' step timing
+  (:meth:`Agent.timings <migrator.agent.Agent.timings>`, as ``JobHeartbeat.timings``);
 - long-polls ``GET /v1/jobs/{id}/commands`` and hands each new command to
   :meth:`Agent.submit` — the service learns of a command's acceptance within one poll;
 - reports each transition: ``acknowledged`` (the agent assigned a spare), ``transferring``
@@ -217,8 +218,17 @@ class ServiceLink:
         return registration.model_copy(update={"placement": placement})
 
     def _heartbeat(self, agent: Any) -> dict[str, Any]:
+        """The heartbeat's body: the job's status and its ranks' step timing."""
+        try:
+            timings = agent.timings()
+        except (RuntimeError, OSError) as exc:  # the store is going away with the job
+            log.warning("no step timing for the heartbeat: %s", exc)
+            timings = None
         beat = JobHeartbeat(
-            status=agent.status, generation=agent.gen, message=agent.message or None
+            status=agent.status,
+            generation=agent.gen,
+            message=agent.message or None,
+            timings=timings,
         )
         return beat.model_dump(mode="json")
 
