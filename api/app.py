@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from api import dashboard, ingest, tokens
 from api.control.service import install_control, start_control
@@ -143,7 +143,9 @@ def create_app(settings: Settings | None = None, *, store: Store | None = None) 
         "/metrics",
         tags=["ops"],
         summary="Prometheus metrics (per-GPU series with a read token only)",
-        responses={401: {"description": "A token was sent (or is required) and is unknown"},
+        response_class=PlainTextResponse,
+        responses={200: {"description": "The Prometheus text exposition format"},
+                   401: {"description": "A token was sent (or is required) and is unknown"},
                    403: {"description": "The token lacks the read scope"}},
     )  # fmt: skip
     async def prometheus(request: Request) -> Response:

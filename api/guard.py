@@ -238,10 +238,15 @@ class RequestGuard:
         return None
 
     def _methods_of(self, path: str) -> frozenset[str]:
-        """Every method of every route whose path matches: a path may be served by several
-        (``POST /v1/migrations/reports`` beside ``GET /v1/migrations/{migration_id}``), and a
-        405 names them all in ``Allow`` (Starlette's names those of the first route only)."""
-        return frozenset(m for r in self._table() if r.pattern.match(path) for m in r.methods)
+        """The methods of the resource ``path`` names, for a 405's ``Allow``: those of every
+        route whose path matches it with the fewest parameters. A path may be served by
+        several routes (Starlette's ``Allow`` names those of the first only); where one names
+        it literally (``POST /v1/migrations/reports``) a route with a parameter that also
+        matches (``GET /v1/migrations/{migration_id}``) serves another resource, one that
+        does not exist (``GET /v1/migrations/reports`` is a 404)."""
+        matching = [r for r in self._table() if r.pattern.match(path)]
+        fewest = min((r.path.count("{") for r in matching), default=0)
+        return frozenset(m for r in matching if r.path.count("{") == fewest for m in r.methods)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
