@@ -22,7 +22,7 @@ from api.control.service import install_control, start_control
 from api.deps import TOKEN_CACHE_S, authorize
 from api.docs import install_docs
 from api.errors import CatchAll, document_errors, error_body, install_error_handlers
-from api.guard import RequestGuard
+from api.guard import RequestGuard, document_guard
 from api.metrics import Metrics, MetricsView, TimingMiddleware
 from api.routes import fleet
 from api.settings import DEV_TOKEN, Settings
@@ -118,6 +118,7 @@ def create_app(settings: Settings | None = None, *, store: Store | None = None) 
     install_webhooks(app)
     app.include_router(dashboard.router)
     document_errors(app)
+    document_guard(app)
 
     @app.get("/healthz", tags=["ops"], summary="The process is up")
     async def healthz() -> dict[str, str]:

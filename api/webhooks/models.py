@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Annotated, Any
 
-from pydantic import BaseModel, Field, WithJsonSchema, field_validator
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
 
 from store.outbox import EVENT_TYPES
 
@@ -53,6 +53,8 @@ EventTypes = Annotated[
 
 
 class WebhookCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # an unknown field is a mistake: 422
+
     url: str = Field(max_length=2048, examples=["https://hooks.example.com/forewarn"])
     """Where events are POSTed (https; internal addresses only when allow-listed)."""
     event_types: EventTypes = Field(default_factory=lambda: ["*"])
@@ -67,6 +69,8 @@ class WebhookCreate(BaseModel):
 
 
 class WebhookUpdate(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # an unknown field is a mistake: 422
+
     url: str | None = Field(default=None, max_length=2048)
     event_types: EventTypes | None = None
     job_id: str | None = Field(default=None, max_length=253)
@@ -128,6 +132,8 @@ class WebhooksPublic(BaseModel):
 
 
 class SecretRotate(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # an unknown field is a mistake: 422
+
     grace_s: float | None = Field(default=None, ge=0, le=7 * 86400)
     """How long the old secret keeps signing (default ``FOREWARN_WEBHOOK_SECRET_GRACE_S``)."""
 
