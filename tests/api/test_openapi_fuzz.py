@@ -32,6 +32,7 @@ from schemathesis.checks import (
 from api.app import create_app
 from api.settings import Settings
 from store import Store
+from tests.conftest import reset_postgres
 
 pytestmark = pytest.mark.slow
 
@@ -70,12 +71,24 @@ schema.config.generation.update(allow_x00=True, codec="utf-8")  # NUL in strings
 schema = schema.exclude(path="/v1/jobs/{job_id}/commands")
 
 
-@pytest.fixture
-def backend(database_url: str, tmp_path: Path) -> Iterator[str]:
-    store = Store.open(database_url)
+@pytest.fixture(
+    scope="module", params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
+)
+def backend(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    """One database of each backend for every operation (opened and migrated once: what one
+    operation's examples leave, another's meet)."""
+    data_dir = tmp_path_factory.mktemp("fuzz")
+    if request.param == "sqlite":
+        url = f"sqlite:///{data_dir / 'forewarn.db'}"
+    else:
+        url = request.getfixturevalue("postgres_url")
+        reset_postgres(url)
+    store = Store.open(url)
     before = BACKEND.app
-    BACKEND.app = create_app(_settings(database_url, tmp_path), store=store)
-    yield database_url.split(":")[0]
+    BACKEND.app = create_app(_settings(url, data_dir), store=store)
+    yield request.param
     BACKEND.app = before
     store.close()
 
