@@ -14,7 +14,9 @@ from typing import Any
 import httpx
 
 from tests.conftest import LiveService, free_port
-from tests.migrator.harness import ROOT
+
+ROOT = Path(__file__).resolve().parents[2]
+"""The repository (what the processes run from)."""
 
 PACED = Path(__file__).with_name("train_paced.py")
 STEPS = 3000
