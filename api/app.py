@@ -15,14 +15,14 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from api import dashboard, ingest, tokens
 from api.control.service import install_control, start_control
 from api.deps import TOKEN_CACHE_S, authorize
 from api.docs import install_docs
 from api.errors import CatchAll, document_errors, error_body, install_error_handlers
-from api.guard import RequestGuard
+from api.guard import RequestGuard, document_guard
 from api.metrics import Metrics, MetricsView, TimingMiddleware
 from api.retraining import retrain_on_schedule
 from api.routes import fleet
@@ -121,6 +121,7 @@ def create_app(settings: Settings | None = None, *, store: Store | None = None) 
     install_webhooks(app)
     app.include_router(dashboard.router)
     document_errors(app)
+    document_guard(app)
 
     @app.get("/healthz", tags=["ops"], summary="The process is up")
     async def healthz() -> dict[str, str]:
@@ -146,7 +147,9 @@ def create_app(settings: Settings | None = None, *, store: Store | None = None) 
         "/metrics",
         tags=["ops"],
         summary="Prometheus metrics (per-GPU series with a read token only)",
-        responses={401: {"description": "A token was sent (or is required) and is unknown"},
+        response_class=PlainTextResponse,
+        responses={200: {"description": "The Prometheus text exposition format"},
+                   401: {"description": "A token was sent (or is required) and is unknown"},
                    403: {"description": "The token lacks the read scope"}},
     )  # fmt: skip
     async def prometheus(request: Request) -> Response:

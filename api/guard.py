@@ -47,6 +47,7 @@ __all__ = [
     "check_json",
     "check_text",
     "check_values",
+    "document_guard",
     "parse_exact",
 ]
 
@@ -238,10 +239,15 @@ class RequestGuard:
         return None
 
     def _methods_of(self, path: str) -> frozenset[str]:
-        """Every method of every route whose path matches: a path may be served by several
-        (``POST /v1/migrations/reports`` beside ``GET /v1/migrations/{migration_id}``), and a
-        405 names them all in ``Allow`` (Starlette's names those of the first route only)."""
-        return frozenset(m for r in self._table() if r.pattern.match(path) for m in r.methods)
+        """The methods of the resource ``path`` names, for a 405's ``Allow``: those of every
+        route whose path matches it with the fewest parameters. A path may be served by
+        several routes (Starlette's ``Allow`` names those of the first only); where one names
+        it literally (``POST /v1/migrations/reports``) a route with a parameter that also
+        matches (``GET /v1/migrations/{migration_id}``) serves another resource, one that
+        does not exist (``GET /v1/migrations/reports`` is a 404)."""
+        matching = [r for r in self._table() if r.pattern.match(path)]
+        fewest = min((r.path.count("{") for r in matching), default=0)
+        return frozenset(m for r in matching if r.path.count("{") == fewest for m in r.methods)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -298,3 +304,52 @@ class RequestGuard:
             if not message.get("more_body", False):
                 break
         return b"".join(chunks)
+
+
+_NO_NUL = "^[^\\u0000]*$"
+"""What :func:`check_text` lets through, as a JSON schema pattern (lone surrogates cannot be
+written in UTF-8 JSON at all)."""
+
+
+def _no_nul(node: Any, max_length: int | None = None) -> None:
+    """Add to every string schema under ``node`` that the guard refuses a NUL in it (and, for
+    a parameter, more than ``max_length`` characters)."""
+    if isinstance(node, dict):
+        if node.get("type") == "string" and not {"pattern", "format", "enum", "const"} & set(node):
+            node["pattern"] = _NO_NUL
+        if node.get("type") == "string" and max_length is not None:
+            node["maxLength"] = min(node.get("maxLength", max_length), max_length)
+        for value in node.values():
+            _no_nul(value, max_length)
+    elif isinstance(node, list):
+        for item in node:
+            _no_nul(item, max_length)
+
+
+def _path_budget(path: str, parameters: list[dict[str, Any]]) -> int:
+    """Characters each string path parameter may have: the guard bounds the whole path."""
+    named = sum(1 for p in parameters if p.get("in") == "path")
+    return (MAX_STRING_CHARS - len(re.sub(r"\{[^}]+\}", "", path))) // max(named, 1)
+
+
+def document_guard(app: Any) -> None:
+    """Say in the OpenAPI document what the guard refuses in every string of a request and a
+    stored record: a NUL; and in a parameter more than :data:`MAX_STRING_CHARS` characters
+    (a path parameter: its share of a path of that length)."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        document: dict[str, Any] = build()
+        _no_nul(document.get("components", {}).get("schemas", {}))
+        for path, item in document.get("paths", {}).items():
+            for operation in item.values():
+                parameters = operation.get("parameters", [])
+                for parameter in parameters:
+                    limit = MAX_STRING_CHARS
+                    if parameter.get("in") == "path":
+                        limit = _path_budget(path, parameters)
+                    _no_nul(parameter.get("schema"), limit)
+                _no_nul(operation.get("requestBody"))
+        return document
+
+    app.openapi = openapi

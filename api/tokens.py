@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from anyio import to_thread
 from fastapi import APIRouter, Path, Request
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import Response
 
 from api.deps import StoreDep, require, token_cache
@@ -28,6 +28,8 @@ ScopeName = Literal["ingest", "read", "operate", "admin"]
 
 
 class ApiTokenCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # an unknown field is a mistake: 422
+
     name: str = Field(min_length=1, max_length=128, description="Who or what uses it.")
     scopes: list[ScopeName] = Field(min_length=1, max_length=4)
 

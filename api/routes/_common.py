@@ -7,7 +7,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any
 
 from fastapi import Query
-from pydantic import AfterValidator
+from pydantic import AfterValidator, WithJsonSchema
 
 from forewarn.errors import InvalidInput
 from forewarn.wire import to_ms
@@ -27,7 +27,22 @@ def in_range(ts: datetime) -> datetime:
     return ts
 
 
-Timestamp = Annotated[datetime, AfterValidator(in_range)]
+# What in_range lets through, as the OpenAPI document says it: an ISO 8601 time of 1970-01-01
+# (UTC; no later day of 1970-01-01 ahead of UTC) to 9998, or a Unix time (pydantic reads a
+# number past 2e10 as milliseconds), up to 9999-12-30.
+_ISO_IN_RANGE = (
+    r"^(?:(?:197[1-9]|19[89][0-9]|[2-8][0-9]{3}|9[0-8][0-9]{2}|99[0-8][0-9]|999[0-8])-"
+    r"|1970-(?:0[2-9]|1[0-2])-|1970-01-(?:0[2-9]|[12][0-9]|3[01])[Tt ]"
+    r"|1970-01-01[Tt ][0-9:.]+(?:[Zz]|[+-]00:00|-[0-9]{2}:[0-9]{2})$)"
+)
+_TIMESTAMP_SCHEMA = {
+    "anyOf": [
+        {"type": "string", "format": "date-time", "pattern": _ISO_IN_RANGE},
+        {"type": "number", "minimum": 0, "maximum": to_ms(_LAST)},
+    ]
+}
+
+Timestamp = Annotated[datetime, AfterValidator(in_range), WithJsonSchema(_TIMESTAMP_SCHEMA)]
 """A time this service can store (a body field or a query parameter)."""
 Since = Annotated[Timestamp | None, Query(description="ISO 8601 or Unix seconds (inclusive).")]
 Until = Annotated[Timestamp | None, Query(description="ISO 8601 or Unix seconds (exclusive).")]

@@ -6,10 +6,10 @@ migration for every active rank on it, as fast as the in-flight limits allow.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from anyio import to_thread
-from fastapi import APIRouter
+from fastapi import APIRouter, Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from api.deps import StoreDep, require
@@ -20,6 +20,9 @@ from store.outbox import emit_event
 __all__ = ["router"]
 
 router = APIRouter(tags=["drain"])
+
+
+NodeName = Annotated[str, Path(max_length=253, description="The node (as its collector names it).")]
 
 
 class DrainRequest(BaseModel):
@@ -80,7 +83,9 @@ def _set(store: Any, node: str, drained: bool, reason: str | None) -> dict[str, 
     dependencies=[require("operate")],
     summary="Drain a node: move its ranks off (planned), use no spare there",
 )
-async def drain(store: StoreDep, node: str, body: DrainRequest | None = None) -> dict[str, Any]:
+async def drain(
+    store: StoreDep, node: NodeName, body: DrainRequest | None = None
+) -> dict[str, Any]:
     reason = body.reason if body else None
     return await to_thread.run_sync(_set, store, node, True, reason)
 
@@ -91,7 +96,7 @@ async def drain(store: StoreDep, node: str, body: DrainRequest | None = None) ->
     dependencies=[require("operate")],
     summary="Return a drained node to service",
 )
-async def undrain(store: StoreDep, node: str) -> dict[str, Any]:
+async def undrain(store: StoreDep, node: NodeName) -> dict[str, Any]:
     return await to_thread.run_sync(_set, store, node, False, None)
 
 

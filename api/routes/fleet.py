@@ -23,6 +23,7 @@ from api.deps import SettingsDep, StoreDep, require
 from api.routes._common import Since, Until
 from forewarn.errors import InvalidInput, NotFound
 from forewarn.wire import EventKind, GpuSample, to_ms
+from store.reads import FRAME_COLUMNS
 
 __all__ = [
     "AgentPublic",
@@ -177,6 +178,10 @@ def decode_cursor(cursor: str) -> Any:
 
 
 PAGE_LIMIT = 10_000
+PageLimit = Annotated[int | None, Query(ge=1, le=PAGE_LIMIT, description="Items a page.")]
+PageCursor = Annotated[
+    str | None, Query(max_length=1024, description="The ``next`` of the page before.")
+]
 
 
 def _page_params(limit: int | None, cursor: str | None) -> tuple[int, Any]:
@@ -199,7 +204,7 @@ DEFAULT_PAGE = 5000
     summary="Every node with its GPU count and collectors, a page at a time",
 )
 async def list_nodes(
-    store: StoreDep, limit: int | None = None, cursor: str | None = None
+    store: StoreDep, limit: PageLimit = None, cursor: PageCursor = None
 ) -> Response:
     """``limit`` items a page (default 5000, at most 10,000); ``next`` is the next page's
     ``cursor``, null on the last page."""
@@ -228,8 +233,8 @@ async def list_gpus(
     store: StoreDep,
     settings: SettingsDep,
     node: str | None = None,
-    limit: int | None = None,
-    cursor: str | None = None,
+    limit: PageLimit = None,
+    cursor: PageCursor = None,
 ) -> Response:
     """``limit`` GPUs a page (default 5000, at most 10,000), ordered by (node, gpu); ``next``
     is the next page's ``cursor``, null on the last page."""
@@ -302,6 +307,11 @@ def _window(since: datetime | None, until: datetime | None) -> tuple[int, int]:
     return window
 
 
+_FIELD = "(?:" + "|".join(FRAME_COLUMNS) + ")"
+_FIELDS_PATTERN = rf"^\s*{_FIELD}?\s*(?:,\s*{_FIELD}?\s*)*$"
+"""Names of :data:`store.reads.FRAME_COLUMNS`, comma-separated (blank items are skipped)."""
+
+
 @router.get(
     "/v1/gpus/{node}/{gpu}/samples",
     response_model=SamplesPublic,
@@ -313,7 +323,10 @@ async def gpu_samples(
     gpu: Annotated[int, Path(ge=0, le=255)],
     since: Since = None,
     until: Until = None,
-    fields: Annotated[str | None, Query(description="Comma-separated sample fields.")] = None,
+    fields: Annotated[
+        str | None,
+        Query(description="Comma-separated sample fields.", pattern=_FIELDS_PATTERN),
+    ] = None,
     limit: Annotated[int, Query(ge=1, le=MAX_ROWS)] = 10_000,
     resolution: Annotated[
         Literal["auto", "raw", "1m"],

@@ -14,7 +14,7 @@ from typing import Annotated, Any
 
 from anyio import to_thread
 from fastapi import APIRouter, Query
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 from sqlalchemy import text
 
 from api.deps import StoreDep, require
@@ -28,6 +28,14 @@ __all__ = ["JobPublic", "router"]
 router = APIRouter(tags=["jobs"])
 
 _MAX_GENERATION = 2**31 - 1
+
+
+class _Heartbeat(JobHeartbeat):
+    """The heartbeat as this route takes it: a generation the store's column holds."""
+
+    generation: int = Field(default=0, ge=0, le=_MAX_GENERATION)
+
+
 """A job's generation is stored as a 32-bit integer."""
 
 
@@ -188,7 +196,7 @@ async def register_job(store: StoreDep, body: JobRegistration) -> dict[str, Any]
     dependencies=[require("operate")],
     summary="A job agent's sign of life (with its ranks' step timings, when measured)",
 )
-async def heartbeat(store: StoreDep, job_id: str, body: JobHeartbeat) -> dict[str, Any]:
+async def heartbeat(store: StoreDep, job_id: str, body: _Heartbeat) -> dict[str, Any]:
     if body.generation > _MAX_GENERATION:  # the wire allows more than the store's column holds
         raise InvalidInput(f"generation: at most {_MAX_GENERATION}")
 

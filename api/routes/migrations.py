@@ -166,7 +166,7 @@ async def request_migration(
                 (r for r in ranks if r["rank"] == body.rank and r["role"] == "active"), None
             )
             if source is None:
-                raise InvalidInput(f"job {body.job_id} has no active rank {body.rank}")
+                raise NotFound(f"job {body.job_id} has no active rank {body.rank}")
             inflight = db.list_migrations(c, states=db.ACTIVE_STATES)
             mine = [m for m in inflight if m["job_id"] == body.job_id]
             if len(mine) >= policy.max_inflight_per_job:

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from anyio import to_thread
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from api.deps import SettingsDep, require
 from api.retraining import start_retraining
@@ -56,6 +56,8 @@ class ModelsPublic(BaseModel):
 
 
 class PinRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # an unknown field is a mistake: 422
+
     model_id: str = Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
@@ -147,6 +149,8 @@ async def rollback_model(settings: SettingsDep, request: Request) -> dict[str, A
 
 
 class RetrainRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # an unknown field is a mistake: 422
+
     holdout_days: float = Field(default=1.0, gt=0, le=30)
     """The history's last days, held out of training, on which the candidate and the model in
     force are judged."""

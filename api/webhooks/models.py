@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
 
 from store.outbox import EVENT_TYPES
 
@@ -44,10 +44,20 @@ def _check_types(value: list[str] | None) -> list[str] | None:
     return ["*"] if "*" in value else sorted(set(value))
 
 
+EventTypes = Annotated[
+    list[str],
+    WithJsonSchema(  # what _check_types takes, as the OpenAPI document says it
+        {"type": "array", "items": {"type": "string", "enum": ["*", *EVENT_TYPES]}, "minItems": 1}
+    ),
+]
+
+
 class WebhookCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # an unknown field is a mistake: 422
+
     url: str = Field(max_length=2048, examples=["https://hooks.example.com/forewarn"])
     """Where events are POSTed (https; internal addresses only when allow-listed)."""
-    event_types: list[str] = Field(default_factory=lambda: ["*"])
+    event_types: EventTypes = Field(default_factory=lambda: ["*"])
     """Event types to receive; ``["*"]`` for every type."""
     job_id: str | None = Field(default=None, max_length=253)
     """Only events about this job."""
@@ -59,8 +69,10 @@ class WebhookCreate(BaseModel):
 
 
 class WebhookUpdate(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # an unknown field is a mistake: 422
+
     url: str | None = Field(default=None, max_length=2048)
-    event_types: list[str] | None = None
+    event_types: EventTypes | None = None
     job_id: str | None = Field(default=None, max_length=253)
     node: str | None = Field(default=None, max_length=253)
     description: str | None = Field(default=None, max_length=1000)
@@ -120,6 +132,8 @@ class WebhooksPublic(BaseModel):
 
 
 class SecretRotate(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # an unknown field is a mistake: 422
+
     grace_s: float | None = Field(default=None, ge=0, le=7 * 86400)
     """How long the old secret keeps signing (default ``FOREWARN_WEBHOOK_SECRET_GRACE_S``)."""
 

@@ -18,7 +18,12 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import (
+    allow_header_conformance,
+    content_type_conformance,
+    ignored_auth,
+    missing_required_header,
     not_a_server_error,
+    response_headers_conformance,
     response_schema_conformance,
     status_code_conformance,
     unsupported_method,
@@ -27,6 +32,7 @@ from schemathesis.checks import (
 from api.app import create_app
 from api.settings import Settings
 from store import Store
+from tests.conftest import reset_postgres
 
 pytestmark = pytest.mark.slow
 
@@ -65,12 +71,24 @@ schema.config.generation.update(allow_x00=True, codec="utf-8")  # NUL in strings
 schema = schema.exclude(path="/v1/jobs/{job_id}/commands")
 
 
-@pytest.fixture
-def backend(database_url: str, tmp_path: Path) -> Iterator[str]:
-    store = Store.open(database_url)
+@pytest.fixture(
+    scope="module", params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
+)
+def backend(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    """One database of each backend for every operation (opened and migrated once: what one
+    operation's examples leave, another's meet)."""
+    data_dir = tmp_path_factory.mktemp("fuzz")
+    if request.param == "sqlite":
+        url = f"sqlite:///{data_dir / 'forewarn.db'}"
+    else:
+        url = request.getfixturevalue("postgres_url")
+        reset_postgres(url)
+    store = Store.open(url)
     before = BACKEND.app
-    BACKEND.app = create_app(_settings(database_url, tmp_path), store=store)
-    yield database_url.split(":")[0]
+    BACKEND.app = create_app(_settings(url, data_dir), store=store)
+    yield request.param
     BACKEND.app = before
     store.close()
 
@@ -83,8 +101,13 @@ def test_no_operation_answers_5xx_or_off_schema(case: schemathesis.Case, backend
         checks=[
             not_a_server_error,
             status_code_conformance,
+            content_type_conformance,
+            response_headers_conformance,
             response_schema_conformance,
+            missing_required_header,
+            ignored_auth,
             unsupported_method,
+            allow_header_conformance,
         ],
     )
 
@@ -101,7 +124,7 @@ def test_a_method_an_operation_lacks_is_405_with_allow(tmp_path: Path) -> None:
     with TestClient(app) as client:
         for path in paths:
             concrete = re.sub(r"\{[^}]+\}", "0", path)
-            for method in ("GET", "POST", "PUT", "PATCH", "DELETE"):
+            for method in ("GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"):
                 if any(  # another operation answers it (GET /v1/migrations/{id} for .../reports)
                     method.lower() in other and pattern[p].match(concrete)
                     for p, other in paths.items()
@@ -111,3 +134,7 @@ def test_a_method_an_operation_lacks_is_405_with_allow(tmp_path: Path) -> None:
                 assert r.status_code == 405, (method, path, r.status_code)
                 allowed = {m.strip() for m in r.headers["allow"].split(",")}
                 assert allowed and method not in allowed, (method, path, allowed)
+                # the methods of this path's operations, not of a neighbour's whose parameter
+                # matches it too (/v1/webhooks/event-types beside /v1/webhooks/{webhook_id})
+                documented = {m.upper() for m in paths[path]} | {"HEAD"}
+                assert allowed <= documented, (method, path, allowed, documented)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -12,6 +14,8 @@ from api.control.loop import ControlLoop
 from api.control.policy import Policy
 from store import Store
 from store import control as db
+from tests.conftest import start_service
+from tests.control.scene import POLICY, Scene
 
 
 class FakeScorer:
@@ -88,3 +92,34 @@ def register(store: Store, job_id: str = "j") -> None:
 def registered(store: Store) -> Store:
     register(store)
     return store
+
+
+@pytest.fixture
+def scene(
+    database_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: Any
+) -> Iterator[Scene]:
+    dry = getattr(request, "param", False)
+    policy = POLICY[:-1] + (', "dry_run": true}' if dry else "}")
+    monkeypatch.setenv("FOREWARN_CONTROL_TICK_S", "0.5")
+    monkeypatch.setenv("FOREWARN_POLICY", policy)
+    monkeypatch.setenv("FOREWARN_RISK_HISTORY_INTERVAL_S", "1")
+    service = start_service(database_url, tmp_path / "service.log", timeout_s=120)
+    s = Scene(service, tmp_path)
+    s.spawn(
+        [
+            "simulate",
+            "--gpus", "16",
+            "--seed", "0",
+            "--speed", "60",
+            "--service", service.url,
+            "--token", service.ingest_token,
+            "--control-port", str(s.control),
+        ],
+        "simulate.log",
+    )  # fmt: skip
+    try:
+        yield s
+    finally:
+        s.stop()
+        service.stop()
+        print(service.log()[-4000:])
