@@ -32,6 +32,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _positive_seconds(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 3600:
+        raise argparse.ArgumentTypeError(f"{text} is not a number of seconds in (0, 3600]")
+    return value
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     env = os.environ.get
     parser.add_argument(
@@ -102,6 +109,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--token",
         default=os.environ.get("FOREWARN_TOKEN"),
         help="bearer token for --service, with the 'operate' scope (default: $FOREWARN_TOKEN)",
+    )
+    parser.add_argument(
+        "--heartbeat-s",
+        type=_positive_seconds,
+        default=5.0,
+        metavar="SECONDS",
+        help="interval of the heartbeats to --service, which carry the ranks' step timing "
+        "(default 5)",
     )
     parser.add_argument(
         "--webhook-listen",
@@ -195,6 +210,7 @@ def run(args: argparse.Namespace) -> int:
                 token=args.token,
                 job_id=args.job_id,
                 placement=parse_placement(args.placement) if args.placement else None,
+                heartbeat_s=args.heartbeat_s,
             )
             link.preflight()
         except ForewarnError as exc:

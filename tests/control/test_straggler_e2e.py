@@ -22,6 +22,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +56,8 @@ def scene(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Scene]:
     monkeypatch.setenv("FOREWARN_POLICY", json.dumps(POLICY))
     monkeypatch.setenv("FOREWARN_WEBHOOK_ALLOW", "127.0.0.1")
     monkeypatch.setenv("FOREWARN_WEBHOOK_POLL_INTERVAL_S", "0.2")
-    service = start_service(f"sqlite:///{tmp_path / 's.db'}", tmp_path / "service.log", timeout_s=120)
+    db = f"sqlite:///{tmp_path / 's.db'}"
+    service = start_service(db, tmp_path / "service.log", timeout_s=120)
     s = Scene(service, tmp_path)
     s.spawn(
         [
@@ -154,14 +156,15 @@ def test_a_straggler_is_named_moved_and_the_job_recovers_its_pace_bitwise(
         assert m["state"] == "completed", m
         assert (m["trigger"], m["rank"]) == ("straggler", 1), m
         assert m["source"] == {"node": SLOW_GPU[0], "gpu": SLOW_GPU[1]}
-        assert m["target"] == {"node": "sim-node-0001", "gpu": 0}
+        assert (m["target"]["node"], m["target"]["gpu"]) == ("sim-node-0001", 0), m
         assert "PCIe link at x8 of x16" in (m["detail"] or ""), m
         moved_at = int(m["step"])
         # some steps at the recovered pace, then the rest unpaced
         wait_for(
             "steps after the move",
-            lambda: max((r["step"] for r in _rows(out) if r["rank"] == 0), default=0)
-            >= moved_at + 40,
+            lambda: (
+                max((r["step"] for r in _rows(out) if r["rank"] == 0), default=0) >= moved_at + 40
+            ),
             120,
         )
         (out / "fast").touch()
@@ -174,14 +177,12 @@ def test_a_straggler_is_named_moved_and_the_job_recovers_its_pace_bitwise(
     before = _rate(times, 5, SLOW_FROM - 1)
     during = _rate(times, SLOW_FROM + 2, moved_at - 1)
     after = _rate(times, moved_at + 3, moved_at + 38)
-    first_slow = times[SLOW_FROM]
-    requested = httpx.get(
-        f"{scene.service.url}/v1/migrations/{m['id']}", headers=scene.read, timeout=10
-    ).json()
+    requested = datetime.fromisoformat(m["requested_at"]).timestamp()
+    finished = datetime.fromisoformat(m["finished_at"]).timestamp()
     print(
         f"steps/s before {before:.2f}, slowed {during:.2f}, after the move {after:.2f}; "
-        f"moved at step {moved_at}; requested at {requested['requested_at']} "
-        f"(first slow step at {first_slow:.3f})"
+        f"first slow step to the request {requested - times[SLOW_FROM]:.1f} s, request to "
+        f"done {finished - requested:.1f} s, pause {m['pause_s']} s, moved at step {moved_at}"
     )
     assert during < 0.5 * before, (before, during)
     assert after > 2 * during, (during, after)

@@ -110,6 +110,7 @@ def main() -> None:
                 "loss": loss.item().hex(),
                 "samples": idx.tolist(),
                 "pid": os.getpid(),
+                "t": time.time(),  # when the step ended: steps per second, read by tests
             }
             log.write(json.dumps(row) + "\n")
             log.flush()
