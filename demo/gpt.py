@@ -153,7 +153,12 @@ def main(argv: list[str] | None = None) -> None:
             if job.rank == 0 and (step.index % 20 == 0 or step.index == args.steps - 1):
                 print(f"step {step.index:5d}  loss {loss.item():.4f}", flush=True)
             if log is not None:
-                row = {"rank": job.rank, "step": step.index, "loss": float(loss.item()).hex()}
+                row = {
+                    "rank": job.rank,
+                    "step": step.index,
+                    "loss": float(loss.item()).hex(),
+                    "t": time.time(),  # when the step ended
+                }
                 log.write(json.dumps(row) + "\n")
                 log.flush()
     if args.out is not None and job.rank is not None:
