@@ -13,6 +13,8 @@ collector's spool replayed late still reaches it. SQLite numbers rows as it appe
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -41,11 +43,12 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
 from store.reads import FRAME_COLUMNS, _frame
-from store.schema import NO_GPU, NO_XID, metadata
+from store.schema import NO_GPU, NO_XID, gpus, metadata
 
 __all__ = [
     "ACTIVE_STATES",
     "MIGRATION_STATES",
+    "RISK_VERSION_KEY",
     "audit",
     "events_after",
     "job_ranks",
@@ -294,20 +297,44 @@ def max_event_seq(connection: Connection) -> int:
 # -- risk -------------------------------------------------------------------------------------
 
 
-def risk_rows(connection: Connection, *, node: str | None = None) -> list[dict[str, Any]]:
-    query = select(risk_latest)
+RISK_VERSION_KEY = "risk_version"
+"""``control_state`` key stamped by every :func:`upsert_risk` (each control tick), in the same
+transaction as the scores: readers that cache the fleet's scores key them on it."""
+
+
+def risk_version(connection: Connection) -> str | None:
+    """What changes whenever scores land (one primary-key row); None before the first."""
+    return get_state(connection, RISK_VERSION_KEY)
+
+
+def risk_rows(
+    connection: Connection, *, node: str | None = None, seen: bool = False
+) -> list[dict[str, Any]]:
+    """The latest score of each GPU, by (node, gpu); ``seen``: with ``gpu_last_seen_ms``, the
+    time of the GPU's newest stored sample (None for a GPU not in the registry)."""
+    columns: list[Any] = list(risk_latest.c)
+    query = select(*columns)
+    if seen:
+        query = select(*columns, gpus.c.last_seen_ms.label("gpu_last_seen_ms")).select_from(
+            risk_latest.outerjoin(
+                gpus, (gpus.c.node == risk_latest.c.node) & (gpus.c.gpu == risk_latest.c.gpu)
+            )
+        )
     if node is not None:
         query = query.where(risk_latest.c.node == node)
     out = []
+    loads = orjson.loads
     for row in connection.execute(query.order_by(risk_latest.c.node, risk_latest.c.gpu)).mappings():
         item = dict(row)
-        item["reasons"] = orjson.loads(item["reasons"])
+        item["reasons"] = loads(item["reasons"])
         out.append(item)
     return out
 
 
 def upsert_risk(connection: Connection, rows: Sequence[dict[str, Any]]) -> None:
-    """Replace the latest score of each GPU in ``rows`` (keys: the columns of risk_latest)."""
+    """Replace the latest score of each GPU in ``rows`` (keys: the columns of risk_latest),
+    and stamp :data:`RISK_VERSION_KEY` (also with no rows: a tick happened)."""
+    set_state(connection, RISK_VERSION_KEY, f"{time.time_ns():x}-{os.getpid():x}")
     if not rows:
         return
     names = [c.name for c in risk_latest.c]

@@ -19,7 +19,7 @@ from fastapi import APIRouter, Path, Query
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import Response
 
-from api.deps import SettingsDep, StoreDep, require
+from api.deps import AppStateDep, SettingsDep, StoreDep, require
 from api.routes._common import Since, Until
 from forewarn.errors import InvalidInput, NotFound
 from forewarn.wire import EventKind, GpuSample, to_ms
@@ -225,6 +225,7 @@ async def list_nodes(
     summary="The latest sample of every GPU, with its risk, a page at a time",
 )
 async def list_gpus(
+    state: AppStateDep,
     store: StoreDep,
     settings: SettingsDep,
     node: str | None = None,
@@ -233,7 +234,7 @@ async def list_gpus(
 ) -> Response:
     """``limit`` GPUs a page (default 5000, at most 10,000), ordered by (node, gpu); ``next``
     is the next page's ``cursor``, null on the last page."""
-    from api.routes.risk import gpu_risk_fields  # the control loop's risk, merged per GPU
+    from api.routes.risk import gpu_risk_fields, snapshot  # the control loop's risk, per GPU
 
     limit, after = _page_params(limit, cursor)
     if after is not None and not (
@@ -252,21 +253,14 @@ async def list_gpus(
     if len(records) > limit:
         records = records[:limit]
         next_cursor = encode_cursor([records[-1]["node"], int(records[-1]["gpu"])])
-    risk = await to_thread.run_sync(lambda: gpu_risk_fields(store, node=node))
-    failures = await to_thread.run_sync(lambda: _failures(store, node))
+    snap = await to_thread.run_sync(lambda: snapshot(state, store))  # once a tick
     for record in records:
         key = (record["node"], record["gpu"])
-        record.update(risk.get(key, gpu_risk_fields.UNSCORED))  # type: ignore[arg-type, attr-defined]
-        record.update(_failure_fields(record, failures.get(key), settings.policy.stale_after_s))
+        record.update(gpu_risk_fields(snap, key))
+        record.update(
+            _failure_fields(record, snap.failures.get(key), settings.policy.stale_after_s)
+        )
     return _page(records, next_cursor)
-
-
-def _failures(store: Any, node: str | None) -> dict[tuple[str, int], tuple[int, str]]:
-    from api.dashboard.cells import FAILURE_LOOKBACK_MS, last_failures
-
-    since_ms = int(datetime.now(UTC).timestamp() * 1000) - FAILURE_LOOKBACK_MS
-    with store.engine.connect() as connection:
-        return last_failures(connection, since_ms=since_ms, node=node)
 
 
 def _failure_fields(
