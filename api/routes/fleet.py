@@ -12,6 +12,7 @@ import base64
 from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any, Literal
 
+import numpy as np
 import orjson
 import pandas as pd
 from anyio import to_thread
@@ -142,15 +143,38 @@ def _iso(ms: int | None) -> str | None:
     return datetime.fromtimestamp(ms / 1000, UTC).isoformat(timespec="milliseconds")
 
 
+def _values(column: pd.Series) -> list[Any]:
+    """A column as Python values, missing ones as None."""
+    if column.dtype.kind == "f":
+        values = column.to_numpy()
+        missing = np.isnan(values)
+        if not missing.any():
+            return values.tolist()  # type: ignore[no-any-return]
+        out = values.astype(object)
+        out[missing] = None
+        return out.tolist()  # type: ignore[no-any-return]
+    if column.hasnans:
+        return column.to_numpy(dtype=object, na_value=None).tolist()  # type: ignore[call-overload, no-any-return]
+    return column.tolist()
+
+
 def frame_records(frame: pd.DataFrame) -> list[dict[str, Any]]:
-    """Sample frame -> wire-shaped dicts (``ts`` ISO 8601, nulls as None)."""
+    """Sample frame -> wire-shaped dicts (``ts`` ISO 8601, nulls as None), column by column
+    (a week of one GPU per minute is 10,080 rows of up to 80 columns)."""
     if frame.empty:
         return []
-    out = frame.astype(object).where(frame.notna(), None)
-    records: list[dict[str, Any]] = out.to_dict("records")  # type: ignore[assignment]
-    for r in records:
-        r["ts"] = _iso(int(r.pop("ts_ms")))
-    return records
+    names: list[str] = []
+    columns: list[list[Any]] = []
+    for i, name in enumerate(frame.columns):
+        column = frame.iloc[:, i]
+        if name == "ts_ms":
+            stamps = column.to_numpy(dtype="int64").astype("datetime64[ms]")
+            names.append("ts")
+            columns.append([t + "+00:00" for t in np.datetime_as_string(stamps, unit="ms")])
+        else:
+            names.append(str(name))
+            columns.append(_values(column))
+    return [dict(zip(names, row, strict=True)) for row in zip(*columns, strict=True)]
 
 
 def json_response(data: Any) -> Response:
