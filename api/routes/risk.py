@@ -13,6 +13,8 @@ from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
 from typing import Annotated, Any
 
+import numpy as np
+import orjson
 from anyio import to_thread
 from fastapi import APIRouter, Path, Query
 from pydantic import BaseModel
@@ -93,39 +95,59 @@ class RiskSnapshot:
         return bisect_left(self.keys, (node, -1)), bisect_left(self.keys, (node, math.inf))
 
 
+def _stamps(values: list[int | None]) -> list[str | None]:
+    """Milliseconds since the epoch -> ISO 8601 as :func:`api.routes._common.iso` writes them,
+    all at once."""
+    array = np.array([-1 if v is None else v for v in values], dtype="int64")
+    text = np.datetime_as_string(array.astype("datetime64[ms]"), unit="ms").tolist()
+    return [None if v is None else t + "+00:00" for v, t in zip(values, text, strict=True)]
+
+
 def read_snapshot(connection: Any, *, stale_after_s: float) -> RiskSnapshot:
     """The latest scores, with ``failed`` and ``recovered`` read from the GPUs' events as the
     fleet map reads them (:func:`api.dashboard.cells.failure_state`): the loop's flag stays
     set after a GPU came back."""
     from api.dashboard.cells import FAILURE_LOOKBACK_MS, failure_state, last_failures
 
-    raw = db.risk_rows(connection, seen=True)
+    raw = db.risk_fleet(connection)
     failures = last_failures(connection, since_ms=now_ms() - FAILURE_LOOKBACK_MS)
-    raw.sort(key=lambda r: (r["node"], r["gpu"]))  # the cursor compares in Python's order
+    raw.sort(key=lambda r: (r[0], r[1]))  # the cursor compares in Python's order
+    scored = _stamps([r[5] for r in raw])
+    last_seen = _stamps([r[6] for r in raw])
     stale_ms = stale_after_s * 1000
+    reasons_of: dict[str, list[str]] = {}  # most GPUs share "[]"
     rows, keys, flagged = [], [], []
-    for r in raw:
-        key = (r["node"], r["gpu"])
-        seen = r["gpu_last_seen_ms"] if r["gpu_last_seen_ms"] is not None else r["last_seen_ms"]
-        failed, recovered = failure_state(bool(r["failed"]), failures.get(key), seen, stale_ms)
+    for i, r in enumerate(raw):
+        node, gpu, risk, alarm, reasons, _, seen, stale, streak, crossed, flag, gpu_seen = r
+        key = (node, gpu)
+        reasons_list = reasons_of.get(reasons)
+        if reasons_list is None:
+            reasons_list = reasons_of.setdefault(reasons, orjson.loads(reasons))
+        failure = failures.get(key)
+        if failure is None:  # most GPUs: the loop's flag says it
+            failed, recovered = bool(flag), False
+        else:
+            failed, recovered = failure_state(
+                bool(flag), failure, seen if gpu_seen is None else gpu_seen, stale_ms
+            )
         rows.append(
             {
-                "node": key[0],
-                "gpu": key[1],
-                "risk": r["risk"],
-                "alarm": bool(r["alarm"]),
-                "crossed": bool(r["crossed"]),
-                "reasons": r["reasons"],
-                "scored_at": iso(r["scored_ms"]),
-                "last_seen_at": iso(r["last_seen_ms"]),
-                "stale": bool(r["stale"]),
+                "node": node,
+                "gpu": gpu,
+                "risk": risk,
+                "alarm": bool(alarm),
+                "crossed": bool(crossed),
+                "reasons": reasons_list,
+                "scored_at": scored[i],
+                "last_seen_at": last_seen[i],
+                "stale": bool(stale),
                 "failed": failed,
                 "recovered": recovered,
-                "streak": r["streak"],
+                "streak": streak,
             }
         )
         keys.append(key)
-        flagged.append(bool(r["failed"]))
+        flagged.append(bool(flag))
     index = {k: i for i, k in enumerate(keys)}
     return RiskSnapshot(rows, keys, flagged, index, failures)
 
