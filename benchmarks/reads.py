@@ -221,7 +221,7 @@ def measure(store: Store, client: httpx.Client, gpus: int) -> dict[str, float]:
 
 def week_read(client: httpx.Client, node: str, now_ms: int, fields: str) -> tuple[float, int]:
     """Seconds until the whole answer arrived (the client's parse not counted), and its rows."""
-    params = {
+    params: dict[str, Any] = {
         "since": (now_ms - 7 * DAY) / 1000,
         "until": now_ms / 1000,
         "fields": fields,
