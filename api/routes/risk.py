@@ -22,7 +22,7 @@ from starlette.responses import Response
 
 from api.deps import AppStateDep, StoreDep, require
 from api.routes._common import Since, Until, iso, now_ms, window
-from api.routes.fleet import _page_params, encode_cursor, json_response
+from api.routes.fleet import PAGE_LIMIT, _page_params, encode_cursor, json_response
 from api.state import AppState
 from forewarn.errors import InvalidInput
 from store import control as db
@@ -192,8 +192,10 @@ async def list_risk(
     crossed: Annotated[
         bool | None, Query(description="Only GPUs that have (not) crossed: alarm with hysteresis.")
     ] = None,
-    limit: int | None = None,
-    cursor: str | None = None,
+    limit: Annotated[int | None, Query(ge=1, le=PAGE_LIMIT, description="Items a page.")] = None,
+    cursor: Annotated[
+        str | None, Query(max_length=1024, description="The ``next`` of the page before.")
+    ] = None,
 ) -> Response:
     """``limit`` GPUs a page (default 5000, at most 10,000), ordered by (node, gpu); ``next``
     is the next page's ``cursor``, null on the last page. Read once per control tick and
