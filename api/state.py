@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from api.metrics import Metrics
 from api.settings import Settings
+from api.tickcache import TickCache
 from store import Store
 
 if TYPE_CHECKING:  # both import the routes' dependencies, which import this module
@@ -92,6 +93,8 @@ class AppState:
     """Every GPU this process knows stored, read from the database at the first batch: a
     batch of known GPUs needs no database round trip for the fleet caps."""
     retrain: RetrainJob = field(default_factory=RetrainJob)
+    fleet_reads: TickCache = field(default_factory=TickCache)
+    """Fleet-wide reads (risk, the fleet map) kept from one control tick to the next."""
 
 
 def app_state(app: Any) -> AppState:

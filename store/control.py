@@ -14,6 +14,8 @@ collector's spool replayed late still reaches it. SQLite numbers rows as it appe
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -42,11 +44,13 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
 from store.reads import FRAME_COLUMNS, _frame
-from store.schema import NO_GPU, NO_XID, metadata
+from store.schema import NO_GPU, NO_XID, gpus, metadata
 
 __all__ = [
     "ACTIVE_STATES",
     "MIGRATION_STATES",
+    "RISK_FLEET_COLUMNS",
+    "RISK_VERSION_KEY",
     "audit",
     "events_after",
     "job_ranks",
@@ -330,6 +334,16 @@ def max_event_seq(connection: Connection) -> int:
 # -- risk -------------------------------------------------------------------------------------
 
 
+RISK_VERSION_KEY = "risk_version"
+"""``control_state`` key stamped by every :func:`upsert_risk` (each control tick), in the same
+transaction as the scores: readers that cache the fleet's scores key them on it."""
+
+
+def risk_version(connection: Connection) -> str | None:
+    """What changes whenever scores land (one primary-key row); None before the first."""
+    return get_state(connection, RISK_VERSION_KEY)
+
+
 def risk_rows(connection: Connection, *, node: str | None = None) -> list[dict[str, Any]]:
     query = select(risk_latest)
     if node is not None:
@@ -342,8 +356,39 @@ def risk_rows(connection: Connection, *, node: str | None = None) -> list[dict[s
     return out
 
 
+RISK_FLEET_COLUMNS = (
+    "node",
+    "gpu",
+    "risk",
+    "alarm",
+    "reasons",
+    "scored_ms",
+    "last_seen_ms",
+    "stale",
+    "streak",
+    "crossed",
+    "failed",
+    "gpu_last_seen_ms",
+)
+"""The columns of :func:`risk_fleet`'s tuples: ``risk_latest``'s (``reasons`` as stored JSON
+text, booleans as the driver gives them), then the GPU's newest sample time from ``gpus``."""
+
+
+def risk_fleet(connection: Connection) -> list[tuple[Any, ...]]:
+    """Every scored GPU as a tuple of :data:`RISK_FLEET_COLUMNS`, unordered: the fleet-wide
+    read (at 65,536 GPUs a mapping per row costs more than the query)."""
+    r, g = risk_latest, gpus
+    columns = [r.c[name] for name in RISK_FLEET_COLUMNS[:-1]]
+    query = select(*columns, g.c.last_seen_ms).select_from(
+        r.outerjoin(g, (g.c.node == r.c.node) & (g.c.gpu == r.c.gpu))
+    )
+    return [tuple(row) for row in connection.execute(query).all()]
+
+
 def upsert_risk(connection: Connection, rows: Sequence[dict[str, Any]]) -> None:
-    """Replace the latest score of each GPU in ``rows`` (keys: the columns of risk_latest)."""
+    """Replace the latest score of each GPU in ``rows`` (keys: the columns of risk_latest),
+    and stamp :data:`RISK_VERSION_KEY` (also with no rows: a tick happened)."""
+    set_state(connection, RISK_VERSION_KEY, f"{time.time_ns():x}-{os.getpid():x}")
     if not rows:
         return
     names = [c.name for c in risk_latest.c]

@@ -4,7 +4,9 @@ The risk map needs five facts a GPU (node, index, risk, alarm, staleness), 2 s a
 fleets of 16,384 GPUs. ``GET /v1/gpus`` answers with every GPU's whole newest sample (about
 14 MB and several seconds at that size); this route reads the ``gpus`` registry joined to the
 latest scores, and answers in columns (about 60 bytes a GPU), so one update of the map costs
-a small fraction of its interval on both sides. Reasons come only for the GPUs a person would
+a small fraction of its interval on both sides. The answer is read once per control tick and
+served from memory to every dashboard until the next tick's scores land
+(:class:`api.tickcache.TickCache`). Reasons come only for the GPUs a person would
 look at first: those in alarm, the highest risks, and those that failed or came back.
 
 A GPU's state after a failure comes from its events, as an operator would read them: a
@@ -25,7 +27,7 @@ from pydantic import BaseModel
 from sqlalchemy import and_, or_, select
 from starlette.responses import Response
 
-from api.deps import SettingsDep, StoreDep, require
+from api.deps import AppStateDep, SettingsDep, StoreDep, require
 from store import control as control_db
 from store.schema import events as events_table
 from store.schema import gpus as gpus_table
@@ -45,7 +47,8 @@ class CellsPublic(BaseModel):
     """Every GPU as parallel columns: entry i of each list describes GPU i."""
 
     now_ms: int
-    """The service's clock when it answered (ages are measured against it)."""
+    """The service's clock when it read the columns (ages are measured against it): they are
+    read once per control tick and served from memory until the next tick's scores land."""
     count: int
     nodes: list[str]
     """Node names, sorted; ``node`` holds indexes into this list."""
@@ -67,7 +70,7 @@ class CellsPublic(BaseModel):
     """GPU index -> reasons in words, for the GPUs in alarm and the highest risks."""
 
 
-def read_cells(store: Any, stale_after_s: float) -> dict[str, Any]:
+def read_cells(connection: Any, stale_after_s: float) -> dict[str, Any]:
     risk = control_db.risk_latest
     g = gpus_table
     query = (
@@ -85,9 +88,8 @@ def read_cells(store: Any, stale_after_s: float) -> dict[str, Any]:
         .order_by(g.c.node, g.c.gpu)
     )
     now = int(time.time() * 1000)
-    with store.engine.connect() as connection:
-        rows = connection.execute(query).all()
-        failures = last_failures(connection, since_ms=now - FAILURE_LOOKBACK_MS)
+    rows = connection.execute(query).all()
+    failures = last_failures(connection, since_ms=now - FAILURE_LOOKBACK_MS)
     stale_ms = stale_after_s * 1000
     nodes: list[str] = []
     out: dict[str, Any] = {
@@ -187,9 +189,19 @@ def last_failures(
     dependencies=[require("read")],
     summary="Every GPU's node, risk, alarm and staleness in columns (the fleet map)",
 )
-async def cells(store: StoreDep, settings: SettingsDep) -> Response:
+async def cells(state: AppStateDep, store: StoreDep, settings: SettingsDep) -> Response:
     stale_after_s = float(getattr(getattr(settings, "policy", None), "stale_after_s", 30.0))
-    body = await to_thread.run_sync(lambda: read_cells(store, stale_after_s))
-    return Response(
-        orjson.dumps(body, option=orjson.OPT_NON_STR_KEYS), media_type="application/json"
+
+    def read(connection: Any) -> bytes:
+        body = read_cells(connection, stale_after_s)
+        return orjson.dumps(body, option=orjson.OPT_NON_STR_KEYS)
+
+    body = await to_thread.run_sync(
+        lambda: state.fleet_reads.get(
+            store.engine,
+            f"cells:{stale_after_s!r}",
+            read,
+            max_age_s=float(getattr(settings, "control_tick_s", 5.0)),
+        )
     )
+    return Response(body, media_type="application/json")

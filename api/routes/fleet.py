@@ -12,6 +12,7 @@ import base64
 from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any, Literal
 
+import numpy as np
 import orjson
 import pandas as pd
 from anyio import to_thread
@@ -19,7 +20,7 @@ from fastapi import APIRouter, Path, Query
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import Response
 
-from api.deps import SettingsDep, StoreDep, require
+from api.deps import AppStateDep, SettingsDep, StoreDep, require
 from api.routes._common import Since, Until
 from forewarn.errors import InvalidInput, NotFound
 from forewarn.wire import EventKind, GpuSample, to_ms
@@ -143,15 +144,38 @@ def _iso(ms: int | None) -> str | None:
     return datetime.fromtimestamp(ms / 1000, UTC).isoformat(timespec="milliseconds")
 
 
+def _values(column: pd.Series) -> list[Any]:
+    """A column as Python values, missing ones as None."""
+    if column.dtype.kind == "f":
+        values = column.to_numpy()
+        missing = np.isnan(values)
+        if not missing.any():
+            return values.tolist()  # type: ignore[no-any-return]
+        out = values.astype(object)
+        out[missing] = None
+        return out.tolist()  # type: ignore[no-any-return]
+    if column.hasnans:
+        return column.to_numpy(dtype=object, na_value=None).tolist()  # type: ignore[call-overload, no-any-return]
+    return column.tolist()
+
+
 def frame_records(frame: pd.DataFrame) -> list[dict[str, Any]]:
-    """Sample frame -> wire-shaped dicts (``ts`` ISO 8601, nulls as None)."""
+    """Sample frame -> wire-shaped dicts (``ts`` ISO 8601, nulls as None), column by column
+    (a week of one GPU per minute is 10,080 rows of up to 80 columns)."""
     if frame.empty:
         return []
-    out = frame.astype(object).where(frame.notna(), None)
-    records: list[dict[str, Any]] = out.to_dict("records")  # type: ignore[assignment]
-    for r in records:
-        r["ts"] = _iso(int(r.pop("ts_ms")))
-    return records
+    names: list[str] = []
+    columns: list[list[Any]] = []
+    for i, name in enumerate(frame.columns):
+        column = frame.iloc[:, i]
+        if name == "ts_ms":
+            stamps = column.to_numpy(dtype="int64").astype("datetime64[ms]")
+            names.append("ts")
+            columns.append([t + "+00:00" for t in np.datetime_as_string(stamps, unit="ms")])
+        else:
+            names.append(str(name))
+            columns.append(_values(column))
+    return [dict(zip(names, row, strict=True)) for row in zip(*columns, strict=True)]
 
 
 def json_response(data: Any) -> Response:
@@ -230,6 +254,7 @@ async def list_nodes(
     summary="The latest sample of every GPU, with its risk, a page at a time",
 )
 async def list_gpus(
+    state: AppStateDep,
     store: StoreDep,
     settings: SettingsDep,
     node: str | None = None,
@@ -238,7 +263,7 @@ async def list_gpus(
 ) -> Response:
     """``limit`` GPUs a page (default 5000, at most 10,000), ordered by (node, gpu); ``next``
     is the next page's ``cursor``, null on the last page."""
-    from api.routes.risk import gpu_risk_fields  # the control loop's risk, merged per GPU
+    from api.routes.risk import gpu_risk_fields, snapshot  # the control loop's risk, per GPU
 
     limit, after = _page_params(limit, cursor)
     if after is not None and not (
@@ -257,21 +282,14 @@ async def list_gpus(
     if len(records) > limit:
         records = records[:limit]
         next_cursor = encode_cursor([records[-1]["node"], int(records[-1]["gpu"])])
-    risk = await to_thread.run_sync(lambda: gpu_risk_fields(store, node=node))
-    failures = await to_thread.run_sync(lambda: _failures(store, node))
+    snap = await to_thread.run_sync(lambda: snapshot(state, store))  # once a tick
     for record in records:
         key = (record["node"], record["gpu"])
-        record.update(risk.get(key, gpu_risk_fields.UNSCORED))  # type: ignore[arg-type, attr-defined]
-        record.update(_failure_fields(record, failures.get(key), settings.policy.stale_after_s))
+        record.update(gpu_risk_fields(snap, key))
+        record.update(
+            _failure_fields(record, snap.failures.get(key), settings.policy.stale_after_s)
+        )
     return _page(records, next_cursor)
-
-
-def _failures(store: Any, node: str | None) -> dict[tuple[str, int], tuple[int, str]]:
-    from api.dashboard.cells import FAILURE_LOOKBACK_MS, last_failures
-
-    since_ms = int(datetime.now(UTC).timestamp() * 1000) - FAILURE_LOOKBACK_MS
-    with store.engine.connect() as connection:
-        return last_failures(connection, since_ms=since_ms, node=node)
 
 
 def _failure_fields(
