@@ -437,7 +437,9 @@ def gpu_series(
     wanted = [c for c in wanted if c not in ("uuid", "vendor")]
     rolled = _minutes(connection, since_ms=since_ms, until_ms=until_ms, node=node, gpu=gpu)
     out = representative(rolled, wanted)
-    stats = [s for s in STAT_COLUMNS if s.rsplit("_", 1)[0] in wanted]
+    # A stat named like a field (pcie_link_width's ``_max`` is the field pcie_link_width_max)
+    # is left out: one column a name, and the field is what was asked for.
+    stats = [s for s in STAT_COLUMNS if s.rsplit("_", 1)[0] in wanted and s not in out.columns]
     out = pd.concat([out, rolled[["n", *stats]]], axis=1)
     if limit is not None:
         out = out.head(limit)

@@ -442,3 +442,16 @@ def test_a_minute_read_of_a_gpu_that_stopped_reporting_is_empty_not_an_error(
     )
     assert resolution == "1m" and len(series) == 0
     assert list(series.columns[:3]) == ["ts_ms", "node", "gpu"]
+
+
+def test_a_minute_read_has_one_column_a_name(store: Store) -> None:
+    """pcie_link_width's ``_max`` statistic is named like the field pcie_link_width_max: the
+    field is served, the statistic left out (two columns of one name broke the answer)."""
+    raw = raw_frame(gpus=1, hours=1, step_s=10)
+    store.write(samples=rows_of(raw))
+    series, resolution = store.gpu_series(
+        node="node-a", gpu=0, since_ms=START, until_ms=START + HOUR, resolution="1m"
+    )
+    assert resolution == "1m" and len(series) > 0
+    assert not series.columns.duplicated().any(), list(series.columns)
+    assert "pcie_link_width_max" in series.columns and "temp_gpu_c_max" in series.columns
