@@ -7,7 +7,7 @@ first, in this order:
 
 1. the route is found and, when it declares a scope (:func:`api.deps.require`), the token is
    checked: 401 without a known token, 403 without the scope — before the body is read;
-2. the path and the query string: a NUL character, or a value longer than
+2. the path and the query string: a NUL character, or a segment or value longer than
    :data:`MAX_STRING_CHARS`, is 422 (PostgreSQL cannot store a NUL, and a 10 MB identifier is
    not one);
 3. the body, on every route but ingest (which reads its own, with its own limits:
@@ -255,7 +255,8 @@ class RequestGuard:
             return
         route = self._route_of(scope)
         try:
-            check_text(scope["path"], "path")
+            for segment in scope["path"].split("/"):  # a segment: at most one parameter
+                check_text(segment, "path")
             for name, value in Request(scope).query_params.multi_items():
                 check_text(name, "query")
                 check_text(value, f"query.{name[:64]}")
@@ -326,29 +327,19 @@ def _no_nul(node: Any, max_length: int | None = None) -> None:
             _no_nul(item, max_length)
 
 
-def _path_budget(path: str, parameters: list[dict[str, Any]]) -> int:
-    """Characters each string path parameter may have: the guard bounds the whole path."""
-    named = sum(1 for p in parameters if p.get("in") == "path")
-    return (MAX_STRING_CHARS - len(re.sub(r"\{[^}]+\}", "", path))) // max(named, 1)
-
-
 def document_guard(app: Any) -> None:
     """Say in the OpenAPI document what the guard refuses in every string of a request and a
-    stored record: a NUL; and in a parameter more than :data:`MAX_STRING_CHARS` characters
-    (a path parameter: its share of a path of that length)."""
+    stored record: a NUL; and in a parameter more than :data:`MAX_STRING_CHARS` characters."""
     build = app.openapi
 
     def openapi() -> dict[str, Any]:
         document: dict[str, Any] = build()
         _no_nul(document.get("components", {}).get("schemas", {}))
-        for path, item in document.get("paths", {}).items():
+        for item in document.get("paths", {}).values():
             for operation in item.values():
                 parameters = operation.get("parameters", [])
                 for parameter in parameters:
-                    limit = MAX_STRING_CHARS
-                    if parameter.get("in") == "path":
-                        limit = _path_budget(path, parameters)
-                    _no_nul(parameter.get("schema"), limit)
+                    _no_nul(parameter.get("schema"), MAX_STRING_CHARS)
                 _no_nul(operation.get("requestBody"))
         return document
 
