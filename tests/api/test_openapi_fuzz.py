@@ -1,6 +1,6 @@
 """Schemathesis against the OpenAPI document, on SQLite and on PostgreSQL: every operation,
-``EXAMPLES`` valid and ``EXAMPLES`` invalid examples each (NUL bytes allowed in generated
-strings), an admin token.
+``EXAMPLES`` examples each, valid and invalid ones (NUL bytes allowed in generated strings),
+an admin token.
 
 No answer may be a 5xx, every status code and content type must be one the operation
 documents, every documented response and header must match its schema, a method an operation
