@@ -314,10 +314,13 @@ written in UTF-8 JSON at all)."""
 
 def _no_nul(node: Any, max_length: int | None = None) -> None:
     """Add to every string schema under ``node`` that the guard refuses a NUL in it (and, for
-    a parameter, more than ``max_length`` characters)."""
+    a parameter, more than ``max_length`` characters), to every integer one 64 bits."""
     if isinstance(node, dict):
         if node.get("type") == "string" and not {"pattern", "format", "enum", "const"} & set(node):
             node["pattern"] = _NO_NUL
+        if node.get("type") == "integer":  # check_values: an integer outside 64 bits is 422
+            node["minimum"] = max(node.get("minimum", -_INT64 - 1), -_INT64 - 1)
+            node["maximum"] = min(node.get("maximum", _INT64), _INT64)
         if node.get("type") == "string" and max_length is not None:
             node["maxLength"] = min(node.get("maxLength", max_length), max_length)
         for value in node.values():
@@ -329,7 +332,8 @@ def _no_nul(node: Any, max_length: int | None = None) -> None:
 
 def document_guard(app: Any) -> None:
     """Say in the OpenAPI document what the guard refuses in every string of a request and a
-    stored record: a NUL; and in a parameter more than :data:`MAX_STRING_CHARS` characters."""
+    stored record: a NUL; and in a parameter more than :data:`MAX_STRING_CHARS` characters;
+    an integer outside 64 bits."""
     build = app.openapi
 
     def openapi() -> dict[str, Any]:
