@@ -7,7 +7,7 @@ first, in this order:
 
 1. the route is found and, when it declares a scope (:func:`api.deps.require`), the token is
    checked: 401 without a known token, 403 without the scope — before the body is read;
-2. the path and the query string: a NUL character, or a value longer than
+2. the path and the query string: a NUL character, or a segment or value longer than
    :data:`MAX_STRING_CHARS`, is 422 (PostgreSQL cannot store a NUL, and a 10 MB identifier is
    not one);
 3. the body, on every route but ingest (which reads its own, with its own limits:
@@ -255,7 +255,8 @@ class RequestGuard:
             return
         route = self._route_of(scope)
         try:
-            check_text(scope["path"], "path")
+            for segment in scope["path"].split("/"):  # a segment: at most one parameter
+                check_text(segment, "path")
             for name, value in Request(scope).query_params.multi_items():
                 check_text(name, "query")
                 check_text(value, f"query.{name[:64]}")
@@ -313,10 +314,13 @@ written in UTF-8 JSON at all)."""
 
 def _no_nul(node: Any, max_length: int | None = None) -> None:
     """Add to every string schema under ``node`` that the guard refuses a NUL in it (and, for
-    a parameter, more than ``max_length`` characters)."""
+    a parameter, more than ``max_length`` characters), to every integer one 64 bits."""
     if isinstance(node, dict):
         if node.get("type") == "string" and not {"pattern", "format", "enum", "const"} & set(node):
             node["pattern"] = _NO_NUL
+        if node.get("type") == "integer":  # check_values: an integer outside 64 bits is 422
+            node["minimum"] = max(node.get("minimum", -_INT64 - 1), -_INT64 - 1)
+            node["maximum"] = min(node.get("maximum", _INT64), _INT64)
         if node.get("type") == "string" and max_length is not None:
             node["maxLength"] = min(node.get("maxLength", max_length), max_length)
         for value in node.values():
@@ -326,29 +330,20 @@ def _no_nul(node: Any, max_length: int | None = None) -> None:
             _no_nul(item, max_length)
 
 
-def _path_budget(path: str, parameters: list[dict[str, Any]]) -> int:
-    """Characters each string path parameter may have: the guard bounds the whole path."""
-    named = sum(1 for p in parameters if p.get("in") == "path")
-    return (MAX_STRING_CHARS - len(re.sub(r"\{[^}]+\}", "", path))) // max(named, 1)
-
-
 def document_guard(app: Any) -> None:
     """Say in the OpenAPI document what the guard refuses in every string of a request and a
-    stored record: a NUL; and in a parameter more than :data:`MAX_STRING_CHARS` characters
-    (a path parameter: its share of a path of that length)."""
+    stored record: a NUL; and in a parameter more than :data:`MAX_STRING_CHARS` characters;
+    an integer outside 64 bits."""
     build = app.openapi
 
     def openapi() -> dict[str, Any]:
         document: dict[str, Any] = build()
         _no_nul(document.get("components", {}).get("schemas", {}))
-        for path, item in document.get("paths", {}).items():
+        for item in document.get("paths", {}).values():
             for operation in item.values():
                 parameters = operation.get("parameters", [])
                 for parameter in parameters:
-                    limit = MAX_STRING_CHARS
-                    if parameter.get("in") == "path":
-                        limit = _path_budget(path, parameters)
-                    _no_nul(parameter.get("schema"), limit)
+                    _no_nul(parameter.get("schema"), MAX_STRING_CHARS)
                 _no_nul(operation.get("requestBody"))
         return document
 

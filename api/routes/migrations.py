@@ -17,7 +17,7 @@ from api.control.policy import Policy, Situation, free_spare
 from api.deps import SettingsDep, StoreDep, require
 from api.routes._common import iso, now_ms, stamp
 from forewarn.errors import Conflict, InvalidInput, NoSpareAvailable, NotFound
-from forewarn.wire import MigrationProgress, MigrationReport
+from forewarn.wire import MAX_RANK, MigrationProgress, MigrationReport
 from store import control as db
 
 __all__ = ["MigrationPublic", "router"]
@@ -84,7 +84,7 @@ class MigrationCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     job_id: str
-    rank: int = Field(ge=0)
+    rank: int = Field(ge=0, le=MAX_RANK)
     detail: str | None = Field(default=None, max_length=2000)
 
 

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from anyio import to_thread
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat
 
 from api.deps import SettingsDep, require
 from api.retraining import start_retraining
@@ -151,7 +151,7 @@ async def rollback_model(settings: SettingsDep, request: Request) -> dict[str, A
 class RetrainRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")  # an unknown field is a mistake: 422
 
-    holdout_days: float = Field(default=1.0, gt=0, le=30)
+    holdout_days: StrictFloat = Field(default=1.0, gt=0, le=30)  # not true, not "1"
     """The history's last days, held out of training, on which the candidate and the model in
     force are judged."""
 
