@@ -24,6 +24,7 @@ In one run, on this machine (gloo, CPU, loopback):
     (it is always on: the clock around the step and its first collective, the timing's
     encoding and its ride on the mirror's store write); once with ``job.all_reduce`` per
     gradient, once with ``job.ddp`` (its timing comm hook) against plain DDP without a hook;
+    and the DDP timing hook alone (``ElasticDDP`` against DDP, no job around either);
 (d) (``--parts d``) the per-step cost of in-memory peer copies against k: a 4-rank job
     with copies every k steps against the same job without, seconds per step over the whole
     loop, per round, and the host memory the copies take per process.
@@ -319,6 +320,63 @@ def overhead(
             job._boundary(k)
         timed.append((time.perf_counter() - t) / 1000)
     return plain, wrapped, boundary, timed
+
+
+def hook_cost(steps: int = 100, rounds: int = 5) -> tuple[list[float], list[float]]:
+    """Per round: median seconds per step of DDP without a comm hook and of ``ElasticDDP``
+    (its timing hook, no job around it) on copies of the same model, step by step in turn.
+
+    The hook scales each bucket after DDP copied the gradients into it, a pass over the
+    gradients DDP's own path fuses into the copy, and is a Python call per bucket."""
+    import copy
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from migrator.ddp import ElasticDDP
+    from migrator.groups import new_group
+
+    store = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
+    )
+    group = new_group(store, "hook", rank=0, size=1, backend="gloo", timeout_s=30)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(1024, 1024), torch.nn.Tanh(), torch.nn.Linear(1024, 1024)
+    )
+    twin = copy.deepcopy(model)
+    plain_net = DDP(twin, process_group=group)
+    hooked = ElasticDDP(model)
+    hooked.rebuild(group, None, initial=True)
+    opts = {id(plain_net): torch.optim.Adam(twin.parameters())}
+    opts[id(hooked)] = torch.optim.Adam(model.parameters())
+    x = torch.randn(64, 1024)
+
+    def step(net: torch.nn.Module) -> float:
+        t = time.perf_counter()
+        opt = opts[id(net)]
+        loss = net(x).square().mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        return time.perf_counter() - t
+
+    for _ in range(20):
+        step(plain_net)
+        step(hooked)
+    plain, with_hook = [], []
+    for _ in range(rounds):
+        p: list[float] = []
+        h: list[float] = []
+        for i in range(steps):
+            if i % 2:
+                p.append(step(plain_net))
+                h.append(step(hooked))
+            else:
+                h.append(step(hooked))
+                p.append(step(plain_net))
+        plain.append(statistics.median(p))
+        with_hook.append(statistics.median(h))
+    return plain, with_hook
 
 
 # -- (d) peer copies -------------------------------------------------------------------------
@@ -861,7 +919,15 @@ def main() -> None:
             "boundary_s": boundary,
             "boundary_timed_s": timed,
         }
-    print()
+    plain, hooked = hook_cost()
+    extra = [100 * (h - p) / p for p, h in zip(plain, hooked, strict=True)]
+    print(
+        f"    the DDP timing hook alone (ElasticDDP against DDP, no job): {min(plain) * 1e3:.3f}-"
+        f"{max(plain) * 1e3:.3f} against {min(hooked) * 1e3:.3f}-{max(hooked) * 1e3:.3f} "
+        f"ms/step: {min(extra):+.2f} to {max(extra):+.2f} % per round (medians)\n",
+        flush=True,
+    )
+    figures["wrapper"]["ddp_hook"] = {"plain_s": plain, "hooked_s": hooked}
     _write(args.json, figures)
 
 

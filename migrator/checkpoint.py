@@ -11,7 +11,7 @@ processes exit:
 - every rank's own state at ``k`` (RNG states, data position): each live rank's snapshot of
   that boundary, and for a rank that was lost its mirror at ``k`` in the store (the very
   state a spare would have taken over);
-- the step ``k`` and the DDP bucket layouts.
+- the step ``k`` and the DDP bucket plans.
 
 The writer collects the live ranks' snapshots through the store (``ckpt/{id}/rs/{rank}``),
 writes ``DIR/step-<k>.pt`` under a temporary name, renames it into place (atomic on one file
@@ -75,7 +75,7 @@ def write(
     step: int,
     registry: Registry,
     rank_states: dict[int, bytes],
-    layouts: list[Any],
+    bucket_plans: list[Any],
     info: dict[str, Any] | None = None,
 ) -> Path:
     """Write the checkpoint of boundary ``step`` atomically; returns its path.
@@ -85,7 +85,7 @@ def write(
         step: the boundary: the next step to run after a resume.
         registry: the writer's training state (a healthy replica).
         rank_states: every rank's own state at ``step`` (:func:`state.capture_rank_state`).
-        layouts: the DDP bucket layouts.
+        bucket_plans: the DDP wrappers' bucket plans.
         info: what else to record (job id, why it stopped, which ranks were lost).
     """
     for rank, blob in rank_states.items():
@@ -98,7 +98,7 @@ def write(
         "meta": registry.meta(),
         "tensors": [t.detach().cpu() for _, t in registry.tensors()],
         "ranks": [rank_states[r] for r in range(len(rank_states))],
-        "layouts": layouts,
+        "bucket_plans": bucket_plans,
         "info": {**(info or {}), "written_at": time.time()},
     }
     directory.mkdir(parents=True, exist_ok=True)
@@ -164,7 +164,7 @@ class StopCheckpointer:
         store: a client of the job's store.
         directory: where checkpoints go.
         registry: the training state.
-        member: this process's rank and DDP wrappers (for the layouts).
+        member: this process's rank and DDP wrappers (for the bucket plans).
         timeout_s: how long the writer waits for each live rank's snapshot, in seconds.
         job_id: recorded in the checkpoint.
     """
@@ -229,7 +229,7 @@ class StopCheckpointer:
                 step=step,
                 registry=self.registry,
                 rank_states=states,
-                layouts=self.member.layouts(),
+                bucket_plans=self.member.bucket_plans(),
                 info=info,
             )
         except (MigrationError, OSError, RuntimeError) as exc:

@@ -4,8 +4,8 @@
 ``torch.nn.parallel.DistributedDataParallel`` and rebuilds it on every rank whenever the job
 moves to a new process-group generation. Rebuilding on *every* rank (survivors and the spare
 alike) keeps DDP's internal state — bucket readiness, the one-time bucket rebuild and its
-broadcast from rank 0 — in step across ranks. The bucket layout is carried over: survivors
-reuse their current layout and a spare receives it with the state, so each gradient element
+broadcast from rank 0 — in step across ranks. The bucket plan is carried over: survivors
+reuse their current plan and a spare receives it with the state, so each gradient element
 is reduced with the same neighbours, in the same order, as before the swap (with three or
 more ranks gloo's ring sums depend on that order, so bitwise equality does too).
 
@@ -36,16 +36,16 @@ __all__ = ["ElasticDDP"]
 
 
 @contextlib.contextmanager
-def _bucket_plan(layout: list[list[int]] | None, cap_bytes: int) -> Iterator[None]:
-    """Make DDP's constructor adopt ``layout`` instead of computing its first bucket plan."""
-    if layout is None:
+def _adopt_bucket_plan(plan: list[list[int]] | None, cap_bytes: int) -> Iterator[None]:
+    """Make DDP's constructor adopt ``plan`` instead of computing its first bucket plan."""
+    if plan is None:
         yield
         return
     original = dist._compute_bucket_assignment_by_size
 
     def fixed(*_: Any, **__: Any) -> tuple[list[list[int]], list[int]]:
         # DDP reverses the plan it is given (gradients arrive last layer first).
-        return list(reversed(layout)), [cap_bytes] * len(layout)
+        return list(reversed(plan)), [cap_bytes] * len(plan)
 
     dist._compute_bucket_assignment_by_size = fixed  # type: ignore[attr-defined]
     try:
@@ -84,7 +84,7 @@ class ElasticDDP(torch.nn.Module):
         ddp_kwargs.pop("init_sync", None)
         self._kwargs = ddp_kwargs
         object.__setattr__(self, "_ddp", None)  # not a submodule: no duplicate state_dict
-        self._layout: list[list[int]] | None = None  # kept once DDP settled it
+        self._plan: list[list[int]] | None = None  # kept once DDP settled it
 
     @property
     def ddp(self) -> DDP:
@@ -92,12 +92,12 @@ class ElasticDDP(torch.nn.Module):
             raise RuntimeError("ElasticDDP is used before its job joined a process group")
         return cast(DDP, self._ddp)
 
-    def layout(self) -> list[list[int]] | None:
+    def bucket_plan(self) -> list[list[int]] | None:
         """The current bucket plan as lists of parameter indices (DDP's own order)."""
         if self._ddp is None:
             return None
         self.settle()
-        return self._layout if self._layout is not None else self._read_layout()
+        return self._plan if self._plan is not None else self._read_plan()
 
     def settle(self) -> None:
         """Read and keep the bucket plan once DDP has settled it; the job calls this at
@@ -107,8 +107,8 @@ class ElasticDDP(torch.nn.Module):
         every gradient bucket (a third of the state's bytes under Adam, 0.3-0.5 s at 1 GB
         here). Cheap once kept: one attribute read.
         """
-        if self._ddp is not None and self._layout is None and self._settled():
-            self._layout = self._read_layout()
+        if self._ddp is not None and self._plan is None and self._settled():
+            self._plan = self._read_plan()
 
     def _settled(self) -> bool:
         """Whether DDP will not change its bucket plan again: it rebuilt its buckets in
@@ -119,7 +119,7 @@ class ElasticDDP(torch.nn.Module):
             return True
         return bool(ddp.find_unused_parameters and not ddp.static_graph)
 
-    def _read_layout(self) -> list[list[int]]:
+    def _read_plan(self) -> list[list[int]]:
         params = [p for p in self.module.parameters() if p.requires_grad]
         index = {id(p): i for i, p in enumerate(params)}
         ddp: Any = self._ddp
@@ -127,19 +127,19 @@ class ElasticDDP(torch.nn.Module):
         return [[index[id(p)] for p in b.parameters()] for b in buckets]
 
     def rebuild(
-        self, group: dist.ProcessGroup, layout: list[list[int]] | None, *, initial: bool = False
+        self, group: dist.ProcessGroup, plan: list[list[int]] | None, *, initial: bool = False
     ) -> None:
-        """Wrap the module anew on ``group`` with bucket plan ``layout`` (None: DDP's).
+        """Wrap the module anew on ``group`` with bucket plan ``plan`` (None: DDP's).
 
         ``initial``: the job's first group; DDP then broadcasts rank 0's parameters and
         buffers as it always does.
         """
         cap = int(self._kwargs.get("bucket_cap_mb", 25) * 1024 * 1024)
-        with _bucket_plan(layout, cap):
+        with _adopt_bucket_plan(plan, cap):
             ddp = DDP(self.module, process_group=group, init_sync=initial, **self._kwargs)
         ddp.register_comm_hook(group, self._timed_allreduce)
         object.__setattr__(self, "_ddp", ddp)
-        self._layout = None
+        self._plan = None
 
     # No annotations: DDP compares them with its own classes, and postponed annotations are
     # strings. ``group``: the generation's process group; ``bucket``: a dist.GradBucket.

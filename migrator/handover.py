@@ -171,14 +171,14 @@ class Handover:
         return 4 * self.timeout_s + 30
 
     def _join(
-        self, gen: int, rank: int, layouts: list[Any] | None, migration_id: str | None = None
+        self, gen: int, rank: int, plans: list[Any] | None, migration_id: str | None = None
     ) -> float:
         """Switch to generation ``gen`` (formed ahead for ``migration_id``, if given);
         returns the seconds the switch waited for a formation still under way."""
         t = time.perf_counter()
         formation = self.member.formation
         pending = formation is not None and not formation.done.is_set()
-        self.member.join(gen, rank, layouts, migration_id=migration_id)
+        self.member.join(gen, rank, plans, migration_id=migration_id)
         self.stop, self.cmd = None, None
         used = self.member.used
         waited = time.perf_counter() - t if pending and used is not None else 0.0
@@ -218,7 +218,7 @@ class Handover:
                     self.faults.fire("transfer", rank, step)
 
         meta = self.registry.meta()
-        meta.update(step=step, rank_state=rank_state, layouts=self.member.layouts())
+        meta.update(step=step, rank_state=rank_state, bucket_plans=self.member.bucket_plans())
         tensors = [t for _, t in self.registry.tensors()]
         with self.channels.open(prefix, sender=True, on_tensor=fire) as transport:
             return transport.send(meta, tensors, timeout_s=self.timeout_s)
@@ -319,9 +319,9 @@ class Handover:
             )
             if got.endswith("/failed"):
                 _raise_failed(self.store, got)
-        layouts = member.layouts()
+        plans = member.bucket_plans()
         member.graveyard.bury(member.group, broken=False)
-        self._join(member.gen + 1, member.rank, layouts, migration_id=mid)
+        self._join(member.gen + 1, member.rank, plans, migration_id=mid)
         self.store.set(f"{base}/pause/{member.rank}", repr(time.perf_counter() - t0))
 
     def _stop_here(self, cmd: dict[str, Any], step: int, snapshot: bytes | None) -> NoReturn:
@@ -377,7 +377,7 @@ class Handover:
             cls = _ERRORS.get(decision.get("code", ""), MigrationError)
             raise cls(decision.get("message", "recovery failed"), details=decision) from exc
         # A spare takes each lost rank; this rank redoes the step from its boundary state.
-        layouts = member.layouts()
+        plans = member.bucket_plans()
         member.leave(broken=True)
         rewind = decision.get("rewind")
         if rewind is not None:  # every rank goes back to its own copy of that boundary
@@ -392,7 +392,7 @@ class Handover:
         for lost in decision["replacements"]:
             sender = decision.get("senders", {}).get(str(lost), decision["replica"])
             self._await_spare(mid, lost, step, sender=rank == sender, copy_of=rewind)
-        self._join(decision["gen"], rank, layouts)
+        self._join(decision["gen"], rank, plans)
         self.rewind = rewind
         self.store.set(f"m/{mid}/pause/{rank}", repr(time.perf_counter() - t0))
         self.note("recovered", rank=rank, step=step, migration=mid)
@@ -517,7 +517,7 @@ class Handover:
         # The group formed ahead is the move's only if the move went on as planned: a source
         # lost before S turned it into an unplanned recovery, whose ranks build g+1 anew.
         planned = a["mode"] == "peer" and not self._turned_unplanned(a["gen"] - 1, mid)
-        waited = self._join(a["gen"], rank, meta["layouts"], mid if planned else None)
+        waited = self._join(a["gen"], rank, meta["bucket_plans"], mid if planned else None)
         joined_at = time.time()
         # From the first byte received to the new generation joined: the agent uses it as
         # the pause only when there is no other rank to measure it (a one-rank job).

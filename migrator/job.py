@@ -597,15 +597,17 @@ class Job:
         if self.rank is None:
             self._next = self.handover.serve_as_spare()
             return
-        layouts = None
+        plans = None
         if self.resume_from is not None:
             # A spare gets its state from a rank, never from the checkpoint.
             payload = checkpoint.load(self.resume_from)
             self._next = checkpoint.restore(payload, self.registry, self.rank)
-            layouts = payload["layouts"] if self.member.ddps else None
+            # "layouts": the key's name in checkpoints written before it was renamed.
+            saved = payload.get("bucket_plans", payload.get("layouts"))
+            plans = saved if self.member.ddps else None
             self.note("resumed", rank=self.rank, step=self._next, path=str(self.resume_from))
         self._arrive()
-        self.member.join(0, self.rank, layouts, initial=True)
+        self.member.join(0, self.rank, plans, initial=True)
 
     def _arrive(self) -> None:
         """Wait until every rank of generation 0 started (bounded by ``join_timeout_s``).
@@ -707,9 +709,9 @@ class Job:
             self.store.set(P.mirror_ahead_key(self.rank), blob)
             self._ahead = blob
 
-    def layouts(self) -> list[Any]:
-        """Each DDP wrapper's bucket layout."""
-        return self.member.layouts()
+    def bucket_plans(self) -> list[Any]:
+        """Each DDP wrapper's bucket plan."""
+        return self.member.bucket_plans()
 
     def _recover(self, exc: BaseException, step: int) -> bool:
         """A collective failed in ``step``; True: the step is to be run again."""

@@ -281,14 +281,14 @@ class Membership:
         self,
         gen: int,
         rank: int,
-        layouts: list[Any] | None,
+        plans: list[Any] | None,
         *,
         initial: bool = False,
         migration_id: str | None = None,
     ) -> None:
         """Take generation ``gen``'s group at ``rank``: the one formed ahead for
         ``migration_id`` (waited for if still forming), else one built now (blocks until
-        every rank joined); rebuild DDP on it with ``layouts`` (the bucket layouts to keep;
+        every rank joined); rebuild DDP on it with ``plans`` (the bucket plans to keep;
         None: DDP's own), rebind the FSDP modules to it, and watch for the new generation's
         commands."""
         formation = self._take(gen, migration_id)
@@ -315,7 +315,7 @@ class Membership:
             mesh = [s.mesh_groups(group, self._sub_group(f"g{gen}/pg", into)) for s in self.fsdps]
             self.subgroups = into
         for i, wrapped in enumerate(self.ddps):
-            wrapped.rebuild(group, layouts[i] if layouts else None, initial=initial)
+            wrapped.rebuild(group, plans[i] if plans else None, initial=initial)
         for sharded, groups in zip(self.fsdps, mesh, strict=True):
             sharded.bind(groups)
         self.group, self.gen, self.rank = group, gen, rank
@@ -355,11 +355,11 @@ class Membership:
         self.group, self.subgroups = None, []
 
     def settle(self) -> None:
-        """Keep each DDP wrapper's bucket layout once DDP settled it (at step boundaries;
+        """Keep each DDP wrapper's bucket plan once DDP settled it (at step boundaries;
         see :meth:`ElasticDDP.settle`)."""
         for wrapped in self.ddps:
             wrapped.settle()
 
-    def layouts(self) -> list[Any]:
-        """Each DDP wrapper's bucket layout (a spare receives them; survivors keep them)."""
-        return [d.layout() for d in self.ddps]
+    def bucket_plans(self) -> list[Any]:
+        """Each DDP wrapper's bucket plan (a spare receives them; survivors keep them)."""
+        return [d.bucket_plan() for d in self.ddps]

@@ -73,7 +73,7 @@ class Copy:
 def _take(registry: Registry, step: int, rank_state: bytes) -> Copy:
     tensors = [t.detach().to("cpu", copy=True) for _, t in registry.tensors()]
     meta = registry.meta()
-    meta.update(step=step, rank_state=rank_state, layouts=[])
+    meta.update(step=step, rank_state=rank_state, bucket_plans=[])
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     return Copy(step, meta, tensors, rank_state, nbytes)
 

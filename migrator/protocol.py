@@ -30,6 +30,8 @@ Key map (``g`` is a process-group generation, ``r`` a rank, ``s`` a process slot
     rs/{r}/ahead             the same state as the next boundary will find it, written
                              before the step's collectives (a rank that dies after its last
                              collective of step k leaves the survivors at boundary k+1)
+    t/{r}                    rank r's step timing over its last steps and the slot that
+                             measured it (migrator.timing), written with rs/{r}
     ckpt/{id}/rs/{r}         rank r's state at the boundary of a stop checkpoint ``id``
     ckpt/{id}/done           the checkpoint's path, once written (its writer)
     ckpt/{id}/failed         why no checkpoint was written (its writer)

@@ -21,6 +21,7 @@ longer holds the rank (the source of a migration) is ignored: the new rank start
 from __future__ import annotations
 
 import statistics
+import struct
 import time
 from array import array
 from collections import deque
@@ -36,6 +37,9 @@ DEFAULT_WINDOW = 20
 
 Row = tuple[float, float, float, float]
 """(step, compute_s, wait_s, step_s)"""
+
+_HEAD = struct.Struct("=2d")  # slot, total steps (-1: unknown)
+_ROW = struct.Struct("=4d")
 
 
 def timing_key(rank: int) -> str:
@@ -63,7 +67,7 @@ class StepClock:
             raise ValueError(f"timing window {window} must be at least 1 step")
         self.window = window
         self.clock = clock
-        self.rows: deque[Row] = deque(maxlen=window)
+        self._rows: deque[bytes] = deque(maxlen=window)  # each row packed once, when taken
         self.total: int | None = None  # steps the job runs in all (Job.steps)
         self.fresh = False  # a row was added since the last take()
         self._start = 0.0
@@ -98,23 +102,27 @@ class StepClock:
             return
         now = self.clock()
         start = self._start
-        self.rows.append((float(step), arrived - start, max(0.0, done - arrived), now - start))
+        self._rows.append(_ROW.pack(step, arrived - start, max(0.0, done - arrived), now - start))
         self.fresh = True
+
+    @property
+    def rows(self) -> list[Row]:
+        """The kept rows, oldest first."""
+        return [_ROW.unpack(r) for r in self._rows]
 
     def take(self, slot: int) -> bytes | None:
         """This rank's rows, encoded for the store, if any came since the last take."""
         if not self.fresh:
             return None
         self.fresh = False
-        return encode(slot, self.total, self.rows)
+        total = -1.0 if self.total is None else float(self.total)
+        return _HEAD.pack(slot, total) + b"".join(self._rows)
 
 
 def encode(slot: int, total: int | None, rows: Any) -> bytes:
     """``slot``, ``total`` (-1: unknown) and the rows as float64s (20 rows: 656 bytes)."""
-    flat = array("d", (float(slot), -1.0 if total is None else float(total)))
-    for row in rows:
-        flat.extend(row)
-    return flat.tobytes()
+    head = _HEAD.pack(slot, -1.0 if total is None else float(total))
+    return head + b"".join(_ROW.pack(*row) for row in rows)
 
 
 def decode(blob: bytes) -> tuple[int, int | None, list[Row]]:

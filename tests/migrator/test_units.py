@@ -164,7 +164,7 @@ def test_a_waiting_spare_allocates_the_published_state_and_receives_into_it() ->
     assert other.handover.ahead_bytes == 0 and not other.registry.ahead
 
 
-def test_ddp_bucket_layout_is_kept_once_ddp_settled_it() -> None:
+def test_ddp_bucket_plan_is_kept_once_ddp_settled_it() -> None:
     from migrator.ddp import ElasticDDP
 
     store = _master()
@@ -174,18 +174,18 @@ def test_ddp_bucket_layout_is_kept_once_ddp_settled_it() -> None:
     wrapped = ElasticDDP(model, bucket_cap_mb=0.0001)
     wrapped.rebuild(group, None, initial=True)
     wrapped.settle()
-    assert wrapped._layout is None, "not before DDP rebuilt its buckets"
-    first = wrapped.layout()
+    assert wrapped._plan is None, "not before DDP rebuilt its buckets"
+    first = wrapped.bucket_plan()
     for _ in range(2):  # DDP rebuilds its buckets in the forward after the first backward
         wrapped(torch.randn(2, 8)).sum().backward()
     wrapped.settle()
-    assert wrapped._layout is not None
-    assert wrapped.layout() == wrapped._read_layout()
-    assert sorted(i for b in wrapped.layout() or [] for i in b) == sorted(
+    assert wrapped._plan is not None
+    assert wrapped.bucket_plan() == wrapped._read_plan()
+    assert sorted(i for b in wrapped.bucket_plan() or [] for i in b) == sorted(
         i for b in first or [] for i in b
     )
-    wrapped.rebuild(group, wrapped.layout())
-    assert wrapped._layout is None, "a rebuilt DDP is read afresh"
+    wrapped.rebuild(group, wrapped.bucket_plan())
+    assert wrapped._plan is None, "a rebuilt DDP is read afresh"
 
 
 def test_rank_state_round_trip_restores_every_rng() -> None:
@@ -250,7 +250,7 @@ def test_checkpoint_round_trip_is_atomic_and_restores_in_place(tmp_path: Path) -
     data = ShardedIndices(100, 4, rank=1, world_size=2)
     data.next()
     states = {0: capture_rank_state(5, None), 1: capture_rank_state(5, data)}
-    path = checkpoint.write(tmp_path, step=5, registry=src, rank_states=states, layouts=[])
+    path = checkpoint.write(tmp_path, step=5, registry=src, rank_states=states, bucket_plans=[])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", path.name]  # no temp left
     expect = data.next()
     weight = dst.models[0][0].weight
@@ -265,7 +265,7 @@ def test_checkpoint_round_trip_is_atomic_and_restores_in_place(tmp_path: Path) -
     with pytest.raises(checkpoint.CheckpointError, match="2 ranks"):
         checkpoint.restore(checkpoint.load(path), dst, 2)
     with pytest.raises(checkpoint.CheckpointError, match="at step 5, not 6"):
-        checkpoint.write(tmp_path, step=6, registry=src, rank_states=states, layouts=[])
+        checkpoint.write(tmp_path, step=6, registry=src, rank_states=states, bucket_plans=[])
 
 
 def test_modules_sharded_on_their_group_are_refused_at_registration() -> None:
