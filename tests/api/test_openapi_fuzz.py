@@ -104,6 +104,8 @@ REFUSED_VALID = {
     "GET /v1/gpus/{node}/{gpu}/samples": "since after until",
     "GET /v1/gpus": "a cursor this service did not give out",
     "GET /v1/nodes": "a cursor this service did not give out",
+    "GET /v1/risk": "a cursor this service did not give out",
+    "PUT /v1/policy": "straggler_clear_margin not below straggler_margin",
     "POST /v1/failures": "a ts in the future",
     "POST /v1/webhooks": "a URL whose host does not resolve, or is internal",
     "PATCH /v1/webhooks/{webhook_id}": "a URL whose host does not resolve, or is internal",
