@@ -29,7 +29,13 @@ from goodput.layouts import LAYOUTS
 from goodput.model import Assumptions
 from goodput.profile import DEFAULT_PROFILE, KINDS, PredictorProfile, find_card, from_card
 from goodput.published import PUBLISHED_MIN, run_sanity_check
-from goodput.stragglers import STRAGGLERS_PATH, PublishedStragglers, Stragglers, published
+from goodput.stragglers import (
+    STRAGGLERS_PATH,
+    PublishedStragglers,
+    Stragglers,
+    measured_detect_s,
+    published,
+)
 
 __all__ = ["configure", "run"]
 
@@ -170,10 +176,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     slow.add_argument(
         "--straggler-detect-s",
         type=float,
-        default=Stragglers.detect_s,
+        default=round(measured_detect_s(), 1),
         metavar="S",
         help="Forewarn: seconds from an episode's start until the slow rank is moved "
-        "(default %(default)s, assumed)",
+        "(default %(default)s: measured, goodput/data/straggler_detection.json)",
     )
     parser.add_argument(
         "--sanity-seeds", type=int, default=20, help="runs of the 64xH200 sanity check (0: skip it)"
@@ -254,7 +260,12 @@ def _describe_stragglers(
     lines.append(
         f"  what-if: {s.episodes_per_gpu_day:g} episodes per GPU-day, slowdown "
         f"{s.slowdown:g}x, {s.duration_s / 60:g} min each (exponential), Forewarn moves the "
-        f"slow rank {s.detect_s:g} s after the start (assumed)"
+        f"slow rank {s.detect_s:g} s after the start ("
+        + (
+            "measured with the default policy: straggler_detection.json)"
+            if s.detect_s == round(measured_detect_s(), 1)
+            else "given)"
+        )
     )
     for n in gpus:
         pause = a.migration_pause_s(n)

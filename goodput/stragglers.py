@@ -20,6 +20,10 @@ What was published is kept in ``goodput/data/stragglers.json`` (:func:`published
 duration of an episode (Greyhound, as a reader's summary reports it), and no rate per GPU and
 no slowdown of one episode. So the term has no default rate or slowdown: the command shows it
 only when both are given, as a what-if, and says so otherwise.
+
+How soon Forewarn ends an episode is ours to measure, not to assume: ``benchmarks/stragglers.py``
+times it end to end (real processes, the default policy) and ``goodput/data/
+straggler_detection.json`` keeps the figure (:func:`measured_detect_s`), the command's default.
 """
 
 from __future__ import annotations
@@ -32,17 +36,20 @@ from typing import Any
 import numpy as np
 
 __all__ = [
+    "DETECTION_PATH",
     "STRAGGLERS_PATH",
     "Episode",
     "PublishedStragglers",
     "StragglerCost",
     "Stragglers",
     "cost",
+    "measured_detect_s",
     "published",
     "schedule",
 ]
 
 STRAGGLERS_PATH = Path(__file__).with_name("data") / "stragglers.json"
+DETECTION_PATH = Path(__file__).with_name("data") / "straggler_detection.json"
 DAY_S = 86400.0
 
 
@@ -79,6 +86,12 @@ def published(path: Path = STRAGGLERS_PATH) -> PublishedStragglers:
     )
 
 
+def measured_detect_s(path: Path = DETECTION_PATH) -> float:
+    """Seconds from a straggler's first slow step until Forewarn's move of it was done, as
+    ``benchmarks/stragglers.py`` measured them with the default policy (median of its runs)."""
+    return float(json.loads(path.read_text())["detect_s"])
+
+
 @dataclass(frozen=True)
 class Stragglers:
     """The straggler term's numbers: a rate, a slowdown and a duration per episode, and how
@@ -91,8 +104,8 @@ class Stragglers:
     duration_s: float
     """Mean length of an episode (exponential)."""
     detect_s: float = 60.0
-    """Forewarn: from an episode's start until the slow rank is moved (assumed: heartbeats
-    every 5 s, a minute of them to tell a slow rank from its peers)."""
+    """Forewarn: from an episode's start until the slow rank is moved (the command's default
+    is :func:`measured_detect_s`)."""
 
     def __post_init__(self) -> None:
         if self.episodes_per_gpu_day < 0 or self.duration_s <= 0 or self.detect_s < 0:

@@ -15,7 +15,15 @@ from goodput.compare import Row, Scenario, compare
 from goodput.costs import preventive_stall
 from goodput.model import Assumptions
 from goodput.profile import DEFAULT_PROFILE
-from goodput.stragglers import STRAGGLERS_PATH, Episode, Stragglers, cost, published, schedule
+from goodput.stragglers import (
+    DETECTION_PATH,
+    STRAGGLERS_PATH,
+    Episode,
+    Stragglers,
+    cost,
+    published,
+    schedule,
+)
 
 DAY = 86400.0
 A = Assumptions()
@@ -111,6 +119,10 @@ def test_the_numbers_come_from_the_data_file_and_none_is_invented(
     )
     j = json.loads(out)
     assert j["stragglers"]["term"]["duration_s"] == doc["duration_mean_s"]
+    # how soon Forewarn ends an episode: measured end to end, not assumed
+    measured = json.loads(DETECTION_PATH.read_text())
+    assert j["stragglers"]["term"]["detect_s"] == round(measured["detect_s"], 1)
+    assert measured["benchmark"] == "benchmarks/stragglers.py" and len(measured["runs"]) >= 3
     assert j["stragglers"]["published"]["episodes_per_gpu_day"] is None
     by = {r["strategy"]: r for r in j["rows"]}
     assert by["forewarn"]["ettr_with_stragglers"] > by["peer-replica"]["ettr_with_stragglers"]
