@@ -194,3 +194,38 @@ def test_a_refused_request_is_declined_and_audited(registered: Store) -> None:
     (entry,) = [e for e in audit(registered, kind="migration") if e["action"] == "declined"]
     assert "in flight" in entry["reason"]
     assert outbox_types(registered).count("risk.threshold_crossed") == 1
+
+
+def test_a_recovery_the_agent_made_itself_ends_the_ranks_requested_move(
+    registered: Store,
+) -> None:
+    from datetime import UTC, datetime
+
+    from forewarn.wire import MigrationReport, Placement
+
+    with registered.begin() as c:
+        asked = orchestrator.request(
+            c,
+            job_id="j",
+            rank=1,
+            trigger="preventive",
+            now_ms=NOW,
+            source=("n0", 1),
+            target={"node": "n1", "gpu": 0, "slot": 2},
+            why="risk",
+        )
+    report = MigrationReport(
+        migration_id="mig_agent",
+        job_id="j",
+        rank=1,
+        outcome="completed",
+        source=Placement(rank=1, node="n0", gpu=1, slot=1),
+        target=Placement(rank=1, node="n1", gpu=0, slot=2),
+        finished_at=datetime.now(UTC),
+    )
+    with registered.begin() as c:
+        orchestrator.apply_report(c, report, now_ms=NOW + 1000)
+    states = {m["id"]: (m["state"], m["error"]) for m in migrations(registered)}
+    assert states["mig_agent"] == ("completed", None)
+    assert states[asked["id"]][0] == "failed"
+    assert "recovered the rank itself" in states[asked["id"]][1]
