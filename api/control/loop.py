@@ -309,9 +309,10 @@ class ControlLoop:
         The leadership epoch is raised first, in its own transaction: a tick of an earlier
         leader either committed before it (and is read below) or finds the new epoch."""
         self.budget = None
+        self.epoch = None  # a take-over that fails part-way leaves the replica fenced out
         with self.store.begin() as c:
             db.ensure_arrival(c)
-            self.epoch = db.bump_epoch(c)
+            epoch = db.bump_epoch(c)
         now_ms = self.now_ms()
         with self.store.engine.connect() as c:
             window_ms = int(self.policy(c).breaker_window_s * 1000)
@@ -334,13 +335,17 @@ class ControlLoop:
         self._audited = {}
         self._failed_pending = {}
         if self._own_scorer:
-            if self.model is None:
-                return
-            from predictor.scoring import Scorer
+            self.scorer = None
+            if self.model is not None:
+                from predictor.scoring import Scorer
 
-            self.scorer = Scorer(self.model)
-        if self.scorer is None:
-            return
+                self.scorer = Scorer(self.model)
+        if self.scorer is not None:
+            self._warm(now_ms)
+        self.epoch = epoch
+
+    def _warm(self, now_ms: int) -> None:
+        """Fold the window the store still holds into the scorer."""
         since = now_ms - int(self.warm_window_s * 1000)
         window = self.store.fleet_window(since_ms=since)
         with self.store.engine.connect() as c:

@@ -34,22 +34,19 @@ def risk_row(store: Store, node: str, gpu: int) -> dict[str, Any] | None:
 def commit_fails(store: Store) -> Iterator[None]:
     """The store's next transaction does its work on the database, then its commit fails:
     the database rolls it back and the caller gets the error."""
-    real = store.begin
+    with pytest.MonkeyPatch.context() as patch:
 
-    @contextmanager
-    def begin() -> Iterator[Connection]:
-        store.begin = real  # once
-        with store.engine.connect() as c:
-            c.begin()
-            yield c
-            c.rollback()
-            raise RuntimeError("the commit failed")
+        @contextmanager
+        def begin() -> Iterator[Connection]:
+            patch.undo()  # once
+            with store.engine.connect() as c:
+                c.begin()
+                yield c
+                c.rollback()
+                raise RuntimeError("the commit failed")
 
-    store.begin = begin
-    try:
+        patch.setattr(store, "begin", begin)
         yield
-    finally:
-        store.begin = real
 
 
 def test_a_failed_commit_leaves_memory_as_it_was_and_the_next_tick_writes_once(
