@@ -35,6 +35,7 @@ from sqlalchemy import (
     Table,
     Text,
     delete,
+    func,
     insert,
     select,
     text,
@@ -44,10 +45,11 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
 from store.reads import FRAME_COLUMNS, _frame
-from store.schema import NO_GPU, NO_XID, gpus, metadata
+from store.schema import NO_GPU, NO_XID, gpus, metadata, outbox
 
 __all__ = [
     "ACTIVE_STATES",
+    "LEADER_EPOCH_KEY",
     "MIGRATION_STATES",
     "RISK_FLEET_COLUMNS",
     "RISK_VERSION_KEY",
@@ -165,6 +167,7 @@ STRAGGLER_COLUMNS = ("above_since_ms", "straggling", "straggling_ms", "reason")
 
 MIGRATION_STATES = ("requested", "acknowledged", "transferring", "completed", "failed", "cancelled")
 ACTIVE_STATES = ("requested", "acknowledged", "transferring")
+_ACTIVE_SQL = "state IN ('requested', 'acknowledged', 'transferring')"
 
 migrations = Table(
     "migrations",
@@ -193,7 +196,17 @@ migrations = Table(
     Column("detail", Text),
     Index("ix_migrations_job", "job_id", "state"),
     Index("ix_migrations_state", "state"),
+    Index(
+        "ux_migrations_active_rank",
+        "job_id",
+        "rank",
+        unique=True,
+        postgresql_where=text(_ACTIVE_SQL),
+        sqlite_where=text(_ACTIVE_SQL),
+    ),
 )
+"""``ux_migrations_active_rank`` (revision ``0006_control_fencing``): one active migration per
+(job, rank) at most, whoever writes it."""
 
 audit = Table(
     "audit",
@@ -571,8 +584,14 @@ def set_rank(connection: Connection, *, job_id: str, slot: int, values: dict[str
 # -- migrations -------------------------------------------------------------------------------
 
 
-def insert_migration(connection: Connection, row: dict[str, Any]) -> None:
-    connection.execute(insert(migrations).values(row))
+def insert_migration(connection: Connection, row: dict[str, Any]) -> bool:
+    """Insert a migration; False (nothing written) when ``row`` is active and its (job, rank)
+    already has an active migration (``ux_migrations_active_rank``)."""
+    if row.get("state") not in ACTIVE_STATES:
+        connection.execute(insert(migrations).values(row))
+        return True
+    statement = _upsert(connection)(migrations).values(row).on_conflict_do_nothing()
+    return connection.execute(statement.returning(migrations.c.id)).first() is not None
 
 
 def get_migration(
@@ -720,6 +739,60 @@ def set_state(connection: Connection, key: str, value: str) -> None:
     connection.execute(
         statement.on_conflict_do_update(index_elements=["key"], set_={"value": value})
     )
+
+
+# -- leadership fencing and the breaker's window ----------------------------------------------
+
+LEADER_EPOCH_KEY = "leader_epoch"
+"""``control_state`` key of the leadership epoch: raised by every take-over, compared by every
+tick inside its own transaction (:func:`fence`)."""
+
+
+def bump_epoch(connection: Connection) -> int:
+    """Raise the leadership epoch (a new leader takes over); returns the new epoch.
+
+    Waits for a tick that holds the epoch row (:func:`fence`) to end, so no tick of an
+    earlier leader commits after this one."""
+    statement = _upsert(connection)(control_state).values(key=LEADER_EPOCH_KEY, value="0")
+    connection.execute(statement.on_conflict_do_nothing(index_elements=["key"]))
+    query = select(control_state.c.value).where(control_state.c.key == LEADER_EPOCH_KEY)
+    if connection.dialect.name == "postgresql":
+        query = query.with_for_update()
+    epoch = int(connection.execute(query).scalar_one()) + 1
+    set_state(connection, LEADER_EPOCH_KEY, str(epoch))
+    return epoch
+
+
+def fence(connection: Connection, epoch: int) -> bool:
+    """True if ``epoch`` is still the leadership epoch; run first in a tick's transaction.
+
+    A compare-and-set that writes: it holds the epoch row (PostgreSQL: a row lock; SQLite: the
+    database's write lock) until the tick commits, so a take-over waits for the tick to end
+    and a deposed leader's tick finds the raised epoch and writes nothing."""
+    result = connection.execute(
+        update(control_state)
+        .where(control_state.c.key == LEADER_EPOCH_KEY, control_state.c.value == str(epoch))
+        .values(value=str(epoch))
+    )
+    return bool(result.rowcount)
+
+
+def crossings_since(connection: Connection, *, since_ms: int) -> list[int]:
+    """When GPUs crossed the threshold (``risk.threshold_crossed`` events) since ``since_ms``
+    and since an operator last reset the breaker, oldest first: the breaker's window."""
+    reset = connection.execute(
+        select(func.max(audit.c.ts_ms)).where(
+            audit.c.kind == "policy", audit.c.action == "breaker_reset"
+        )
+    ).scalar()
+    if reset is not None:
+        since_ms = max(since_ms, int(reset) + 1)
+    query = (
+        select(outbox.c.ts_ms)
+        .where(outbox.c.type == "risk.threshold_crossed", outbox.c.ts_ms >= since_ms)
+        .order_by(outbox.c.ts_ms)
+    )
+    return [int(t) for t in connection.execute(query).scalars()]
 
 
 def _chunks(items: list[Any], size: int) -> list[list[Any]]:

@@ -19,11 +19,25 @@ Every ``control_tick_s`` the replica that holds the leadership (:mod:`api.contro
    ``request`` becomes a ``requested`` migration that the job agent long-polls;
 5. fails in-flight migrations that can no longer finish (:func:`orchestrator.reconcile`).
 
-Steps 2-5 commit in one transaction with their audit entries and outbox events. Becoming leader
-(at start, or when the previous leader died) warms the scorer from the window the store still
-holds and reloads each GPU's streak and flags from ``risk_latest``, so a restart neither loses
-a crossing nor announces it twice; a straggler's state is in ``rank_timings`` and is read
-every tick.
+Steps 2-5 are one transaction, shaped as a plan: the rows, events, audit entries and
+migrations are written on the transaction's connection as they are derived, while the changes
+to the loop's memory (each GPU's streak and flags, the breaker's window, which decisions were
+audited, the alarm budget's kept time) are collected in a :class:`TickPlan` and applied only
+after the commit. A tick that fails anywhere, its commit included, leaves the memory as it was,
+so the next tick derives and writes the same events again; fatal events it read are judged
+again too (the scorer has folded them, the cursor has moved past them).
+
+Fencing: the tick's first statement compares the leadership epoch this replica took over with
+(:func:`store.control.fence`); every take-over raises the epoch, so a leader that lost its lock
+without noticing (its lock connection died, a long pause) finds a newer epoch, writes nothing
+and steps down.
+
+Becoming leader (at start, or when the previous leader died) raises the epoch, warms the scorer
+from the window the store still holds, reloads each GPU's streak and flags from
+``risk_latest`` and rebuilds the breaker's window from the ``risk.threshold_crossed`` events
+within it (since the last breaker reset), so a restart neither loses a crossing nor announces
+it twice and the new leader trips the breaker as the old one would have; a straggler's state
+is in ``rank_timings`` and is read every tick.
 """
 
 from __future__ import annotations
@@ -33,7 +47,8 @@ import json
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -45,6 +60,7 @@ from api.control import orchestrator
 from api.control import straggler_watch as watch
 from api.control.leader import Leadership
 from api.control.policy import (
+    Decision,
     Policy,
     Situation,
     breaker_should_trip,
@@ -52,13 +68,14 @@ from api.control.policy import (
     stragglers_should_trip,
 )
 from api.threads import to_thread_to_end
+from forewarn.errors import Conflict
 from predictor.budget import AlarmBudget
 from predictor.floor import FLOOR_SCORE, floored
 from store import Store
 from store import control as db
 from store.outbox import emit_event
 
-__all__ = ["ArrivalCursor", "ControlLoop", "GpuState"]
+__all__ = ["ArrivalCursor", "ControlLoop", "Deposed", "GpuState", "TickPlan"]
 
 log = logging.getLogger("forewarn.control")
 
@@ -110,6 +127,9 @@ class ArrivalCursor:
 
 @dataclass
 class GpuState:
+    """What the loop remembers of one GPU; replaced whole (never changed in place), so a
+    tick's plan holds new states and the memory keeps the old ones until the commit."""
+
     streak: int = 0
     crossed: bool = False
     stale: bool = False
@@ -119,6 +139,46 @@ class GpuState:
     crossed_ms: int | None = None
     written: tuple[Any, ...] = ()
     written_ms: int = 0
+
+
+_UNSEEN = GpuState()
+
+
+class Deposed(Exception):
+    """The tick found a newer leadership epoch: another replica took over."""
+
+
+@dataclass
+class TickPlan:
+    """The changes one tick makes to the loop's memory, applied after its commit.
+
+    Attributes:
+        gpus: the new state of every GPU whose state changed (or was first seen).
+        crossings_before: crossings of earlier ticks still in the breaker's window.
+        crossings: when GPUs crossed in this tick (the breaker's window gains them).
+        window_ms: the breaker's window under this tick's policy.
+        audited: the decisions audited so far, by episode (replaces the loop's).
+        discard: GPUs that failed this tick (their alarm-budget slots are discarded).
+        budget_kept: (healthy blocks, when) if this tick wrote the alarm budget's state.
+        latest: this tick's scores for the ``forewarn_gpu_risk`` gauge.
+    """
+
+    gpus: dict[tuple[str, int], GpuState] = field(default_factory=dict)
+    crossings_before: int = 0
+    crossings: list[int] = field(default_factory=list)
+    window_ms: int = 0
+    audited: dict[tuple[Any, ...], str] = field(default_factory=dict)
+    discard: list[tuple[str, int]] = field(default_factory=list)
+    budget_kept: tuple[float, int | None] | None = None
+    latest: tuple[list[str], list[int], list[float]] | None = None
+
+    def state(self, gpus: dict[tuple[str, int], GpuState], key: tuple[str, int]) -> Any:
+        """A GPU's state as this tick leaves it (None if never seen)."""
+        st = self.gpus.get(key)
+        return st if st is not None else gpus.get(key)
+
+    def in_window(self) -> int:
+        return self.crossings_before + len(self.crossings)
 
 
 class ControlLoop:
@@ -133,6 +193,11 @@ class ControlLoop:
             back another, or a retrained one was promoted (the scorer keeps its windows).
         defaults: the policy from the settings (an operator's ``PUT /v1/policy`` overrides).
         registry: the Prometheus registry for the loop's metrics.
+        leadership: who leads (default: a :class:`Leadership` on the store's engine).
+        scorer: the scorer to use (default: a :class:`predictor.scoring.Scorer` of the model
+            in force, built at each take-over); one given here is kept and warmed instead.
+        clock: seconds since the epoch (default :func:`time.time`): a tick's time when
+            :meth:`tick` is given none, and the take-over's.
     """
 
     def __init__(
@@ -149,6 +214,9 @@ class ControlLoop:
         ack_timeout_s: float = 120.0,
         agent_timeout_s: float = 60.0,
         lifecycle: Any = None,
+        leadership: Leadership | None = None,
+        scorer: Any = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.store = store
         self.model = model
@@ -160,8 +228,12 @@ class ControlLoop:
         self.history_days = history_days
         self.ack_timeout_s = ack_timeout_s
         self.agent_timeout_s = agent_timeout_s
-        self.leadership = Leadership(store.engine)
-        self.scorer: Any = None
+        self.leadership = leadership if leadership is not None else Leadership(store.engine)
+        self.scorer: Any = scorer
+        self._own_scorer = scorer is None
+        self.clock = clock
+        self.epoch: int | None = None
+        self._failed_pending: dict[tuple[str, int], str] = {}
         self.samples = ArrivalCursor()
         self.events = ArrivalCursor()
         self.gpus: dict[tuple[str, int], GpuState] = {}
@@ -216,17 +288,35 @@ class ControlLoop:
             self.leader_gauge.set(1)
         if not was:
             self.take_over()
-        self.tick(now_ms)
+        try:
+            self.tick(now_ms)
+        except Deposed:
+            log.warning("another replica took over the control loop; stepping down")
+            self.leadership.release()
+            if self.leader_gauge is not None:
+                self.leader_gauge.set(0)
+            return False
         return True
+
+    def now_ms(self) -> int:
+        return int(self.clock() * 1000)
 
     def take_over(self) -> None:
         """Warm the scorer from the store's window and reload each GPU's flags (and, at the
-        next tick, the alarm budget's healthy time another leader may have kept since)."""
+        next tick, the alarm budget's healthy time another leader may have kept since), and
+        rebuild the breaker's window from the crossings the store recorded within it.
+
+        The leadership epoch is raised first, in its own transaction: a tick of an earlier
+        leader either committed before it (and is read below) or finds the new epoch."""
         self.budget = None
+        self.epoch = None  # a take-over that fails part-way leaves the replica fenced out
         with self.store.begin() as c:
             db.ensure_arrival(c)
-        now_ms = int(time.time() * 1000)
+            epoch = db.bump_epoch(c)
+        now_ms = self.now_ms()
         with self.store.engine.connect() as c:
+            window_ms = int(self.policy(c).breaker_window_s * 1000)
+            self._crossings = deque(db.crossings_since(c, since_ms=now_ms - window_ms))
             sample_top = db.max_sample_seq(c)
             event_top = db.max_event_seq(c)
             self.gpus = {}
@@ -243,11 +333,19 @@ class ControlLoop:
         self.samples = ArrivalCursor(sample_top)
         self.events = ArrivalCursor(event_top)
         self._audited = {}
-        if self.model is None:
-            return
-        from predictor.scoring import Scorer
+        self._failed_pending = {}
+        if self._own_scorer:
+            self.scorer = None
+            if self.model is not None:
+                from predictor.scoring import Scorer
 
-        self.scorer = Scorer(self.model)
+                self.scorer = Scorer(self.model)
+        if self.scorer is not None:
+            self._warm(now_ms)
+        self.epoch = epoch
+
+    def _warm(self, now_ms: int) -> None:
+        """Fold the window the store still holds into the scorer."""
         since = now_ms - int(self.warm_window_s * 1000)
         window = self.store.fleet_window(since_ms=since)
         with self.store.engine.connect() as c:
@@ -296,7 +394,7 @@ class ControlLoop:
 
     def tick(self, now_ms: int | None = None) -> None:
         started = time.perf_counter()
-        now_ms = int(time.time() * 1000) if now_ms is None else now_ms
+        now_ms = self.now_ms() if now_ms is None else now_ms
         self._follow_lifecycle()
         with self.store.engine.connect() as c:
             samples, sample_seqs = db.samples_after(c, self.samples.position)
@@ -323,12 +421,20 @@ class ControlLoop:
         self.events.consume(event_seqs)
         score_done = time.perf_counter()
         with self.store.begin() as c:
+            if self.epoch is None or not db.fence(c, self.epoch):
+                raise Deposed(f"the leadership epoch is no longer {self.epoch}")
             policy = self.policy(c)
-            threshold = self._threshold(c, policy, scores, now_ms)
-            self._apply_scores(c, scores, events, policy, threshold, now_ms)
+            window_ms = int(policy.breaker_window_s * 1000)
+            plan = TickPlan(
+                crossings_before=sum(1 for t in self._crossings if now_ms - t <= window_ms),
+                window_ms=window_ms,
+                audited=dict(self._audited),
+            )
+            threshold = self._threshold(c, plan, policy, scores, now_ms)
+            self._apply_scores(c, plan, scores, events, policy, threshold, now_ms)
             if self.scorer is not None:  # reasons for GPUs above half the threshold in force
                 self.scorer.reason_floor = threshold / 2
-            self._decide(c, policy, now_ms)
+            self._decide(c, plan, policy, now_ms)
             for m in orchestrator.reconcile(
                 c,
                 now_ms=now_ms,
@@ -338,6 +444,7 @@ class ControlLoop:
                 log.warning("migration %s failed: %s", m["id"], m["error"])
             if self.ticks % 100 == 0:
                 db.prune_history(c, before_ms=now_ms - int(self.history_days * 86_400_000))
+        self._apply(plan, now_ms)
         self.ticks += 1
         end = time.perf_counter()
         self.last_tick_s = end - started
@@ -349,7 +456,26 @@ class ControlLoop:
         if self.tick_hist is not None:
             self.tick_hist.observe(self.last_tick_s)
 
-    def _threshold(self, c: Any, policy: Policy, scores: pd.DataFrame | None, now_ms: int) -> float:
+    def _apply(self, plan: TickPlan, now_ms: int) -> None:
+        """The tick committed: make its changes to the loop's memory."""
+        self.gpus.update(plan.gpus)
+        self._crossings.extend(plan.crossings)
+        while self._crossings and now_ms - self._crossings[0] > plan.window_ms:
+            self._crossings.popleft()
+        self._audited = plan.audited
+        self._failed_pending = {}
+        if self.budget is not None:
+            slots = [self._budget_slots[k] for k in plan.discard if k in self._budget_slots]
+            if slots:
+                self.budget.discard(slots)
+        if plan.budget_kept is not None:
+            self._budget_kept = plan.budget_kept
+        if plan.latest is not None:
+            self._latest = plan.latest
+
+    def _threshold(
+        self, c: Any, plan: TickPlan, policy: Policy, scores: pd.DataFrame | None, now_ms: int
+    ) -> float:
         """The threshold in force this tick: the policy's, else the alarm budget's (judged by
         what it knew before this tick; then this tick's risks are folded in), else the card's."""
         card = float(self.model.threshold) if self.model is not None else 1.0
@@ -382,7 +508,7 @@ class ControlLoop:
                 if st.failed and key in slots:
                     healthy[slots[key]] = False
             self.budget.observe(risk, now_ms=now_ms, healthy=healthy)
-            self._keep_budget(c, now_ms)
+            self._keep_budget(c, plan, now_ms)
         self.threshold_in_force = threshold
         return threshold
 
@@ -405,7 +531,7 @@ class ControlLoop:
         self._budget_kept = (budget.healthy_blocks, None)
         return budget
 
-    def _keep_budget(self, c: Any, now_ms: int) -> None:
+    def _keep_budget(self, c: Any, plan: TickPlan, now_ms: int) -> None:
         """Write the budget's confirmed healthy time to the store when it grew (blocks are
         confirmed once an hour per GPU), at most once a minute."""
         assert self.budget is not None
@@ -415,18 +541,20 @@ class ControlLoop:
         if at_ms is not None and now_ms - at_ms < BUDGET_KEEP_EVERY_MS:
             return
         db.set_state(c, BUDGET_KEY, json.dumps(self.budget.state()))
-        self._budget_kept = (self.budget.healthy_blocks, now_ms)
+        plan.budget_kept = (self.budget.healthy_blocks, now_ms)
 
     def _apply_scores(
         self,
         c: Any,
+        plan: TickPlan,
         scores: pd.DataFrame | None,
         events: pd.DataFrame,
         policy: Policy,
         threshold: float,
         now_ms: int,
     ) -> None:
-        failed_now: dict[tuple[str, int], str] = {}
+        # Fatal events of a tick that did not commit are judged again (the cursor moved on).
+        failed_now: dict[tuple[str, int], str] = dict(self._failed_pending)
         if len(events):
             from predictor.catalog import GPU_DOWN_XIDS
 
@@ -438,9 +566,12 @@ class ControlLoop:
                 if kind in FATAL_EVENT_KINDS or (kind == "xid" and xid in GPU_DOWN_XIDS):
                     what = f"Xid {xid}" if kind == "xid" else kind.replace("_", " ")
                     failed_now[(str(ev["node"]), int(ev["gpu"]))] = what
+        self._failed_pending = failed_now
         rows: list[dict[str, Any]] = []
         history: list[dict[str, Any]] = []
         stale_ms = policy.stale_after_s * 1000
+        history_every_ms = self.history_interval_s * 1000
+        gpus = self.gpus
         if scores is not None:
             # The rules are a floor: hard evidence alarms at the threshold in force.
             acted = floored(scores["model_risk"], scores["floor"], threshold)
@@ -453,14 +584,16 @@ class ControlLoop:
                 strict=True,
             ):
                 key = (node, int(gpu))
-                st = self.gpus.setdefault(key, GpuState())
-                alarm = risk >= threshold
+                old = gpus.get(key)
+                st = old if old is not None else _UNSEEN
+                alarm = bool(risk >= threshold)
                 stale = now_ms - last_ms > stale_ms
+                streak, crossed, failed = st.streak, st.crossed, st.failed
                 if not stale:
-                    st.streak = st.streak + 1 if alarm else 0
-                if st.streak >= policy.hysteresis and not st.crossed and not stale:
-                    st.crossed = True
-                    self._crossings.append(now_ms)
+                    streak = streak + 1 if alarm else 0
+                if streak >= policy.hysteresis and not crossed and not stale:
+                    crossed = True
+                    plan.crossings.append(now_ms)
                     emit_event(
                         c,
                         "risk.threshold_crossed",
@@ -470,14 +603,15 @@ class ControlLoop:
                             "risk": risk,
                             "threshold": threshold,
                             "reasons": reasons,
-                            "consecutive": st.streak,
+                            "consecutive": streak,
                             "model": self.model_id,
                         },
                         node=node,
+                        ts_ms=now_ms,
                     )
-                elif st.crossed and not alarm and not stale:
-                    st.crossed = False
-                    self._audited = {k: v for k, v in self._audited.items() if k[0] != key}
+                elif crossed and not alarm and not stale:
+                    crossed = False
+                    plan.audited = {k: v for k, v in plan.audited.items() if k[0] != key}
                     emit_event(
                         c,
                         "risk.cleared",
@@ -491,82 +625,102 @@ class ControlLoop:
                         {"node": node, "gpu": int(gpu), "last_seen_ms": last_ms},
                         node=node,
                     )
-                st.stale = stale
-                if key in failed_now and not st.failed:
-                    st.failed = True
-                    if self.budget is not None and key in self._budget_slots:
-                        self.budget.discard([self._budget_slots[key]])
+                if key in failed_now and not failed:
+                    failed = True
+                    plan.discard.append(key)
                     emit_event(
                         c,
                         "gpu.failed",
                         {"node": node, "gpu": int(gpu), "cause": failed_now[key]},
                         node=node,
                     )
-                if st.crossed and st.crossed_ms is None:
-                    st.crossed_ms = now_ms
-                elif not st.crossed:
-                    st.crossed_ms = None
+                crossed_ms = (
+                    (now_ms if st.crossed_ms is None else st.crossed_ms) if crossed else None
+                )
                 # Most scores repeat (a sum of trees is a step function): a row is written
                 # when anything in it changed, and at least every REFRESH_MS.
-                shown = (float(risk), bool(alarm), stale, st.streak, st.crossed, st.failed)
-                if shown != st.written or now_ms - st.written_ms >= REFRESH_MS or reasons:
-                    st.written, st.written_ms = shown, now_ms
+                written, written_ms = st.written, st.written_ms
+                shown = (float(risk), alarm, stale, streak, crossed, failed)
+                if shown != written or now_ms - written_ms >= REFRESH_MS or reasons:
+                    written, written_ms = shown, now_ms
                     rows.append(
                         {
                             "node": node,
                             "gpu": int(gpu),
                             "risk": float(risk),
-                            "alarm": bool(alarm),
+                            "alarm": alarm,
                             "reasons": db.dumps(reasons),
                             "scored_ms": now_ms,
                             "last_seen_ms": int(last_ms),
                             "stale": stale,
-                            "streak": st.streak,
-                            "crossed": st.crossed,
-                            "crossed_ms": st.crossed_ms,
-                            "failed": st.failed,
+                            "streak": streak,
+                            "crossed": crossed,
+                            "crossed_ms": crossed_ms,
+                            "failed": failed,
                         }
                     )
-                if (
-                    alarm != st.last_alarm
-                    or now_ms - st.history_ms >= self.history_interval_s * 1000
-                ):
+                history_ms = st.history_ms
+                if alarm != st.last_alarm or now_ms - history_ms >= history_every_ms:
                     history.append(
                         {
                             "node": node,
                             "gpu": int(gpu),
                             "ts_ms": now_ms,
                             "risk": float(risk),
-                            "alarm": bool(alarm),
+                            "alarm": alarm,
                         }
                     )
-                    st.history_ms = now_ms
-                st.last_alarm = bool(alarm)
+                    history_ms = now_ms
+                if (
+                    old is None
+                    or written is not old.written
+                    or (streak, crossed, stale, failed, history_ms, alarm, crossed_ms, written_ms)
+                    != (
+                        old.streak,
+                        old.crossed,
+                        old.stale,
+                        old.failed,
+                        old.history_ms,
+                        old.last_alarm,
+                        old.crossed_ms,
+                        old.written_ms,
+                    )
+                ):
+                    plan.gpus[key] = GpuState(
+                        streak=streak,
+                        crossed=crossed,
+                        stale=stale,
+                        failed=failed,
+                        history_ms=history_ms,
+                        last_alarm=alarm,
+                        crossed_ms=crossed_ms,
+                        written=written,
+                        written_ms=written_ms,
+                    )
         for key, what in failed_now.items():  # a GPU the scorer has not seen yet
-            st = self.gpus.setdefault(key, GpuState())
-            if not st.failed:
-                st.failed = True
+            seen = plan.state(gpus, key)
+            if seen is None or not seen.failed:
+                plan.gpus[key] = replace(seen or _UNSEEN, failed=True)
                 emit_event(
                     c, "gpu.failed", {"node": key[0], "gpu": key[1], "cause": what}, node=key[0]
                 )
         if scores is not None:  # exported at scrape time (a gauge child per GPU costs a second)
-            self._latest = (scores["node"].tolist(), scores["gpu"].tolist(), acted.tolist())
+            plan.latest = (scores["node"].tolist(), scores["gpu"].tolist(), acted.tolist())
         db.upsert_risk(c, rows)
         db.append_history(c, history)
-        window_ms = policy.breaker_window_s * 1000
-        while self._crossings and now_ms - self._crossings[0] > window_ms:
-            self._crossings.popleft()
 
-    def _decide(self, c: Any, policy: Policy, now_ms: int) -> None:
+    def _decide(self, c: Any, plan: TickPlan, policy: Policy, now_ms: int) -> None:
         tripped = (db.get_state(c, "breaker_tripped_ms") or "") != ""
-        fleet = max(len(self.gpus), 1)
+        gpus = {**self.gpus, **plan.gpus} if plan.gpus else self.gpus
+        fleet = max(len(gpus), 1)
+        crossings = plan.in_window()
         if not tripped and breaker_should_trip(
-            policy, crossings_in_window=len(self._crossings), fleet_size=fleet
+            policy, crossings_in_window=crossings, fleet_size=fleet
         ):
             tripped = True
             db.set_state(c, "breaker_tripped_ms", str(now_ms))
             tripped_data = {
-                "crossings": len(self._crossings),
+                "crossings": crossings,
                 "fleet": fleet,
                 "window_s": policy.breaker_window_s,
                 "breaker_pct": policy.breaker_pct,
@@ -576,7 +730,7 @@ class ControlLoop:
                 ts_ms=now_ms,
                 kind="policy",
                 action="breaker_tripped",
-                reason=f"{len(self._crossings)} of {fleet} GPUs crossed within "
+                reason=f"{crossings} of {fleet} GPUs crossed within "
                 f"{policy.breaker_window_s:g} s; automatic action stopped",
                 data=tripped_data,
             )
@@ -604,7 +758,7 @@ class ControlLoop:
                 k = (m["job_id"], m["source_node"], m["source_gpu"])
                 last[k] = max(last.get(k, 0), m["requested_ms"])
         drained = db.drained_nodes(c)
-        unsafe = {k for k, st in self.gpus.items() if st.crossed or st.failed or st.stale}
+        unsafe = {k for k, st in gpus.items() if st.crossed or st.failed or st.stale}
         slow, judged = watch.judge_stored(
             c,
             policy,
@@ -612,7 +766,7 @@ class ControlLoop:
             active=active,
             recent=recent,
             fresh_s=self.agent_timeout_s,
-            forget=self._forget_straggler,
+            forget=lambda k: self._forget_straggler(plan, k),
         )
         pauses: dict[str, list[float]] = {}
         for m in recent:
@@ -634,7 +788,7 @@ class ControlLoop:
             if (r["job_id"], r["rank"]) in moving or r["gpu"] is None:
                 continue
             key = (r["node"], int(r["gpu"]))
-            st = self.gpus.get(key)
+            st = gpus.get(key)
             if st is not None and st.failed and policy.act_on_failures:
                 trigger, acting = "unplanned", policy
             elif st is not None and st.crossed and not st.stale:
@@ -668,9 +822,9 @@ class ControlLoop:
             risk_row = self._risk_of(c, key)
             outcome = f"{decision.action}:{decision.reason}"
             episode = (key, r["job_id"], r["rank"], trigger)
-            if decision.action != "request" and self._audited.get(episode) == outcome:
+            if decision.action != "request" and plan.audited.get(episode) == outcome:
                 continue
-            self._audited[episode] = outcome
+            plan.audited[episode] = outcome
             data: dict[str, Any] = {
                 "job_id": r["job_id"],
                 "rank": r["rank"],
@@ -697,24 +851,31 @@ class ControlLoop:
                     "cost_s": case.cost_s,
                     "cost_from": case.cost_from,
                 }
+            requested: dict[str, Any] | None = None
             if decision.action == "request":
-                m = orchestrator.request(
-                    c,
-                    job_id=r["job_id"],
-                    rank=r["rank"],
-                    trigger=trigger,
-                    now_ms=now_ms,
-                    source=key,
-                    target=decision.target,
-                    risk=risk_row.get("risk"),
-                    reasons=[slow_one.reason] if slow_one else risk_row.get("reasons", []),
-                    detail=f"straggler: {slow_one.reason}"
-                    if slow_one
-                    else f"scored by model {self.model_id}"
-                    if trigger == "preventive" and self.model_id
-                    else None,
-                    why=decision.reason,
-                )
+                try:
+                    requested = orchestrator.request(
+                        c,
+                        job_id=r["job_id"],
+                        rank=r["rank"],
+                        trigger=trigger,
+                        now_ms=now_ms,
+                        source=key,
+                        target=decision.target,
+                        risk=risk_row.get("risk"),
+                        reasons=[slow_one.reason] if slow_one else risk_row.get("reasons", []),
+                        detail=f"straggler: {slow_one.reason}"
+                        if slow_one
+                        else f"scored by model {self.model_id}"
+                        if trigger == "preventive" and self.model_id
+                        else None,
+                        why=decision.reason,
+                    )
+                except Conflict as refused:  # the database holds one active move per rank
+                    decision = Decision("declined", refused.message)
+                    plan.audited[episode] = f"{decision.action}:{decision.reason}"
+            if requested is not None:
+                m = requested
                 situation.inflight_by_job[r["job_id"]] = by_job.get(r["job_id"], 0) + 1
                 situation.inflight_fleet += 1
                 situation.spares_by_job[r["job_id"]] = [
@@ -729,7 +890,7 @@ class ControlLoop:
                     r["job_id"],
                     r["rank"],
                 )
-            else:
+            if decision.action != "request":
                 db.write_audit(
                     c,
                     ts_ms=now_ms,
@@ -742,9 +903,9 @@ class ControlLoop:
                     data=data,
                 )
 
-    def _forget_straggler(self, k: tuple[str, int]) -> None:
+    def _forget_straggler(self, plan: TickPlan, k: tuple[str, int]) -> None:
         """A straggler cleared or moved: its next decline is audited again."""
-        self._audited = {e: v for e, v in self._audited.items() if e[1:] != (*k, "straggler")}
+        plan.audited = {e: v for e, v in plan.audited.items() if e[1:] != (*k, "straggler")}
 
     def _risk_of(self, c: Any, key: tuple[str, int]) -> dict[str, Any]:
         rows = [r for r in db.risk_rows(c, node=key[0]) if r["gpu"] == key[1]]

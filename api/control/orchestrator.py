@@ -15,6 +15,10 @@ agent was fast, or its progress post was lost): the machine jumps forward, never
 
 :func:`reconcile` ends what can no longer finish: a command no agent took within
 ``ack_timeout_s``, or an in-flight migration whose job stopped heartbeating.
+
+A rank has at most one active migration: the database refuses a second
+(``ux_migrations_active_rank``, revision ``0006_control_fencing``), and :func:`request` turns
+the refusal into a :class:`~forewarn.errors.Conflict` the caller declines with.
 """
 
 from __future__ import annotations
@@ -87,7 +91,11 @@ def request(
     detail: str | None = None,
     why: str,
 ) -> dict[str, Any]:
-    """Record a new ``requested`` migration, its audit entry and its event; returns the row."""
+    """Record a new ``requested`` migration, its audit entry and its event; returns the row.
+
+    Raises:
+        Conflict: the rank already has an active migration (nothing was written).
+    """
     migration_id = new_migration_id()
     row: dict[str, Any] = {
         "id": migration_id,
@@ -105,7 +113,11 @@ def request(
         "requested_ms": now_ms,
         "detail": detail,
     }
-    db.insert_migration(connection, row)
+    if not db.insert_migration(connection, row):
+        raise Conflict(
+            f"job {job_id} rank {rank} already has a migration in flight",
+            details={"job_id": job_id, "rank": rank},
+        )
     m = db.get_migration(connection, migration_id)
     assert m is not None
     _record(connection, m, now_ms, action="requested", reason=why)
@@ -165,6 +177,16 @@ def apply_report(connection: Connection, report: MigrationReport, *, now_ms: int
         fields.update(target_slot=report.target.slot)
     if db.get_migration(connection, report.migration_id) is None:
         src = report.source
+        # The agent moved the rank itself: a move the service asked for is moot now.
+        for other in db.list_migrations(connection, job_id=report.job_id, states=db.ACTIVE_STATES):
+            if other["rank"] == report.rank:
+                advance(
+                    connection,
+                    other["id"],
+                    "failed",
+                    now_ms=now_ms,
+                    error=f"the job agent recovered the rank itself ({report.migration_id})",
+                )
         db.insert_migration(
             connection,
             {

@@ -56,14 +56,27 @@ class FakeScorer:
         )
 
 
-def make_loop(store: Store, **policy: Any) -> tuple[ControlLoop, FakeScorer]:
-    loop = ControlLoop(store, model=None, defaults=Policy(**policy), tick_s=1.0)
-    assert loop.step(now_ms=1_000)  # leads (one replica), nothing to score yet
+_made: list[ControlLoop] = []
+
+
+def make_loop(
+    store: Store, *, leadership: Any = None, **policy: Any
+) -> tuple[ControlLoop, FakeScorer]:
     scorer = FakeScorer()
+    loop = ControlLoop(
+        store,
+        model=None,
+        defaults=Policy(**policy),
+        tick_s=1.0,
+        scorer=scorer,
+        leadership=leadership,
+    )
+    _made.append(loop)
+    assert loop.step(now_ms=1_000)  # leads (one replica), nothing to score yet
     for gpu in range(4):
         scorer.risk[("n0", gpu)] = 0.01
     scorer.risk[("n1", 0)] = 0.01
-    loop.scorer, loop.model = scorer, SimpleNamespace(threshold=0.5)
+    loop.model = SimpleNamespace(threshold=0.5)
     return loop, scorer
 
 
@@ -89,9 +102,14 @@ def register(store: Store, job_id: str = "j") -> None:
 
 
 @pytest.fixture
-def registered(store: Store) -> Store:
+def registered(store: Store) -> Iterator[Store]:
+    """The store with job ``j`` registered; every loop :func:`make_loop` made gives its
+    leadership back when the test ends, before the store closes (on PostgreSQL its lock
+    connection would otherwise be left open)."""
     register(store)
-    return store
+    yield store
+    while _made:
+        _made.pop().leadership.release()
 
 
 @pytest.fixture
