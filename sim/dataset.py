@@ -198,8 +198,9 @@ def generate_dataset(
     write_parquet_frame(fl, out / "failures.parquet")
     sl = blocks.slowdowns_frame(model)
     (out / "slowdowns.parquet").unlink(missing_ok=True)
-    if len(sl) or slowdowns or full["slowdowns"]["rate_per_gpu_day"] > 0:
-        write_parquet_frame(sl, out / "slowdowns.parquet")  # only a fleet with stragglers
+    with_stragglers = bool(len(sl) or slowdowns or full["slowdowns"]["rate_per_gpu_day"] > 0)
+    if with_stragglers:  # a fleet without them writes what it wrote before they existed
+        write_parquet_frame(sl, out / "slowdowns.parquet")
     in_window = fl[fl["in_window"]]
     manifest = {
         "format": "forewarn-dataset",
@@ -221,7 +222,7 @@ def generate_dataset(
             "events": len(ev),
             "failures": len(in_window),
             "incidents": int(in_window["incident_id"].nunique()),
-            "slowdowns": len(sl),
+            **({"slowdowns": len(sl)} if with_stragglers else {}),
         },
         "injections": [dict(j) for j in sorted(injections, key=lambda j: float(j["at_s"]))],
         "slowdowns": [dict(j) for j in sorted(slowdowns, key=lambda j: float(j["at_s"]))],

@@ -136,7 +136,7 @@ def test_the_rate_draws_episodes_that_are_never_failures(tmp_path: Path) -> None
     fl = pd.read_parquet(tmp_path / "failures.parquet")
     assert len(fl) <= 1  # the fleet's own hazard, not the 60-odd episodes
     off = generate_dataset(tmp_path / "off", gpus=16, days=0.02, interval_s=10.0, seed=5)
-    assert off.manifest["counts"]["slowdowns"] == 0
+    assert "slowdowns" not in off.manifest["counts"]  # the manifest as it was, too
     assert not (tmp_path / "off" / "slowdowns.parquet").exists()  # the format as it was
 
 
