@@ -211,7 +211,7 @@ class Agent:
                 for n in range(1, self.cfg.nnodes):
                     self.monitor.watch(n)
                 slots = [asdict(spec) for spec in specs]
-                P.put_json(self.store, "job/config", {**self._slot_config, "slots": slots})
+                P.put_json(self.store, P.JOB_CONFIG_KEY, {**self._slot_config, "slots": slots})
             for spec in specs:
                 if spec.node_rank == 0:
                     self._spawn(spec.index, spec.rank, local=spec.local)
@@ -298,7 +298,7 @@ class Agent:
         if not 0 <= rank < self.table.world_size:
             raise InvalidInput(f"rank {rank} is not in 0..{self.table.world_size - 1}")
         with self.lock:
-            if self.table.status != "running":
+            if self.table.status is not P.JobStatus.RUNNING:
                 raise Conflict(
                     f"the job is {self.table.status}", details={"status": self.table.status}
                 )
@@ -368,7 +368,7 @@ class Agent:
         self._start_slots()
         with self.lock:
             P.put_json(self.store, P.roster_key(0), self.table.roster)
-            self.table.status = "running"
+            self.table.status = P.JobStatus.RUNNING
         self._register()
         if self.link is not None:
             self.link.start(self)
@@ -386,7 +386,7 @@ class Agent:
             except KeyboardInterrupt:  # a second one: stop now
                 said = "; no checkpoint: interrupted again while it was being written"
             with self.lock:
-                self.table.status = "stopped"
+                self.table.status = P.JobStatus.STOPPED
                 self.table.message = "stopped by a signal" + said
         finally:
             if self.link is not None:
@@ -415,7 +415,8 @@ class Agent:
             if slot.role == "retired" or (
                 slot.role == "active"
                 and exited[slot.index] == 0
-                and self.store.check([f"done/{slot.rank}"])
+                and slot.rank is not None
+                and self.store.check([P.done_key(slot.rank)])
             ):
                 slot.role = "done" if slot.role == "active" else "retired"
                 continue
@@ -434,19 +435,19 @@ class Agent:
             elif slot.role == "active" and exited[slot.index] == 0:
                 # The source of a handover exits 0 once the spare has its state.
                 slot.role = "retired"
-        if self.monitor is not None and self.store.check(["job/stop"]):
+        if self.monitor is not None and self.store.check([P.JOB_STOP_KEY]):
             raise StopRequested("another node's launcher was stopped")
         self._progress_migration()
         self._report_aborted(now)
         self._do_refills()
         self.recovery.progress(now)
-        if self.table.status == "failed":
+        if self.table.status is P.JobStatus.FAILED:
             return 1
         active = [s for s in self.table.slots if s.role == "active"]
         ended = all(s.role in ("done", "retired", "dead", "spare") for s in self.table.slots)
         finished = any(s.role == "done" for s in self.table.slots) and self.table.inflight is None
         if not active and ended and finished:
-            self.table.status = "completed"
+            self.table.status = P.JobStatus.COMPLETED
             return 0
         return None
 
@@ -460,7 +461,7 @@ class Agent:
         # The source trains on: the command goes first (no rank reads it again), then the
         # abort that every rank waiting at the handover step is looking for.
         self.store.delete_key(P.cmd_key(m.gen))
-        self.store.set(f"m/{m.migration_id}/aborted", "spare died")
+        self.store.set(P.MigrationKeys(m.migration_id).aborted, "spare died")
         self.table.inflight = None
         # Reported once the ranks standing at S say how long they stood there.
         self._aborted.append((m, time.monotonic() + self.cfg.timeout_s))
@@ -471,14 +472,14 @@ class Agent:
         for item in list(self._aborted):
             m, deadline = item
             ranks = range(self.table.world_size) if m.stop is not None else range(0)
-            keys = [f"m/{m.migration_id}/pause/{r}" for r in ranks]
+            keys = [P.MigrationKeys(m.migration_id).pause(r) for r in ranks]
             have = [k for k in keys if self.store.check([k])]
             if len(have) < len(keys) and now < deadline:
                 continue
             self._aborted.remove(item)
             self.finish(
                 m,
-                "failed",
+                P.Outcome.FAILED,
                 group=self._group_record(m),
                 step=m.stop,
                 pause_s=max((float(self.store.get(k)) for k in have), default=0.0),
@@ -489,7 +490,7 @@ class Agent:
         m = self.table.inflight
         if m is None:
             return
-        base = f"m/{m.migration_id}"
+        keys = P.MigrationKeys(m.migration_id)
         if (
             self.link is not None
             and m.migration_id not in self._transferring
@@ -504,27 +505,27 @@ class Agent:
             if m.stop is not None:
                 self.store.set(P.stop_key(m.gen, m.migration_id), str(m.stop))
         for rank, src in m.sources.items():
-            if self.store.check([f"{base}/fallback/{rank}"]) and src is not None:
+            if self.store.check([keys.fallback(rank)]) and src is not None:
                 self.kill(self.table.slots[src])  # the spare gave up on it: it must not come back
-        if not all(self.store.check([f"{base}/received/{r}"]) for r in m.ranks):
+        if not all(self.store.check([keys.received(r)]) for r in m.ranks):
             return
         others = [r for r in range(self.table.world_size) if r not in m.ranks]
-        if not all(self.store.check([f"{base}/pause/{r}"]) for r in others):
+        if not all(self.store.check([keys.pause(r)]) for r in others):
             return
         reports = [
-            json.loads(self.store.get(f"{base}/report/{r}"))
+            json.loads(self.store.get(keys.report(r)))
             for r in m.ranks
-            if self.store.check([f"{base}/report/{r}"])
+            if self.store.check([keys.report(r)])
         ]
         if len(reports) < len(m.ranks):
             return
-        pauses = [float(self.store.get(f"{base}/pause/{r}")) for r in others]
+        pauses = [float(self.store.get(keys.pause(r))) for r in others]
         pause = max(pauses) if pauses else max(r["joined_s"] for r in reports)
-        if self.store.check([f"{base}/source_at"]) and all("joined_at" in r for r in reports):
+        if self.store.check([keys.source_at]) and all("joined_at" in r for r in reports):
             # The stall the job sees: from the source's last completed step (it stood at S)
             # to the new rank's first (it joined g+1); the other ranks' pauses run within it
             # unless one of them reached S later than the source.
-            source_at = float(self.store.get(f"{base}/source_at"))
+            source_at = float(self.store.get(keys.source_at))
             pause = max(pause, max(r["joined_at"] for r in reports) - source_at)
         for rank in m.ranks:
             target = self.table.slots[m.targets[rank]]
@@ -537,7 +538,7 @@ class Agent:
         P.put_json(self.store, P.roster_key(self.table.gen), self.table.roster)
         self.finish(
             m,
-            "completed",
+            P.Outcome.COMPLETED,
             group=self._group_record(m),
             step=reports[0]["step"],
             pause_s=pause,
@@ -550,7 +551,7 @@ class Agent:
         )
         self.table.inflight = None
         self.recovery.clear()
-        self.table.status = "running"
+        self.table.status = P.JobStatus.RUNNING
         if self.cfg.refill_spares and m.reason is not MigrationReason.UNPLANNED:
             for src in m.sources.values():
                 self._refill(src)
@@ -585,11 +586,11 @@ class Agent:
         ``abandoned`` (the move was aborted). None for an unplanned recovery."""
         if m.reason is MigrationReason.UNPLANNED:
             return None
-        base = f"m/{m.migration_id}/group"
+        keys = P.MigrationKeys(m.migration_id)
         ranks = {}
         for r in range(self.table.world_size):
-            if self.store.check([f"{base}/{r}"]):
-                ranks[r] = P.get_json(self.store, f"{base}/{r}")
+            if self.store.check([keys.group(r)]):
+                ranks[r] = P.get_json(self.store, keys.group(r))
         if not ranks:
             return None
         forms = [x["form_s"] for x in ranks.values() if x.get("form_s") is not None]
@@ -604,7 +605,7 @@ class Agent:
         }
 
     def finish(
-        self, m: Migration, outcome: str, group: dict[str, Any] | None = None, **fields: Any
+        self, m: Migration, outcome: P.Outcome, group: dict[str, Any] | None = None, **fields: Any
     ) -> None:
         rank = m.ranks[0]
         src = m.sources.get(rank)
@@ -613,7 +614,7 @@ class Agent:
             migration_id=m.migration_id,
             job_id=self.cfg.job_id,
             rank=rank,
-            outcome=outcome,  # type: ignore[arg-type]
+            outcome=outcome.value,  # type: ignore[arg-type]
             source=self.table.slots[src].placement(self.cfg.node, self.cfg.backend)
             if src is not None
             else None,
@@ -665,7 +666,9 @@ class Agent:
         for slot in self.table.slots:
             if slot.role == "spare" and slot.proc and slot.proc.poll() is None:
                 P.put_json(self.store, P.assign_key(slot.index), {"mode": "exit"})
-            elif self.table.status == "stopped" and slot.proc and slot.proc.poll() is None:
+            elif (
+                self.table.status is P.JobStatus.STOPPED and slot.proc and slot.proc.poll() is None
+            ):
                 slot.proc.send_signal(signal.SIGTERM)  # the ranks ignore SIGINT (nodes.spawn)
         deadline = time.monotonic() + 10
         for slot in self.table.slots:
@@ -678,7 +681,7 @@ class Agent:
         if self.monitor is not None:  # the other launchers leave with the job
             self.monitor.refresh(force=True)
             live = [n for n, st in self.monitor.nodes.items() if not st["lost"]]
-            say_goodbye(self.store, live, 0 if self.table.status == "completed" else 1)
+            say_goodbye(self.store, live, 0 if self.table.status is P.JobStatus.COMPLETED else 1)
         if self._endpoint is not None:
             self._endpoint.shutdown()
             self._endpoint.server_close()

@@ -195,11 +195,11 @@ class StopCheckpointer:
         checkpoint that cannot be written is said to the agent and logged.
         """
         rank = self.member.rank
-        base = P.checkpoint_key(plan["id"])
+        keys = P.CheckpointKeys(plan["id"])
         if rank is None or snapshot is None:
             return None
         try:
-            self.store.set(f"{base}/rs/{rank}", snapshot)
+            self.store.set(keys.rank_state(rank), snapshot)
         except (RuntimeError, OSError) as exc:
             log.error("rank %d could not hand its state to the checkpoint: %s", rank, exc)
             return None
@@ -211,7 +211,7 @@ class StopCheckpointer:
                 raise CheckpointError("the job registered rank-unique state (not built)")
             states: dict[int, bytes] = {}
             for r in plan["live"]:
-                key = f"{base}/rs/{r}"
+                key = keys.rank_state(r)
                 P.first_present(
                     self.store, [key], timeout_s=self.timeout_s, what=f"rank {r}'s state"
                 )
@@ -234,8 +234,8 @@ class StopCheckpointer:
             )
         except (MigrationError, OSError, RuntimeError) as exc:
             log.error("no checkpoint at step %d: %s", step, exc)
-            self.store.set(f"{base}/failed", str(exc)[:2000])
+            self.store.set(keys.failed, str(exc)[:2000])
             return None
-        P.put_json(self.store, f"{base}/done", {"path": str(path), "step": step})
+        P.put_json(self.store, keys.done, {"path": str(path), "step": step})
         log.warning("rank %d wrote the checkpoint of step %d to %s", rank, step, path)
         return str(path)

@@ -129,7 +129,7 @@ class CommandWatcher:
         forget it when the move was aborted or the generation changed (a recovery)."""
         mid = cmd["migration_id"]
         try:
-            if cmd["gen"] != gen or self.store.check([f"m/{mid}/aborted"]):
+            if cmd["gen"] != gen or self.store.check([P.MigrationKeys(mid).aborted]):
                 self._forming = None
                 self.ended.add(mid)
                 if self.on_abort is not None:
@@ -177,13 +177,15 @@ class CommandWatcher:
         Every rank computes S itself from the acknowledgements (they never change once
         written, so all compute the same value) and the agent writes it too; so a busy agent
         does not hold the ranks up. Returns S, or the key that appeared:
-        ``m/{id}/aborted``, ``m/{id}/failed`` or :func:`protocol.suspect_key`.
+        :attr:`MigrationKeys.aborted <protocol.MigrationKeys.aborted>`, ``.failed`` or
+        :func:`protocol.suspect_key`.
 
         Raises:
             HandoverTimeout: nothing within ``timeout_s``.
         """
         gen, mid = cmd["gen"], cmd["migration_id"]
-        keys = [f"m/{mid}/aborted", f"m/{mid}/failed", P.suspect_key(gen)]
+        m = P.MigrationKeys(mid)
+        keys = [m.aborted, m.failed, P.suspect_key(gen)]
         deadline = time.monotonic() + timeout_s
         poll = P.POLL_S
         while True:
@@ -200,7 +202,8 @@ class CommandWatcher:
 
 
 def ack_key(migration_id: str, rank: int) -> str:
-    return f"m/{migration_id}/ack/{rank}"
+    """See :meth:`protocol.MigrationKeys.ack`."""
+    return P.MigrationKeys(migration_id).ack(rank)
 
 
 def handover_step(store: Any, migration_id: str, ranks: range) -> int | None:

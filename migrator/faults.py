@@ -53,6 +53,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
+from migrator import protocol as P
+
 __all__ = ["Fault", "FaultPlan"]
 
 Point = Literal[
@@ -139,7 +141,7 @@ class FaultPlan:
         """Fire every fault due at this point, each at most once per job; then, if this
         process was made slow at this point, sleep."""
         for i, fault in self.due(where, rank, step):
-            if store.add(f"fault/{i}", 1) != 1:
+            if store.add(P.fault_key(i), 1) != 1:
                 continue
             if fault.kind in ("kill", "kill_node"):
                 # When it struck, for benchmarks that time a recovery (kill -> step done).

@@ -591,7 +591,7 @@ class Job:
         self._started = True
         self._install_fault_hooks()
         if self.registry.rank_unique:
-            self.store.set(f"slot{self.slot}/unique", "1")
+            self.store.set(P.unique_key(self.slot), "1")
         if self.rank is not None and self.mesh_layout is not None:
             publish_layout(self.store, self.mesh_layout)
         if self.rank is None:
@@ -616,9 +616,9 @@ class Job:
         rendezvous is bounded by ``timeout_s`` (the failure bound), which must not be spent
         waiting for a slow node to import torch.
         """
-        self.store.add("g0/arrived", 1)
+        self.store.add(P.ARRIVED_KEY, 1)
         deadline = time.monotonic() + self.join_timeout_s
-        while int(self.store.add("g0/arrived", 0)) < self.world_size:
+        while int(self.store.add(P.ARRIVED_KEY, 0)) < self.world_size:
             if time.monotonic() >= deadline:
                 raise P.HandoverTimeout(
                     f"waited {self.join_timeout_s:.0f} s for the {self.world_size} ranks to start"
@@ -648,7 +648,8 @@ class Job:
         if self.rank is not None and (timing := self.clock.take(self.slot)) is not None:
             self.store.set(timing_key(self.rank), timing)  # the last step's, once
         self.commands.close()
-        self.store.set(f"done/{self.rank}", str(self.slot))
+        if self.rank is not None:
+            self.store.set(P.done_key(self.rank), str(self.slot))
 
     def _boundary(self, k: int) -> None:
         assert self.rank is not None

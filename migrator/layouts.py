@@ -24,10 +24,9 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["LAYOUT_KEY", "MeshLayout", "publish_layout", "read_layout", "senders"]
+from migrator.protocol import LAYOUT_KEY
 
-LAYOUT_KEY = "job/layout"
-"""The store key of the job's :class:`MeshLayout` (JSON), written by every active rank."""
+__all__ = ["LAYOUT_KEY", "MeshLayout", "publish_layout", "read_layout", "senders"]
 
 
 @dataclass(frozen=True)

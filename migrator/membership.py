@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from migrator import protocol as P
 from migrator.commands import CommandWatcher
 from migrator.ddp import ElasticDDP
 from migrator.fsdp import ElasticFSDP
@@ -90,8 +91,8 @@ def _own_client(store: Any, timeout_s: float) -> Any:
 
 
 def formation_prefix(gen: int, migration_id: str) -> str:
-    """The store prefix of generation ``gen``'s group formed ahead for ``migration_id``."""
-    return f"g{gen}/m/{migration_id}/pg"
+    """See :func:`protocol.formation_prefix`."""
+    return P.formation_prefix(gen, migration_id)
 
 
 class Membership:
@@ -160,10 +161,10 @@ class Membership:
             self.preform(cmd["gen"] + 1, rank, cmd["migration_id"], before=lambda: ready(cmd))
         else:
             self.on_source(cmd)
-        return bool(self.store.check([f"slot{cmd['spare']}/ready"]))
+        return bool(self.store.check([P.ready_key(cmd["spare"])]))
 
     def _formed_keys(self, migration_id: str) -> list[str]:
-        return [f"m/{migration_id}/formed/{r}" for r in range(self.world_size)]
+        return [P.MigrationKeys(migration_id).formed(r) for r in range(self.world_size)]
 
     def _formed_by_all(self, cmd: dict[str, Any]) -> bool:
         """Every member of the move's g+1 (the spare at the source's rank) is done forming
@@ -224,7 +225,7 @@ class Membership:
                 formation.done.set()
                 ok = "1" if formation.group is not None else "0"
                 try:
-                    store.set(f"m/{migration_id}/formed/{rank}", ok)
+                    store.set(P.MigrationKeys(migration_id).formed(rank), ok)
                 except (RuntimeError, OSError) as exc:  # the store is gone
                     log.warning("could not say that generation %d was formed: %s", gen, exc)
 
@@ -304,7 +305,7 @@ class Membership:
         else:
             group = new_group(
                 self.store,
-                f"g{gen}/pg",
+                P.pg_prefix(gen),
                 rank=rank,
                 size=self.world_size,
                 backend=self.backend,
@@ -312,7 +313,9 @@ class Membership:
                 device=self.device,
             )
             into: list[dist.ProcessGroup] = []
-            mesh = [s.mesh_groups(group, self._sub_group(f"g{gen}/pg", into)) for s in self.fsdps]
+            mesh = [
+                s.mesh_groups(group, self._sub_group(P.pg_prefix(gen), into)) for s in self.fsdps
+            ]
             self.subgroups = into
         for i, wrapped in enumerate(self.ddps):
             wrapped.rebuild(group, plans[i] if plans else None, initial=initial)

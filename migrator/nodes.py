@@ -180,12 +180,12 @@ class NodeMonitor:
         for node, state in self.nodes.items():
             if state["lost"]:
                 continue
-            beat = int(self.store.add(f"node/{node}/beat", 0))
+            beat = int(self.store.add(P.node_key(node, "beat"), 0))
             if beat != state["beat"]:
                 state["beat"], state["seen"] = beat, now
             for key, field in (("exits", "exits"), ("pids", "pids")):
-                if self.store.check([f"node/{node}/{key}"]):
-                    got = P.get_json(self.store, f"node/{node}/{key}")
+                if self.store.check([P.node_key(node, key)]):
+                    got = P.get_json(self.store, P.node_key(node, key))
                     state[field] = {int(k): v for k, v in got.items()}
             if now - state["seen"] > self.node_timeout_s:
                 state["lost"] = True
@@ -225,7 +225,7 @@ class RemoteProc:
         return self.returncode
 
     def send_signal(self, sig: int) -> None:
-        self.monitor.store.set(f"kill/{self.slot}", str(int(sig)))
+        self.monitor.store.set(P.kill_key(self.slot), str(int(sig)))
 
     def wait(self, timeout: float | None = None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -277,7 +277,7 @@ class NodeAgent:
             timeout=timedelta(seconds=config.join_timeout_s),
         )
         if config.node_rank is None:
-            self.node_rank = int(self.store.add("nodes/next", 1))
+            self.node_rank = int(self.store.add(P.NODES_NEXT_KEY, 1))
         else:
             self.node_rank = config.node_rank
         if self.node_rank < 1:
@@ -288,9 +288,9 @@ class NodeAgent:
 
     def run(self) -> int:
         hello = {"name": self.cfg.node, "nproc": self.cfg.nproc, "spares": self.cfg.spares}
-        P.put_json(self.store, f"node/{self.node_rank}/hello", hello)
+        P.put_json(self.store, P.node_key(self.node_rank, "hello"), hello)
         config = P.wait_json(
-            self.store, "job/config", timeout_s=self.cfg.join_timeout_s, what="the coordinator"
+            self.store, P.JOB_CONFIG_KEY, timeout_s=self.cfg.join_timeout_s, what="the coordinator"
         )
         mine = [SlotSpec(**s) for s in config["slots"] if s["node_rank"] == self.node_rank]
         for spec in mine:
@@ -301,7 +301,7 @@ class NodeAgent:
                 self.cfg.command, env, log_dir=self.cfg.log_dir, index=spec.index
             )
         pids = {slot: proc.pid for slot, proc in self.procs.items()}
-        P.put_json(self.store, f"node/{self.node_rank}/pids", pids)
+        P.put_json(self.store, P.node_key(self.node_rank, "pids"), pids)
         try:
             code = self._watch()
         except (RuntimeError, OSError) as exc:  # the store (the coordinator's node) is gone
@@ -320,25 +320,25 @@ class NodeAgent:
         beating, until the job ends (bounded; a second interrupt stops at once), so that
         they write their part of the stop checkpoint."""
         try:
-            self.store.set("job/stop", str(self.node_rank))
+            self.store.set(P.JOB_STOP_KEY, str(self.node_rank))
             self._watch(deadline=time.monotonic() + 4 * timeout_s + 60)
         except (RuntimeError, OSError, KeyboardInterrupt):
             pass
 
     def _watch(self, deadline: float | None = None) -> int:
         while deadline is None or time.monotonic() < deadline:
-            self.store.add(f"node/{self.node_rank}/beat", 1)
+            self.store.add(P.node_key(self.node_rank, "beat"), 1)
             changed = False
             for slot, proc in self.procs.items():
                 if slot not in self.exits and proc.poll() is not None:
                     self.exits[slot] = int(proc.returncode)
                     changed = True
-                elif slot not in self.exits and self.store.check([f"kill/{slot}"]):
-                    proc.send_signal(int(self.store.get(f"kill/{slot}")))
+                elif slot not in self.exits and self.store.check([P.kill_key(slot)]):
+                    proc.send_signal(int(self.store.get(P.kill_key(slot))))
             if changed:
-                P.put_json(self.store, f"node/{self.node_rank}/exits", self.exits)
-            if self.store.check(["job/end"]):
-                return int(self.store.get("job/end"))
+                P.put_json(self.store, P.node_key(self.node_rank, "exits"), self.exits)
+            if self.store.check([P.JOB_END_KEY]):
+                return int(self.store.get(P.JOB_END_KEY))
             time.sleep(BEAT_S)
         return 130
 
@@ -356,15 +356,15 @@ class NodeAgent:
                 proc.wait(timeout=30)
             self.exits.setdefault(slot, int(proc.returncode))
         try:
-            P.put_json(self.store, f"node/{self.node_rank}/exits", self.exits)
-            self.store.set(f"node/{self.node_rank}/bye", "1")
+            P.put_json(self.store, P.node_key(self.node_rank, "exits"), self.exits)
+            self.store.set(P.node_key(self.node_rank, "bye"), "1")
         except (RuntimeError, OSError):
             pass
 
 
 def wait_for_nodes(store: Any, nnodes: int, *, timeout_s: float) -> list[dict[str, Any]]:
     """The coordinator waits until every other node's launcher said hello (bounded)."""
-    keys = [f"node/{n}/hello" for n in range(1, nnodes)]
+    keys = [P.node_key(n, "hello") for n in range(1, nnodes)]
     deadline = time.monotonic() + timeout_s
     hellos = []
     for key in keys:
@@ -375,10 +375,10 @@ def wait_for_nodes(store: Any, nnodes: int, *, timeout_s: float) -> list[dict[st
 
 def say_goodbye(store: Any, nodes: list[int], code: int, *, timeout_s: float = 15.0) -> None:
     """The coordinator ends the job on ``nodes`` and waits (bounded) for them to leave."""
-    store.set("job/end", str(code))
+    store.set(P.JOB_END_KEY, str(code))
     deadline = time.monotonic() + timeout_s
     for n in nodes:
-        while not store.check([f"node/{n}/bye"]) and time.monotonic() < deadline:
+        while not store.check([P.node_key(n, "bye")]) and time.monotonic() < deadline:
             time.sleep(0.05)
 
 

@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from migrator import protocol as P
 from migrator.channels import Channels
 from migrator.groups import Graveyard, pair_group
 from migrator.peerplan import EVERY_KEY, buddy_of, held_key, rewind_plan, since_key
@@ -188,7 +189,10 @@ class PeerCopies:
         for old in sorted(self.own)[:-2]:
             del self.own[old]
         ward = (rank - 1) % self.world
-        prefixes = {True: f"pc/g{gen}/{rank}/{step}", False: f"pc/g{gen}/{ward}/{step}"}
+        prefixes = {
+            True: P.peer_copy_prefix(gen, rank, step),
+            False: P.peer_copy_prefix(gen, ward, step),
+        }
         groups = {}
         try:
             for sender in (True, False) if rank % 2 == 0 else (False, True):

@@ -9,26 +9,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["EVERY_KEY", "buddy_of", "held_key", "rewind_plan", "since_key"]
+from migrator.protocol import EVERY_KEY, held_key, since_key
 
-EVERY_KEY = "pc/every"
-"""The store key of the k rank 0 derived."""
+__all__ = ["EVERY_KEY", "buddy_of", "held_key", "rewind_plan", "since_key"]
 
 
 def buddy_of(rank: int, world: int) -> int:
     """The rank whose process holds ``rank``'s copies."""
     return (rank + 1) % world
-
-
-def held_key(rank: int) -> str:
-    """The store key (written by the buddy) of the step of rank ``rank``'s last whole copy."""
-    return f"pc/held/{rank}"
-
-
-def since_key(rank: int) -> str:
-    """The store key of the first step whose copy rank ``rank``'s current process holds (a
-    spare that took the rank at step S holds no copy of an earlier step)."""
-    return f"pc/since/{rank}"
 
 
 def rewind_plan(

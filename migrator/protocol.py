@@ -39,6 +39,11 @@ Key map (``g`` is a process-group generation, ``r`` a rank, ``s`` a process slot
     x/{id}/...               point-to-point transfer groups of migration ``id``
     fault/{i}                fault-injection bookkeeping (each fault fires once per job)
     done/{r}                 rank r finished its last step
+
+Every key is built here (:class:`MigrationKeys`, :class:`CheckpointKeys` and the ``*_key``
+functions), and the values the agent and the ranks compare (a migration's outcome, the
+job's status, the agent's recovery decision) are the enums below, whose values are the
+strings on the wire.
 """
 
 from __future__ import annotations
@@ -46,30 +51,53 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 from forewarn.errors import MigrationError
 
 __all__ = [
+    "ARRIVED_KEY",
+    "EVERY_KEY",
+    "JOB_CONFIG_KEY",
+    "JOB_END_KEY",
+    "JOB_STOP_KEY",
+    "LAYOUT_KEY",
     "MANIFEST_KEY",
+    "NODES_NEXT_KEY",
+    "CheckpointKeys",
+    "Decision",
     "HandoverTimeout",
+    "JobStatus",
+    "MigrationKeys",
+    "Outcome",
     "alive_count_key",
     "alive_key",
     "assign_key",
-    "attempt_key",
-    "checkpoint_key",
     "cmd_key",
+    "done_key",
     "error_key",
+    "fault_key",
     "first_present",
+    "formation_prefix",
     "get_json",
+    "held_key",
+    "kill_key",
     "mirror_ahead_key",
     "mirror_key",
+    "node_key",
+    "peer_copy_prefix",
+    "pg_prefix",
     "put_json",
+    "ready_key",
     "recovery_key",
-    "replica_prefix",
     "roster_key",
+    "since_key",
     "stop_key",
     "suspect_key",
+    "timing_key",
+    "unique_key",
     "wait_json",
 ]
 
@@ -81,6 +109,208 @@ class HandoverTimeout(MigrationError):
 
     code = "handover_timeout"
     retryable = True
+
+
+class Outcome(StrEnum):
+    """How a migration ended (``MigrationReport.outcome``)."""
+
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+class JobStatus(StrEnum):
+    """Where the job stands (``JobTable.status``, and ``GET /v1/job``'s ``status``)."""
+
+    STARTING = "starting"
+    RUNNING = "running"
+    PAUSED = "paused"
+    STOPPING = "stopping"
+    FAILED = "failed"
+    COMPLETED = "completed"
+    STOPPED = "stopped"
+
+
+class Decision(StrEnum):
+    """The agent's decision after a suspected failure (``status`` of ``g{g}/recovery``)."""
+
+    NONE = "none"
+    """no rank was lost: the survivors go on in generation g"""
+    PAUSED = "paused"
+    """no spare yet: the survivors wait for a later decision"""
+    PLAN = "plan"
+    """spares take the lost ranks in generation g+1"""
+    FAILED = "failed"
+    """the job cannot go on"""
+
+
+@dataclass(frozen=True)
+class MigrationKeys:
+    """The keys of migration ``migration_id``: its progress (``m/{id}/...``) and its
+    transfer groups (``x/{id}/...``)."""
+
+    migration_id: str
+
+    @property
+    def base(self) -> str:
+        return f"m/{self.migration_id}"
+
+    @property
+    def aborted(self) -> str:
+        """Set (to why) by the agent when it aborts a planned move; the source trains on."""
+        return f"{self.base}/aborted"
+
+    @property
+    def failed(self) -> str:
+        """The move failed (JSON: code, message), written by the new rank."""
+        return f"{self.base}/failed"
+
+    @property
+    def source_at(self) -> str:
+        """When the source stood at S (wall clock), for the stall the job sees."""
+        return f"{self.base}/source_at"
+
+    @property
+    def peer_prefix(self) -> str:
+        """The transfer group of the source sending its state to the spare."""
+        return f"x/{self.migration_id}/peer"
+
+    def ack(self, rank: int) -> str:
+        """The last boundary rank ``rank`` passed when it read the command."""
+        return f"{self.base}/ack/{rank}"
+
+    def received(self, rank: int) -> str:
+        return f"{self.base}/received/{rank}"
+
+    def fallback(self, rank: int) -> str:
+        """The spare gave up on the source of rank ``rank`` (it takes a replica's state)."""
+        return f"{self.base}/fallback/{rank}"
+
+    def pause(self, rank: int) -> str:
+        return f"{self.base}/pause/{rank}"
+
+    def report(self, rank: int) -> str:
+        return f"{self.base}/report/{rank}"
+
+    def group(self, rank: int) -> str:
+        """Rank ``rank``'s record of how generation g+1 was formed ahead."""
+        return f"{self.base}/group/{rank}"
+
+    def formed(self, rank: int) -> str:
+        return f"{self.base}/formed/{rank}"
+
+    def attempts(self, rank: int) -> str:
+        """Counter of the spares tried for rank ``rank``."""
+        return f"{self.base}/attempts/{rank}"
+
+    def attempt(self, rank: int, attempt: int) -> str:
+        return f"{self.base}/attempt/{rank}/{attempt}"
+
+    def replica_prefix(self, rank: int, attempt: int = 0) -> str:
+        """The transfer group of a replica sending rank ``rank``'s state (``attempt``: the
+        how-many-th spare tried; a spare that dies mid-receive is replaced by another)."""
+        return f"x/{self.migration_id}/replica/{rank}" + (f"/{attempt}" if attempt else "")
+
+
+@dataclass(frozen=True)
+class CheckpointKeys:
+    """The keys of stop checkpoint ``checkpoint_id`` (see :mod:`migrator.checkpoint`)."""
+
+    checkpoint_id: str
+
+    @property
+    def base(self) -> str:
+        return f"ckpt/{self.checkpoint_id}"
+
+    def rank_state(self, rank: int) -> str:
+        return f"{self.base}/rs/{rank}"
+
+    @property
+    def done(self) -> str:
+        """The checkpoint's path and step (JSON), once written."""
+        return f"{self.base}/done"
+
+    @property
+    def failed(self) -> str:
+        """Why no checkpoint was written."""
+        return f"{self.base}/failed"
+
+
+ARRIVED_KEY = "g0/arrived"
+"""Counter of the ranks that reached their first step."""
+JOB_STOP_KEY = "job/stop"
+"""A node's launcher was stopped: the job stops (the node's rank)."""
+JOB_END_KEY = "job/end"
+"""The job's exit code, for the nodes' launchers."""
+NODES_NEXT_KEY = "nodes/next"
+"""Counter handing out node ranks."""
+LAYOUT_KEY = "job/layout"
+"""The job's :class:`~migrator.layouts.MeshLayout` (JSON), written by every active rank."""
+EVERY_KEY = "pc/every"
+"""The peer copies' k rank 0 derived."""
+JOB_CONFIG_KEY = "job/config"
+"""The coordinator's slot configuration, for the nodes' launchers (JSON)."""
+
+
+def peer_copy_prefix(gen: int, rank: int, step: int) -> str:
+    """The pair group carrying rank ``rank``'s copy of step ``step`` to its buddy."""
+    return f"pc/g{gen}/{rank}/{step}"
+
+
+def pg_prefix(gen: int) -> str:
+    """The prefix of generation ``gen``'s gloo/NCCL rendezvous."""
+    return f"g{gen}/pg"
+
+
+def formation_prefix(gen: int, migration_id: str) -> str:
+    """The prefix of generation ``gen``'s group formed ahead for ``migration_id``."""
+    return f"g{gen}/m/{migration_id}/pg"
+
+
+def ready_key(slot: int) -> str:
+    """The process of slot ``slot`` (a spare) is ready to receive."""
+    return f"slot{slot}/ready"
+
+
+def unique_key(slot: int) -> str:
+    """The process of slot ``slot`` registered rank-unique state."""
+    return f"slot{slot}/unique"
+
+
+def done_key(rank: int) -> str:
+    """Rank ``rank`` finished its last step."""
+    return f"done/{rank}"
+
+
+def fault_key(index: int) -> str:
+    """Counter of fault ``index``'s firings (it fires once per job)."""
+    return f"fault/{index}"
+
+
+def node_key(node: int, what: str) -> str:
+    """Node ``node``'s ``beat`` (counter), ``exits``, ``pids`` (JSON) or ``bye``."""
+    return f"node/{node}/{what}"
+
+
+def kill_key(slot: int) -> str:
+    """The signal the node hosting slot ``slot`` is to send its process."""
+    return f"kill/{slot}"
+
+
+def held_key(rank: int) -> str:
+    """The step of rank ``rank``'s last whole peer copy (written by the buddy)."""
+    return f"pc/held/{rank}"
+
+
+def since_key(rank: int) -> str:
+    """The first step whose copy rank ``rank``'s current process holds (a spare that took
+    the rank at step S holds no copy of an earlier step)."""
+    return f"pc/since/{rank}"
+
+
+def timing_key(rank: int) -> str:
+    """Rank ``rank``'s recent step timings (:func:`migrator.timing.encode`)."""
+    return f"t/{rank}"
 
 
 def roster_key(gen: int) -> str:
@@ -102,21 +332,6 @@ def suspect_key(gen: int) -> str:
 
 def error_key(slot: int) -> str:
     return f"err/{slot}"
-
-
-def replica_prefix(migration_id: str, rank: int, attempt: int = 0) -> str:
-    """The transfer group of a replica sending rank ``rank``'s state (``attempt``: the
-    how-many-th spare tried; a spare that dies mid-receive is replaced by another)."""
-    return f"x/{migration_id}/replica/{rank}" + (f"/{attempt}" if attempt else "")
-
-
-def attempt_key(migration_id: str, rank: int, attempt: int) -> str:
-    return f"m/{migration_id}/attempt/{rank}/{attempt}"
-
-
-def checkpoint_key(checkpoint_id: str) -> str:
-    """Prefix of the keys of one stop checkpoint (see :mod:`migrator.checkpoint`)."""
-    return f"ckpt/{checkpoint_id}"
 
 
 def alive_key(gen: int, rank: int) -> str:

@@ -68,7 +68,7 @@ class Supervisor(Protocol):
         """SIGKILL the slot's process and wait for it."""
         ...
 
-    def finish(self, m: Migration, outcome: str, **fields: Any) -> None:
+    def finish(self, m: Migration, outcome: P.Outcome, **fields: Any) -> None:
         """Report the end of migration ``m`` (its MigrationReport)."""
         ...
 
@@ -114,7 +114,7 @@ class Recovery:
         spares = self.table.live_spares()
         # A warm spare (model and optimizer allocated, waiting) first: one still starting
         # would make the ranks wait for it at the handover step.
-        spares.sort(key=lambda s: not self.store.check([f"slot{s.index}/ready"]))
+        spares.sort(key=lambda s: not self.store.check([P.ready_key(s.index)]))
         return spares[0] if spares else None
 
     def replica_for(self, lost: set[int]) -> int | None:
@@ -140,7 +140,7 @@ class Recovery:
                 self.why_not = why
             return list(dead) if why else []
         if layout is None or layout.kind == "replicated":
-            unique = any(self.store.check([f"slot{roster[r]}/unique"]) for r in roster)
+            unique = any(self.store.check([P.unique_key(roster[r])]) for r in roster)
             return list(dead) if unique else []
         healthy = [r for r in range(self.table.world_size) if r not in dead]
         return [r for r in dead if r not in senders(layout, dead, healthy)]
@@ -180,7 +180,7 @@ class Recovery:
             )
         rec = self.current
         if rec["decided"]:
-            if self.table.status == "paused":
+            if self.table.status is P.JobStatus.PAUSED:
                 self._retry_paused(now)
             return
         alive: dict[int, dict[str, Any]] = {}
@@ -245,7 +245,7 @@ class Recovery:
             return
         if not dead:
             self.store.delete_key(P.suspect_key(g))
-            P.put_json(self.store, P.recovery_key(g), {"status": "none"})
+            P.put_json(self.store, P.recovery_key(g), {"status": P.Decision.NONE})
             self.current = None
             return
         self.why_not = ""
@@ -292,11 +292,11 @@ class Recovery:
                 for e in self.script_errors
                 if e["rank"] in dead
             )
-            if self.table.status != "paused":
+            if self.table.status is not P.JobStatus.PAUSED:
                 print(f"forewarn launch: {msg}", file=sys.stderr, flush=True)
                 self.pause_deadline = now + self.cfg.pause_timeout_s
-            self.table.status, self.table.message = "paused", msg
-            P.put_json(self.store, P.recovery_key(g), {"status": "paused", "message": msg})
+            self.table.status, self.table.message = P.JobStatus.PAUSED, msg
+            P.put_json(self.store, P.recovery_key(g), {"status": P.Decision.PAUSED, "message": msg})
             return
         mid = planned.migration_id if planned is not None else uuid.uuid4().hex[:12]
         replica = self.replica_for(set(dead))
@@ -320,7 +320,7 @@ class Recovery:
             self.store,
             P.recovery_key(g),
             {
-                "status": "plan",
+                "status": P.Decision.PLAN,
                 "gen": g + 1,
                 "replacements": dead,
                 "replica": replica,
@@ -350,7 +350,7 @@ class Recovery:
         """The spare of an unplanned recovery died: give its rank to another idle spare.
 
         The replica sends again to the new one (a new attempt under
-        :func:`protocol.attempt_key`); with no spare left the job fails.
+        :meth:`protocol.MigrationKeys.attempt`); with no spare left the job fails.
         """
         rank = next(r for r, index in m.targets.items() if index == dead_spare.index)
         spare = self.free_spare()
@@ -361,13 +361,13 @@ class Recovery:
             )
             return
         mid = m.migration_id
-        attempt = int(self.store.add(f"m/{mid}/attempts/{rank}", 1))
+        attempt = int(self.store.add(P.MigrationKeys(mid).attempts(rank), 1))
         spare.role, spare.rank = "assigned", rank
         m.targets[rank] = spare.index
         assignment = {"mode": "replica", "gen": m.gen + 1, "rank": rank, "migration_id": mid}
         assignment["attempt"] = attempt
         P.put_json(self.store, P.assign_key(spare.index), assignment)
-        self.store.set(P.attempt_key(mid, rank, attempt), str(spare.index))
+        self.store.set(P.MigrationKeys(mid).attempt(rank, attempt), str(spare.index))
         log.warning(
             "recovery %s: the spare in slot %d died; rank %d -> slot %d (attempt %d)",
             mid,
@@ -433,8 +433,8 @@ class Recovery:
         assert self.current is not None
         if self.free_spare() is not None:
             self._place_spares(now)
-            if self.table.status != "paused":
-                self.table.status = "running"
+            if self.table.status is not P.JobStatus.PAUSED:
+                self.table.status = P.JobStatus.RUNNING
             return
         if self.pause_deadline is not None and now >= self.pause_deadline:
             self.fail(
@@ -462,7 +462,7 @@ class Recovery:
         if len(steps) != 1 or any(a["stepped"] for a in alive.values()):
             return None, "the survivors do not stand at one boundary with their optimizer unstepped"
         roster = self.table.roster
-        if any(self.store.check([f"slot{roster[r]}/unique"]) for r in roster):
+        if any(self.store.check([P.unique_key(roster[r])]) for r in roster):
             return None, "the job registered rank-unique state, which no replica holds"
         plan = {
             "id": f"g{rec['gen']}",
@@ -486,9 +486,13 @@ class Recovery:
         # One line in the log; the whole message (a traceback, say) is the job's final
         # status, which its launcher prints once when it exits.
         log.error("job %s failed: %s", self.cfg.job_id, (message.splitlines() or [""])[0])
-        self.table.status, self.table.message = "failed", message
+        self.table.status, self.table.message = P.JobStatus.FAILED, message
         if self.current is not None:
-            decision: dict[str, Any] = {"status": "failed", "code": code, "message": message}
+            decision: dict[str, Any] = {
+                "status": P.Decision.FAILED,
+                "code": code,
+                "message": message,
+            }
             if checkpoint:
                 plan, why = self._checkpoint_plan(code)
                 if plan is not None:
@@ -500,8 +504,8 @@ class Recovery:
         if self.table.inflight is not None:
             P.put_json(
                 self.store,
-                f"m/{self.table.inflight.migration_id}/failed",
+                P.MigrationKeys(self.table.inflight.migration_id).failed,
                 {"code": code, "message": message},
             )
-            self.supervisor.finish(self.table.inflight, "failed", error=message)
+            self.supervisor.finish(self.table.inflight, P.Outcome.FAILED, error=message)
             self.table.inflight = None

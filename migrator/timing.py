@@ -29,6 +29,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from forewarn.wire import RankTimings
+from migrator.protocol import timing_key
 
 __all__ = ["DEFAULT_WINDOW", "StepClock", "decode", "encode", "summarize", "timing_key"]
 
@@ -40,11 +41,6 @@ Row = tuple[float, float, float, float]
 
 _HEAD = struct.Struct("=2d")  # slot, total steps (-1: unknown)
 _ROW = struct.Struct("=4d")
-
-
-def timing_key(rank: int) -> str:
-    """Store key of rank ``rank``'s recent step timings (:func:`encode`)."""
-    return f"t/{rank}"
 
 
 class StepClock:
