@@ -1,7 +1,7 @@
-"""The control protocol between the job agent and its ranks: store keys and bounded waits.
+"""The control protocol between the job agent and its ranks: key names and bounded waits.
 
-Everything the agent and the processes of a job say to each other goes through the
-rendezvous store the agent hosts (a ``torch.distributed.TCPStore``), so that no message lives
+Everything the agent and the processes of a job say to each other goes through the job's
+key-value store: a c10d TCPStore the agent hosts, so that no message lives
 in a process that may die. This module names every key in one place and gives the one
 primitive every participant uses to wait: a poll with a deadline. Nothing here blocks without
 a timeout.
@@ -361,16 +361,16 @@ def mirror_ahead_key(rank: int) -> str:
     return f"rs/{rank}/ahead"
 
 
-def put_json(store: Any, key: str, value: Any) -> None:
-    store.set(key, json.dumps(value, separators=(",", ":")))
+def put_json(kv: Any, key: str, value: Any) -> None:
+    kv.set(key, json.dumps(value, separators=(",", ":")))
 
 
-def get_json(store: Any, key: str) -> Any:
-    return json.loads(store.get(key))
+def get_json(kv: Any, key: str) -> Any:
+    return json.loads(kv.get(key))
 
 
 def first_present(
-    store: Any,
+    kv: Any,
     keys: Sequence[str],
     *,
     timeout_s: float,
@@ -380,7 +380,7 @@ def first_present(
     """Wait until one of ``keys`` exists and return it (the first in ``keys`` order).
 
     Args:
-        keys: store keys to watch.
+        keys: keys to watch.
         timeout_s: seconds to wait at most.
         what: what is awaited, for the error message.
         abort: called between polls; a non-None return ends the wait with that reason.
@@ -392,7 +392,7 @@ def first_present(
     poll = POLL_S
     while True:
         for key in keys:
-            if store.check([key]):
+            if kv.check([key]):
                 return key
         if abort is not None and (reason := abort()) is not None:
             raise HandoverTimeout(f"gave up waiting for {what}: {reason}")
@@ -404,7 +404,7 @@ def first_present(
         poll = min(poll * 1.5, 0.05)
 
 
-def wait_json(store: Any, key: str, *, timeout_s: float, what: str) -> Any:
+def wait_json(kv: Any, key: str, *, timeout_s: float, what: str) -> Any:
     """Wait for ``key`` (bounded, see :func:`first_present`) and decode its JSON value."""
-    first_present(store, [key], timeout_s=timeout_s, what=what)
-    return get_json(store, key)
+    first_present(kv, [key], timeout_s=timeout_s, what=what)
+    return get_json(kv, key)

@@ -44,7 +44,7 @@ class Stopper:
     """Stops a job at a step boundary with its checkpoint; see the module docstring.
 
     Args:
-        store: the job's store.
+        kv: the job's key-value store.
         table: the job's slots, roster and status (shared with the agent).
         recovery: the agent's recovery (a paused job is failed through it).
         settings: the job id, ``timeout_s`` and the checkpoint directory.
@@ -53,13 +53,13 @@ class Stopper:
 
     def __init__(
         self,
-        store: Any,
+        kv: Any,
         table: JobTable,
         recovery: Recovery,
         settings: StopSettings,
         lock: threading.RLock,
     ) -> None:
-        self.store = store
+        self.kv = kv
         self.table = table
         self.recovery = recovery
         self.settings = settings
@@ -92,7 +92,7 @@ class Stopper:
                 command = {"migration_id": mid, "kind": "stop", "rank": -1, "replica": None}
                 command["checkpoint"] = plan
                 table.status = P.JobStatus.STOPPING  # no new command replaces this one
-                P.put_json(self.store, P.cmd_key(table.gen), command)
+                P.put_json(self.kv, P.cmd_key(table.gen), command)
         if plan is None:
             return "; no checkpoint: the survivors' state is not consistent"
         print(
@@ -111,16 +111,16 @@ class Stopper:
         deadline = time.monotonic() + 4 * self.settings.timeout_s + 30
         gone = False
         while True:
-            if self.store.check([keys.done]):
-                done = P.get_json(self.store, keys.done)
+            if self.kv.check([keys.done]):
+                done = P.get_json(self.kv, keys.done)
                 said = (
                     f"; a consistent checkpoint of step {done['step']} in "
                     f"{self.settings.checkpoint_dir} ({Path(done['path']).name}): restart with "
                     f"forewarn launch --resume {self.settings.checkpoint_dir}"
                 )
                 break
-            if self.store.check([keys.failed]):
-                said = f"; no checkpoint: {self.store.get(keys.failed).decode()}"
+            if self.kv.check([keys.failed]):
+                said = f"; no checkpoint: {self.kv.get(keys.failed).decode()}"
                 break
             if gone:  # looked once more after the last rank had exited
                 said = "; no checkpoint: the ranks exited without writing it"

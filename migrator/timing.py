@@ -12,7 +12,7 @@ wrapper measures around the step's first collective:
 The slow rank has the largest ``compute_s`` and the smallest ``wait_s``; its peers wait for it.
 
 Rank side, a :class:`StepClock` keeps this rank's last ``window`` rows; the job writes them at
-each step boundary in the same store round trip as its state mirror (``t/{r}``,
+each step boundary in the same key-value store round trip as its state mirror (``t/{r}``,
 :func:`encode`). Agent side, :func:`summarize` reads those blobs into one
 :class:`forewarn.wire.RankTimings` of medians, rank by rank. A blob written by a slot that no
 longer holds the rank (the source of a migration) is ignored: the new rank starts fresh.
@@ -107,7 +107,7 @@ class StepClock:
         return [_ROW.unpack(r) for r in self._rows]
 
     def take(self, slot: int) -> bytes | None:
-        """This rank's rows, encoded for the store, if any came since the last take."""
+        """This rank's rows, encoded for the key-value store, if any came since the last take."""
         if not self.fresh:
             return None
         self.fresh = False
