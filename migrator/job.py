@@ -205,6 +205,12 @@ def spare_may_help(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and not isinstance(exc, deterministic)
 
 
+def kv_address(env: Mapping[str, str]) -> str:
+    """The key-value store's ``host:port`` a process of the job was given: ``FOREWARN_KV``,
+    or ``FOREWARN_STORE`` (its former name) when that is unset."""
+    return env["FOREWARN_KV"] if "FOREWARN_KV" in env else env["FOREWARN_STORE"]
+
+
 class Job:
     """One process of a migratable job (an active rank or a warm spare).
 
@@ -348,9 +354,7 @@ class Job:
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Job:
         """Build the job from the variables ``forewarn launch`` sets (``FOREWARN_*``)."""
         env = os.environ if environ is None else environ
-        # FOREWARN_STORE is the variable's former name, still read when FOREWARN_KV is unset.
-        address = env["FOREWARN_KV"] if "FOREWARN_KV" in env else env["FOREWARN_STORE"]
-        host, port = address.rsplit(":", 1)
+        host, port = kv_address(env).rsplit(":", 1)
         timeout_s = float(env.get("FOREWARN_TIMEOUT_S", "30"))
         kv = dist.TCPStore(
             host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s + 30)
