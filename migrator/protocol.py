@@ -1,10 +1,9 @@
 """The control protocol between the job agent and its ranks: key names and bounded waits.
 
 Everything the agent and the processes of a job say to each other goes through the job's
-key-value store: a c10d TCPStore the agent hosts, so that no message lives
-in a process that may die. This module names every key in one place and gives the one
-primitive every participant uses to wait: a poll with a deadline. Nothing here blocks without
-a timeout.
+key-value store: a c10d TCPStore the agent hosts, so that no message lives in a process
+that may die. This module names every key in one place and gives the one primitive every
+participant uses to wait: a poll with a deadline. Nothing here blocks without a timeout.
 
 Key map (``g`` is a process-group generation, ``r`` a rank, ``s`` a process slot)::
 
@@ -20,6 +19,7 @@ Key map (``g`` is a process-group generation, ``r`` a rank, ``s`` a process slot
     g{g}/recovery            the agent's decision after a failure
     slot{s}/assign           what a spare is to become (agent)
     slot{s}/unique           the process registered rank-unique state
+    slot{s}/ready            the spare of slot ``s`` is up and waits for an assignment
     err/{s}                  the exception the script of slot ``s`` raised (JSON: rank, step,
                              type, message, traceback), written before the process exits
     rs/{r}                   mirror of rank r's own state (RNG, data position) at its last
@@ -39,6 +39,13 @@ Key map (``g`` is a process-group generation, ``r`` a rank, ``s`` a process slot
     x/{id}/...               point-to-point transfer groups of migration ``id``
     fault/{i}                fault-injection bookkeeping (each fault fires once per job)
     done/{r}                 rank r finished its last step
+    g0/arrived               how many ranks reached their first step (counter)
+    g{g}/m/{id}/pg/...       generation g formed ahead for migration ``id`` (PrefixStore)
+    pc/...                   peer copies: k (pc/every), held and since steps, pair groups
+    job/config, job/layout   the slots' configuration (agent), the job's mesh layout (ranks)
+    job/stop, job/end        a node's launcher was stopped; the job's exit code (agent)
+    nodes/next, node/{n}/... node ranks handed out; node n's hello, beat, pids, exits, bye
+    kill/{s}                 the signal the node hosting slot ``s`` is to send it
 
 Every key is built here (:class:`MigrationKeys`, :class:`CheckpointKeys` and the ``*_key``
 functions), and the values the agent and the ranks compare (a migration's outcome, the
