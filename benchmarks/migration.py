@@ -245,7 +245,7 @@ def overhead(
         torch.nn.Linear(1024, 1024), torch.nn.Tanh(), torch.nn.Linear(1024, 1024)
     )
     opt = torch.optim.Adam(model.parameters())
-    job = Job(store=store, slot=0, world_size=1, initial_rank=0, timeout_s=30)
+    job = Job(kv=store, slot=0, world_size=1, initial_rank=0, timeout_s=30)
     twin = copy.deepcopy(model)
     twin_opt = torch.optim.Adam(twin.parameters())
     job.register(model=model, optimizer=opt)

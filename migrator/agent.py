@@ -1,8 +1,9 @@
-"""The job agent: starts the ranks and the warm spares, hosts the store, moves ranks.
+"""The job agent: starts the ranks and the warm spares, hosts the key-value store, moves ranks.
 
 One :class:`Agent` per job, on one host (``docs/migration.md`` on several nodes). It
 
-- hosts the rendezvous ``TCPStore`` in its own process, so the store never dies with a rank;
+- hosts the job's key-value store (a c10d ``TCPStore``) in its own process, so it never dies
+  with a rank;
 - starts ``nproc`` active processes and ``spares`` warm spares of the same command, each
   with ``FOREWARN_*`` variables saying its slot and role;
 - accepts migration commands (:meth:`Agent.submit`, reached through the local HTTP endpoint
@@ -83,7 +84,7 @@ class AgentConfig:
     """Start a new spare on the slot a planned or preventive migration freed (drills, or a
     cluster that swaps or checks the GPU before it is reused)."""
     host: str = "127.0.0.1"
-    store_port: int = 0
+    kv_port: int = 0
     http_port: int | None = 0
     """Port of the local command endpoint; 0 picks one, None serves none."""
     service_url: str | None = None
@@ -96,7 +97,7 @@ class AgentConfig:
     node: str = field(default_factory=lambda: socket.gethostname().split(".")[0] or "localhost")
     nnodes: int = 1
     """Launchers of the job, this one (node rank 0, the coordinator) included: it waits for
-    the others (``join_timeout_s``) and hosts the store on ``host:store_port`` for them."""
+    the others (``join_timeout_s``) and hosts the key-value store on ``host:kv_port`` for them."""
     join_timeout_s: float = 300.0
     node_timeout_s: float | None = None
     """A node whose launcher is silent this long is lost with its processes (None: the
@@ -114,9 +115,10 @@ class Agent:
     """Run a job; see the module docstring. Use :meth:`run` (blocks until the job ends).
 
     Built from collaborators: the job's :class:`~migrator.table.JobTable` (slots, roster,
-    status), a :class:`~migrator.recovery.Recovery` for unplanned failures (it gets the store,
-    the table, the config and this agent as its :class:`~migrator.recovery.Supervisor`), a
-    :class:`~migrator.stopping.Stopper` for the stop checkpoint, and the service ``link``.
+    status), a :class:`~migrator.recovery.Recovery` for unplanned failures (it gets the
+    key-value store, the table, the config and this agent as its
+    :class:`~migrator.recovery.Supervisor`), a :class:`~migrator.stopping.Stopper` for the stop
+    checkpoint, and the service ``link``.
     """
 
     def __init__(self, config: AgentConfig, link: Any = None) -> None:
@@ -126,18 +128,18 @@ class Agent:
         self.cfg = config
         self.link = link
         self._transferring: set[str] = set()
-        self.store = dist.TCPStore(
+        self.kv = dist.TCPStore(
             config.host,
-            config.store_port,
+            config.kv_port,
             is_master=True,
             wait_for_workers=False,
             timeout=timedelta(seconds=config.timeout_s + 30),
         )
-        self.store_address = f"{config.host}:{self.store.port}"
+        self.kv_address = f"{config.host}:{self.kv.port}"
         self.lock = threading.RLock()
         self.table = JobTable(world_size=config.nproc)  # all nodes' ranks, once they joined
-        self.recovery = Recovery(self.store, self.table, config, self)
-        self.stopper = Stopper(self.store, self.table, self.recovery, config, self.lock)
+        self.recovery = Recovery(self.kv, self.table, config, self)
+        self.stopper = Stopper(self.kv, self.table, self.recovery, config, self.lock)
         self.reports: list[MigrationReport] = []
         self.agent_url: str | None = None
         # Per migration id: how its g+1 was formed ahead (_group_record; None: unplanned).
@@ -182,14 +184,14 @@ class Agent:
         shapes = [(self.cfg.nproc, self.cfg.spares)]
         names = [self.cfg.node]
         if self.cfg.nnodes > 1:
-            hellos = wait_for_nodes(self.store, self.cfg.nnodes, timeout_s=self.cfg.join_timeout_s)
+            hellos = wait_for_nodes(self.kv, self.cfg.nnodes, timeout_s=self.cfg.join_timeout_s)
             shapes += [(int(h["nproc"]), int(h["spares"])) for h in hellos]
             names += [str(h["name"]) for h in hellos]
         specs = layout(shapes)
         with self.lock:
             self.table.world_size = sum(n for n, _ in shapes)
             self._slot_config = {
-                "store": self.store_address,
+                "kv": self.kv_address,
                 "world_size": self.table.world_size,
                 "job_id": self.cfg.job_id,
                 "backend": self.cfg.backend,
@@ -204,14 +206,14 @@ class Agent:
             # Every rank's timing key exists from the start: the heartbeat reads them all in
             # one round trip (multi_get waits for a missing key).
             ranks = range(self.table.world_size)
-            self.store.multi_set([timing_key(r) for r in ranks], [b""] * len(ranks))  # type: ignore[attr-defined]
+            self.kv.multi_set([timing_key(r) for r in ranks], [b""] * len(ranks))  # type: ignore[attr-defined]
             if self.cfg.nnodes > 1:
                 grace = self.cfg.node_timeout_s or min(self.cfg.timeout_s, 10.0)
-                self.monitor = NodeMonitor(self.store, node_timeout_s=grace)
+                self.monitor = NodeMonitor(self.kv, node_timeout_s=grace)
                 for n in range(1, self.cfg.nnodes):
                     self.monitor.watch(n)
                 slots = [asdict(spec) for spec in specs]
-                P.put_json(self.store, "job/config", {**self._slot_config, "slots": slots})
+                P.put_json(self.kv, P.JOB_CONFIG_KEY, {**self._slot_config, "slots": slots})
             for spec in specs:
                 if spec.node_rank == 0:
                     self._spawn(spec.index, spec.rank, local=spec.local)
@@ -264,7 +266,7 @@ class Agent:
             if not roster:
                 return None
             ranks = sorted(roster)
-            blobs = self.store.multi_get([timing_key(r) for r in ranks])
+            blobs = self.kv.multi_get([timing_key(r) for r in ranks])
         return summarize(
             dict(zip(ranks, blobs, strict=True)), roster, window=self.cfg.timing_window
         )
@@ -298,7 +300,7 @@ class Agent:
         if not 0 <= rank < self.table.world_size:
             raise InvalidInput(f"rank {rank} is not in 0..{self.table.world_size - 1}")
         with self.lock:
-            if self.table.status != "running":
+            if self.table.status is not P.JobStatus.RUNNING:
                 raise Conflict(
                     f"the job is {self.table.status}", details={"status": self.table.status}
                 )
@@ -323,12 +325,12 @@ class Agent:
             replica = self.recovery.replica_for({rank})
             spare.role, spare.rank = "assigned", rank
             P.put_json(
-                self.store,
+                self.kv,
                 P.assign_key(spare.index),
                 {"mode": "peer", "gen": self.table.gen + 1, "rank": rank, "migration_id": mid},
             )
             P.put_json(
-                self.store,
+                self.kv,
                 P.cmd_key(self.table.gen),
                 {
                     "migration_id": mid,
@@ -367,8 +369,8 @@ class Agent:
             self.agent_url = f"http://{self.cfg.host}:{self._endpoint.server_port}"
         self._start_slots()
         with self.lock:
-            P.put_json(self.store, P.roster_key(0), self.table.roster)
-            self.table.status = "running"
+            P.put_json(self.kv, P.roster_key(0), self.table.roster)
+            self.table.status = P.JobStatus.RUNNING
         self._register()
         if self.link is not None:
             self.link.start(self)
@@ -386,7 +388,7 @@ class Agent:
             except KeyboardInterrupt:  # a second one: stop now
                 said = "; no checkpoint: interrupted again while it was being written"
             with self.lock:
-                self.table.status = "stopped"
+                self.table.status = P.JobStatus.STOPPED
                 self.table.message = "stopped by a signal" + said
         finally:
             if self.link is not None:
@@ -415,7 +417,8 @@ class Agent:
             if slot.role == "retired" or (
                 slot.role == "active"
                 and exited[slot.index] == 0
-                and self.store.check([f"done/{slot.rank}"])
+                and slot.rank is not None
+                and self.kv.check([P.done_key(slot.rank)])
             ):
                 slot.role = "done" if slot.role == "active" else "retired"
                 continue
@@ -434,19 +437,19 @@ class Agent:
             elif slot.role == "active" and exited[slot.index] == 0:
                 # The source of a handover exits 0 once the spare has its state.
                 slot.role = "retired"
-        if self.monitor is not None and self.store.check(["job/stop"]):
+        if self.monitor is not None and self.kv.check([P.JOB_STOP_KEY]):
             raise StopRequested("another node's launcher was stopped")
         self._progress_migration()
         self._report_aborted(now)
         self._do_refills()
         self.recovery.progress(now)
-        if self.table.status == "failed":
+        if self.table.status is P.JobStatus.FAILED:
             return 1
         active = [s for s in self.table.slots if s.role == "active"]
         ended = all(s.role in ("done", "retired", "dead", "spare") for s in self.table.slots)
         finished = any(s.role == "done" for s in self.table.slots) and self.table.inflight is None
         if not active and ended and finished:
-            self.table.status = "completed"
+            self.table.status = P.JobStatus.COMPLETED
             return 0
         return None
 
@@ -459,8 +462,8 @@ class Agent:
             return
         # The source trains on: the command goes first (no rank reads it again), then the
         # abort that every rank waiting at the handover step is looking for.
-        self.store.delete_key(P.cmd_key(m.gen))
-        self.store.set(f"m/{m.migration_id}/aborted", "spare died")
+        self.kv.delete_key(P.cmd_key(m.gen))
+        self.kv.set(P.MigrationKeys(m.migration_id).aborted, "spare died")
         self.table.inflight = None
         # Reported once the ranks standing at S say how long they stood there.
         self._aborted.append((m, time.monotonic() + self.cfg.timeout_s))
@@ -471,17 +474,17 @@ class Agent:
         for item in list(self._aborted):
             m, deadline = item
             ranks = range(self.table.world_size) if m.stop is not None else range(0)
-            keys = [f"m/{m.migration_id}/pause/{r}" for r in ranks]
-            have = [k for k in keys if self.store.check([k])]
+            keys = [P.MigrationKeys(m.migration_id).pause(r) for r in ranks]
+            have = [k for k in keys if self.kv.check([k])]
             if len(have) < len(keys) and now < deadline:
                 continue
             self._aborted.remove(item)
             self.finish(
                 m,
-                "failed",
+                P.Outcome.FAILED,
                 group=self._group_record(m),
                 step=m.stop,
-                pause_s=max((float(self.store.get(k)) for k in have), default=0.0),
+                pause_s=max((float(self.kv.get(k)) for k in have), default=0.0),
                 error="the spare died during the handover; the source kept training",
             )
 
@@ -489,42 +492,42 @@ class Agent:
         m = self.table.inflight
         if m is None:
             return
-        base = f"m/{m.migration_id}"
+        keys = P.MigrationKeys(m.migration_id)
         if (
             self.link is not None
             and m.migration_id not in self._transferring
-            and self.store.check([P.stop_key(m.gen, m.migration_id)])
+            and self.kv.check([P.stop_key(m.gen, m.migration_id)])
         ):  # the ranks agreed on the handover step: state moves at that boundary
             self._transferring.add(m.migration_id)
-            stop = int(self.store.get(P.stop_key(m.gen, m.migration_id)))
+            stop = int(self.kv.get(P.stop_key(m.gen, m.migration_id)))
             self.link.progress(m.migration_id, "transferring", step=stop)
         if m.reason is not MigrationReason.UNPLANNED and m.stop is None:
             # Every rank acknowledged the command: S is after the last boundary any passed.
-            m.stop = handover_step(self.store, m.migration_id, range(self.table.world_size))
+            m.stop = handover_step(self.kv, m.migration_id, range(self.table.world_size))
             if m.stop is not None:
-                self.store.set(P.stop_key(m.gen, m.migration_id), str(m.stop))
+                self.kv.set(P.stop_key(m.gen, m.migration_id), str(m.stop))
         for rank, src in m.sources.items():
-            if self.store.check([f"{base}/fallback/{rank}"]) and src is not None:
+            if self.kv.check([keys.fallback(rank)]) and src is not None:
                 self.kill(self.table.slots[src])  # the spare gave up on it: it must not come back
-        if not all(self.store.check([f"{base}/received/{r}"]) for r in m.ranks):
+        if not all(self.kv.check([keys.received(r)]) for r in m.ranks):
             return
         others = [r for r in range(self.table.world_size) if r not in m.ranks]
-        if not all(self.store.check([f"{base}/pause/{r}"]) for r in others):
+        if not all(self.kv.check([keys.pause(r)]) for r in others):
             return
         reports = [
-            json.loads(self.store.get(f"{base}/report/{r}"))
+            json.loads(self.kv.get(keys.report(r)))
             for r in m.ranks
-            if self.store.check([f"{base}/report/{r}"])
+            if self.kv.check([keys.report(r)])
         ]
         if len(reports) < len(m.ranks):
             return
-        pauses = [float(self.store.get(f"{base}/pause/{r}")) for r in others]
+        pauses = [float(self.kv.get(keys.pause(r))) for r in others]
         pause = max(pauses) if pauses else max(r["joined_s"] for r in reports)
-        if self.store.check([f"{base}/source_at"]) and all("joined_at" in r for r in reports):
+        if self.kv.check([keys.source_at]) and all("joined_at" in r for r in reports):
             # The stall the job sees: from the source's last completed step (it stood at S)
             # to the new rank's first (it joined g+1); the other ranks' pauses run within it
             # unless one of them reached S later than the source.
-            source_at = float(self.store.get(f"{base}/source_at"))
+            source_at = float(self.kv.get(keys.source_at))
             pause = max(pause, max(r["joined_at"] for r in reports) - source_at)
         for rank in m.ranks:
             target = self.table.slots[m.targets[rank]]
@@ -534,10 +537,10 @@ class Agent:
                 self.table.slots[source].role = "retired"
             self.table.roster[rank] = target.index
         self.table.gen += 1
-        P.put_json(self.store, P.roster_key(self.table.gen), self.table.roster)
+        P.put_json(self.kv, P.roster_key(self.table.gen), self.table.roster)
         self.finish(
             m,
-            "completed",
+            P.Outcome.COMPLETED,
             group=self._group_record(m),
             step=reports[0]["step"],
             pause_s=pause,
@@ -550,7 +553,7 @@ class Agent:
         )
         self.table.inflight = None
         self.recovery.clear()
-        self.table.status = "running"
+        self.table.status = P.JobStatus.RUNNING
         if self.cfg.refill_spares and m.reason is not MigrationReason.UNPLANNED:
             for src in m.sources.values():
                 self._refill(src)
@@ -585,11 +588,11 @@ class Agent:
         ``abandoned`` (the move was aborted). None for an unplanned recovery."""
         if m.reason is MigrationReason.UNPLANNED:
             return None
-        base = f"m/{m.migration_id}/group"
+        keys = P.MigrationKeys(m.migration_id)
         ranks = {}
         for r in range(self.table.world_size):
-            if self.store.check([f"{base}/{r}"]):
-                ranks[r] = P.get_json(self.store, f"{base}/{r}")
+            if self.kv.check([keys.group(r)]):
+                ranks[r] = P.get_json(self.kv, keys.group(r))
         if not ranks:
             return None
         forms = [x["form_s"] for x in ranks.values() if x.get("form_s") is not None]
@@ -604,7 +607,7 @@ class Agent:
         }
 
     def finish(
-        self, m: Migration, outcome: str, group: dict[str, Any] | None = None, **fields: Any
+        self, m: Migration, outcome: P.Outcome, group: dict[str, Any] | None = None, **fields: Any
     ) -> None:
         rank = m.ranks[0]
         src = m.sources.get(rank)
@@ -613,7 +616,7 @@ class Agent:
             migration_id=m.migration_id,
             job_id=self.cfg.job_id,
             rank=rank,
-            outcome=outcome,  # type: ignore[arg-type]
+            outcome=outcome.value,  # type: ignore[arg-type]
             source=self.table.slots[src].placement(self.cfg.node, self.cfg.backend)
             if src is not None
             else None,
@@ -664,8 +667,10 @@ class Agent:
     def _shutdown(self) -> None:
         for slot in self.table.slots:
             if slot.role == "spare" and slot.proc and slot.proc.poll() is None:
-                P.put_json(self.store, P.assign_key(slot.index), {"mode": "exit"})
-            elif self.table.status == "stopped" and slot.proc and slot.proc.poll() is None:
+                P.put_json(self.kv, P.assign_key(slot.index), {"mode": "exit"})
+            elif (
+                self.table.status is P.JobStatus.STOPPED and slot.proc and slot.proc.poll() is None
+            ):
                 slot.proc.send_signal(signal.SIGTERM)  # the ranks ignore SIGINT (nodes.spawn)
         deadline = time.monotonic() + 10
         for slot in self.table.slots:
@@ -678,7 +683,7 @@ class Agent:
         if self.monitor is not None:  # the other launchers leave with the job
             self.monitor.refresh(force=True)
             live = [n for n, st in self.monitor.nodes.items() if not st["lost"]]
-            say_goodbye(self.store, live, 0 if self.table.status == "completed" else 1)
+            say_goodbye(self.kv, live, 0 if self.table.status is P.JobStatus.COMPLETED else 1)
         if self._endpoint is not None:
             self._endpoint.shutdown()
             self._endpoint.server_close()

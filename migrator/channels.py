@@ -1,11 +1,11 @@
 """Where a point-to-point transfer of a rank's state gets its :class:`Transport`.
 
 A handover does not build process groups itself: it asks its :class:`Channels` for a
-transport under a store prefix unique to the transfer (``x/{id}/peer``,
+transport under a key prefix unique to the transfer (``x/{id}/peer``,
 ``x/{id}/replica/{rank}``), uses it for one ``send`` or ``recv``, and closes it.
 :class:`PairChannels` is the implementation the job uses: a two-rank group (sender rank 0)
-built from the job's store, a :class:`~migrator.transport.PGTransport` over it, and the group
-left in the job's :class:`~migrator.groups.Graveyard` afterwards (never destroyed, see
+built from the job's key-value store, a :class:`~migrator.transport.PGTransport` over it,
+and the group left in the job's :class:`~migrator.groups.Graveyard` afterwards (never destroyed, see
 :mod:`migrator.groups`). Tests may pass any other object with the same ``open``.
 """
 
@@ -34,17 +34,17 @@ class Channels(Protocol):
 
 
 class PairChannels:
-    """:class:`Channels` over two-rank process groups of the job's store.
+    """:class:`Channels` over two-rank process groups of the job's key-value store.
 
     Args:
-        store: a client of the job's store.
+        kv: a client of the job's key-value store.
         backend: ``"gloo"`` or ``"nccl"``.
         timeout_s: bound on joining the pair and on each operation, in seconds.
         graveyard: where each pair's group goes when the transfer ends.
     """
 
-    def __init__(self, store: Any, *, backend: str, timeout_s: float, graveyard: Graveyard) -> None:
-        self.store = store
+    def __init__(self, kv: Any, *, backend: str, timeout_s: float, graveyard: Graveyard) -> None:
+        self.kv = kv
         self.backend = backend
         self.timeout_s = timeout_s
         self.graveyard = graveyard
@@ -54,7 +54,7 @@ class PairChannels:
         self, prefix: str, *, sender: bool, on_tensor: Callable[[int], None] | None = None
     ) -> Iterator[Transport]:
         group = pair_group(
-            self.store, prefix, sender=sender, backend=self.backend, timeout_s=self.timeout_s
+            self.kv, prefix, sender=sender, backend=self.backend, timeout_s=self.timeout_s
         )
         try:
             yield PGTransport(group, on_tensor=on_tensor)

@@ -9,11 +9,11 @@ processes exit:
   optimizer hyper-parameters, schedulers, grad scaler) from one healthy replica, the
   *writer* (the lowest live rank);
 - every rank's own state at ``k`` (RNG states, data position): each live rank's snapshot of
-  that boundary, and for a rank that was lost its mirror at ``k`` in the store (the very
+  that boundary, and for a rank that was lost its mirror at ``k`` in the key-value store (the very
   state a spare would have taken over);
 - the step ``k`` and the DDP bucket plans.
 
-The writer collects the live ranks' snapshots through the store (``ckpt/{id}/rs/{rank}``),
+The writer collects the live ranks' snapshots through the key-value store (``ckpt/{id}/rs/{rank}``),
 writes ``DIR/step-<k>.pt`` under a temporary name, renames it into place (atomic on one file
 system) and then points ``DIR/latest`` at it the same way; it says ``ckpt/{id}/done`` (the
 path) or ``ckpt/{id}/failed`` (why) to the agent, which waits for one of them before it ends
@@ -161,7 +161,7 @@ class StopCheckpointer:
     """Writes the stop checkpoint from inside the ranks of a job; see the module docstring.
 
     Args:
-        store: a client of the job's store.
+        kv: a client of the job's key-value store.
         directory: where checkpoints go.
         registry: the training state.
         member: this process's rank and DDP wrappers (for the bucket plans).
@@ -171,7 +171,7 @@ class StopCheckpointer:
 
     def __init__(
         self,
-        store: Any,
+        kv: Any,
         directory: Path,
         *,
         registry: Registry,
@@ -179,7 +179,7 @@ class StopCheckpointer:
         timeout_s: float,
         job_id: str = "job",
     ) -> None:
-        self.store = store
+        self.kv = kv
         self.directory = directory
         self.registry = registry
         self.member = member
@@ -195,11 +195,11 @@ class StopCheckpointer:
         checkpoint that cannot be written is said to the agent and logged.
         """
         rank = self.member.rank
-        base = P.checkpoint_key(plan["id"])
+        keys = P.CheckpointKeys(plan["id"])
         if rank is None or snapshot is None:
             return None
         try:
-            self.store.set(f"{base}/rs/{rank}", snapshot)
+            self.kv.set(keys.rank_state(rank), snapshot)
         except (RuntimeError, OSError) as exc:
             log.error("rank %d could not hand its state to the checkpoint: %s", rank, exc)
             return None
@@ -211,14 +211,12 @@ class StopCheckpointer:
                 raise CheckpointError("the job registered rank-unique state (not built)")
             states: dict[int, bytes] = {}
             for r in plan["live"]:
-                key = f"{base}/rs/{r}"
-                P.first_present(
-                    self.store, [key], timeout_s=self.timeout_s, what=f"rank {r}'s state"
-                )
-                states[r] = self.store.get(key)
+                key = keys.rank_state(r)
+                P.first_present(self.kv, [key], timeout_s=self.timeout_s, what=f"rank {r}'s state")
+                states[r] = self.kv.get(key)
             for r in plan["lost"]:
                 try:
-                    states[r] = mirror_at(self.store, r, step)
+                    states[r] = mirror_at(self.kv, r, step)
                 except MigrationError as exc:
                     raise CheckpointError(
                         f"lost rank {r}'s state at step {step} is not mirrored ({exc})"
@@ -234,8 +232,8 @@ class StopCheckpointer:
             )
         except (MigrationError, OSError, RuntimeError) as exc:
             log.error("no checkpoint at step %d: %s", step, exc)
-            self.store.set(f"{base}/failed", str(exc)[:2000])
+            self.kv.set(keys.failed, str(exc)[:2000])
             return None
-        P.put_json(self.store, f"{base}/done", {"path": str(path), "step": step})
+        P.put_json(self.kv, keys.done, {"path": str(path), "step": step})
         log.warning("rank %d wrote the checkpoint of step %d to %s", rank, step, path)
         return str(path)

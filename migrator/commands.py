@@ -1,6 +1,6 @@
-"""How a rank learns of a planned or preventive migration without a store round trip per step.
+"""How a rank learns of a planned or preventive migration without a round trip per step.
 
-A :class:`CommandWatcher` thread in each rank polls the agent's store for the current
+A :class:`CommandWatcher` thread in each rank polls the agent's key-value store for the current
 generation's command (``g{g}/cmd``) and, when one appears, raises a local flag and
 acknowledges it with the last step boundary its rank passed (``m/{id}/ack/{rank}``). At
 each step boundary the training loop reads only the flag: one attribute read on the common
@@ -46,22 +46,22 @@ plus one step, before the ranks agree on S."""
 
 
 class CommandWatcher:
-    """Watches the store for this rank's migration commands; see the module docstring.
+    """Watches the key-value store for this rank's migration commands; see the module docstring.
 
     Args:
-        store: a client of the agent's store (TCPStore operations are thread-safe).
+        kv: a client of the agent's key-value store (TCPStore operations are thread-safe).
         where: returns (generation, rank) of the process now; rank None: a spare.
-        poll_s: seconds between two looks at the store.
+        poll_s: seconds between two looks at the key-value store.
     """
 
     def __init__(
         self,
-        store: Any,
+        kv: Any,
         where: Callable[[], tuple[int, int | None]],
         *,
         poll_s: float = POLL_S,
     ) -> None:
-        self.store = store
+        self.kv = kv
         self.where = where
         self.poll_s = poll_s
         self.flag: dict[str, Any] | None = None
@@ -84,7 +84,7 @@ class CommandWatcher:
             atexit.register(self.close)
 
     def close(self) -> None:
-        """Stop the thread and wait for it: a thread killed inside a store call at
+        """Stop the thread and wait for it: a thread killed inside a key-value store call at
         interpreter exit aborts the process (C++ ``terminate``)."""
         self._closed.set()
         thread = self._thread
@@ -106,10 +106,14 @@ class CommandWatcher:
             self._check_forming(forming, gen)
             return
         try:
-            if not self.store.check([P.cmd_key(gen)]):
+            if not self.kv.check([P.cmd_key(gen)]):
                 return
-            cmd = P.get_json(self.store, P.cmd_key(gen))
-        except (RuntimeError, ValueError, OSError):  # deleted meanwhile, or the store is gone
+            cmd = P.get_json(self.kv, P.cmd_key(gen))
+        except (
+            RuntimeError,
+            ValueError,
+            OSError,
+        ):  # deleted meanwhile, or the key-value store is gone
             return
         mid = cmd["migration_id"]
         if mid not in self.ended:
@@ -129,7 +133,7 @@ class CommandWatcher:
         forget it when the move was aborted or the generation changed (a recovery)."""
         mid = cmd["migration_id"]
         try:
-            if cmd["gen"] != gen or self.store.check([f"m/{mid}/aborted"]):
+            if cmd["gen"] != gen or self.kv.check([P.MigrationKeys(mid).aborted]):
                 self._forming = None
                 self.ended.add(mid)
                 if self.on_abort is not None:
@@ -137,7 +141,7 @@ class CommandWatcher:
                 return
             if not self.formed(cmd):
                 return
-        except (RuntimeError, OSError):  # the store is gone
+        except (RuntimeError, OSError):  # the key-value store is gone
             return
         rank = self.where()[1]
         self._forming = None
@@ -149,7 +153,7 @@ class CommandWatcher:
         self.flag = cmd  # first the flag ...
         passed = self.passed  # ... then the boundary counter (see the module docstring)
         try:
-            self.store.set(ack_key(mid, rank), str(passed))
+            self.kv.set(ack_key(mid, rank), str(passed))
         except (RuntimeError, OSError) as exc:
             log.warning("could not acknowledge migration %s: %s", mid, exc)
 
@@ -177,20 +181,22 @@ class CommandWatcher:
         Every rank computes S itself from the acknowledgements (they never change once
         written, so all compute the same value) and the agent writes it too; so a busy agent
         does not hold the ranks up. Returns S, or the key that appeared:
-        ``m/{id}/aborted``, ``m/{id}/failed`` or :func:`protocol.suspect_key`.
+        :attr:`MigrationKeys.aborted <protocol.MigrationKeys.aborted>`, ``.failed`` or
+        :func:`protocol.suspect_key`.
 
         Raises:
             HandoverTimeout: nothing within ``timeout_s``.
         """
         gen, mid = cmd["gen"], cmd["migration_id"]
-        keys = [f"m/{mid}/aborted", f"m/{mid}/failed", P.suspect_key(gen)]
+        m = P.MigrationKeys(mid)
+        keys = [m.aborted, m.failed, P.suspect_key(gen)]
         deadline = time.monotonic() + timeout_s
         poll = P.POLL_S
         while True:
             for key in keys:
-                if self.store.check([key]):
+                if self.kv.check([key]):
                     return key
-            step = handover_step(self.store, mid, range(world_size))
+            step = handover_step(self.kv, mid, range(world_size))
             if step is not None:
                 return step
             if time.monotonic() >= deadline:
@@ -200,12 +206,13 @@ class CommandWatcher:
 
 
 def ack_key(migration_id: str, rank: int) -> str:
-    return f"m/{migration_id}/ack/{rank}"
+    """See :meth:`protocol.MigrationKeys.ack`."""
+    return P.MigrationKeys(migration_id).ack(rank)
 
 
-def handover_step(store: Any, migration_id: str, ranks: range) -> int | None:
+def handover_step(kv: Any, migration_id: str, ranks: range) -> int | None:
     """The agent's side: S = max(acknowledged boundary) + 1 once every rank acknowledged."""
     keys = [ack_key(migration_id, r) for r in ranks]
-    if not all(store.check([k]) for k in keys):
+    if not all(kv.check([k]) for k in keys):
         return None
-    return max(int(store.get(k)) for k in keys) + 1
+    return max(int(kv.get(k)) for k in keys) + 1

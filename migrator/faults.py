@@ -2,7 +2,7 @@
 
 A :class:`FaultPlan` is a list of faults, each tied to a rank, a step and a point inside the
 step. The launcher hands the plan to every process it starts (``FOREWARN_FAULTS``, JSON);
-the job fires each fault at its point, once per job (the store counts firings, so the
+the job fires each fault at its point, once per job (the key-value store counts firings, so the
 spare that replaces a killed rank does not kill itself again when it redoes the step).
 
 Points inside a step:
@@ -52,6 +52,8 @@ import signal
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
+
+from migrator import protocol as P
 
 __all__ = ["Fault", "FaultPlan"]
 
@@ -135,11 +137,11 @@ class FaultPlan:
             if f.where == where and f.rank == rank and f.step == step
         ]
 
-    def fire(self, where: Point, rank: int, step: int, *, store: Any, job: Any) -> None:
+    def fire(self, where: Point, rank: int, step: int, *, kv: Any, job: Any) -> None:
         """Fire every fault due at this point, each at most once per job; then, if this
         process was made slow at this point, sleep."""
         for i, fault in self.due(where, rank, step):
-            if store.add(f"fault/{i}", 1) != 1:
+            if kv.add(P.fault_key(i), 1) != 1:
                 continue
             if fault.kind in ("kill", "kill_node"):
                 # When it struck, for benchmarks that time a recovery (kill -> step done).

@@ -14,7 +14,7 @@ at the new generation's groups (:func:`rebind`).
   shard within a group, as ``fully_shard`` takes it (rank ``r * S + s`` holds shard ``s``
   of replica group ``r``). Each generation builds its two sub-groups, the rank's replica
   group (its shard index's ranks) and its shard group (its replica group's ranks), from the
-  store (:meth:`migrator.membership.Membership.join`), and both names are re-pointed.
+  key-value store (:meth:`migrator.membership.Membership.join`), and both names are re-pointed.
 - FSDP2 + tensor parallel (``tp=T``, TorchTitan's composition): a ``(world/T, T)`` mesh
   named ``("dp_shard", "tp")``; the script's plan is applied on the ``tp`` sub-mesh, then
   ``fully_shard`` on ``dp_shard``; both dimensions' groups are re-pointed the same way.
@@ -230,10 +230,10 @@ def name_world(rank: int, size: int) -> None:
                 f"{dist.get_world_size()}, the job's rank {rank} of {size}"
             )
         return
-    store = dist.HashStore()
-    world = dist.ProcessGroup(store, rank, size)
+    kv = dist.HashStore()
+    world = dist.ProcessGroup(kv, rank, size)
     _WORLD.append(world)
-    c10d._world.pg_map[world] = ("undefined", store)
+    c10d._world.pg_map[world] = ("undefined", kv)
     c10d._world.pg_group_ranks[world] = {i: i for i in range(size)}
     c10d._update_default_pg(world)
 

@@ -1,6 +1,6 @@
 """Process-group generations: one communicator per membership, never repaired in place.
 
-Each generation ``g`` of a job is a fresh process group built from the agent's store under
+Each generation ``g`` of a job is a fresh process group built from the agent's key-value store under
 the prefix ``g{g}/pg`` (a ``torch.distributed.PrefixStore``), so a new generation never reads
 a key a dead generation left behind. The groups are built directly from their backend classes
 instead of through ``init_process_group``: a job changes membership several times, and the
@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 
 def new_group(
-    store: Any,
+    kv: Any,
     prefix: str,
     *,
     rank: int,
@@ -37,14 +37,14 @@ def new_group(
     timeout_s: float = 30.0,
     device: torch.device | None = None,
 ) -> dist.ProcessGroup:
-    """Build a process group of ``size`` ranks that rendezvous under ``prefix`` in ``store``.
+    """Build a process group of ``size`` ranks that rendezvous under ``prefix`` in ``kv``.
 
     Blocks until all ``size`` ranks have joined; gloo gives up after ``timeout_s`` seconds.
     The same ``timeout_s`` bounds every collective on the group afterwards: a peer that
     stops answering (wedged or dead) makes each pending operation raise within it.
 
     Args:
-        store: the job's rendezvous store (the agent's TCPStore or a client of it).
+        kv: the job's rendezvous store (the agent's TCPStore or a client of it).
         prefix: key prefix of this group; unique per generation or transfer.
         rank: this process's rank in the group.
         size: number of ranks.
@@ -53,7 +53,7 @@ def new_group(
         timeout_s: bound for joining and for every collective, in seconds.
         device: the CUDA device of this rank, for NCCL.
     """
-    prefixed = dist.PrefixStore(prefix, store)
+    prefixed = dist.PrefixStore(prefix, kv)
     timeout = timedelta(seconds=timeout_s)
     group = dist.ProcessGroup(prefixed, rank, size)
     gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo", prefixed), rank, size, timeout)
@@ -81,11 +81,11 @@ def new_group(
 
 
 def pair_group(
-    store: Any, prefix: str, *, sender: bool, backend: str, timeout_s: float
+    kv: Any, prefix: str, *, sender: bool, backend: str, timeout_s: float
 ) -> dist.ProcessGroup:
     """A two-rank group for one point-to-point transfer: the sender is rank 0."""
     return new_group(
-        store, prefix, rank=0 if sender else 1, size=2, backend=backend, timeout_s=timeout_s
+        kv, prefix, rank=0 if sender else 1, size=2, backend=backend, timeout_s=timeout_s
     )
 
 

@@ -1,7 +1,7 @@
 """The three ways a rank changes hands, as run inside each process of the job.
 
 :class:`Handover` is a collaborator of :class:`migrator.job.Job`, built from what it needs —
-the store client, the job's :class:`~migrator.membership.Membership` (rank, generation,
+the key-value store client, the job's :class:`~migrator.membership.Membership` (rank, generation,
 group), the :class:`~migrator.state.Registry` of the training state, the
 :class:`~migrator.channels.Channels` that open a transport per transfer, and the fault hooks —
 and called by the job's loop at its step boundaries and when a collective fails:
@@ -54,8 +54,8 @@ _ERRORS: dict[str, type[MigrationError]] = {
 }
 
 
-def _raise_failed(store: Any, key: str) -> None:
-    info = P.get_json(store, key)
+def _raise_failed(kv: Any, key: str) -> None:
+    info = P.get_json(kv, key)
     cls = _ERRORS.get(info.get("code", ""), MigrationError)
     raise cls(info.get("message", "migration failed"), details=info)
 
@@ -78,11 +78,11 @@ class FaultHooks(Protocol):
 
 class PlanHooks:
     """:class:`FaultHooks` from a :class:`~migrator.faults.FaultPlan`, its firings counted in
-    ``store``; ``target`` is what a ``migrate`` fault asks (the job: ``request_migration``)."""
+    ``kv``; ``target`` is what a ``migrate`` fault asks (the job: ``request_migration``)."""
 
-    def __init__(self, plan: FaultPlan, store: Any, target: Any) -> None:
+    def __init__(self, plan: FaultPlan, kv: Any, target: Any) -> None:
         self.plan = plan
-        self.store = store
+        self.kv = kv
         self.target = target
 
     def due(self, where: Point, rank: int, step: int) -> bool:
@@ -92,7 +92,7 @@ class PlanHooks:
         return any(f.where == where for f in self.plan.faults)
 
     def fire(self, where: Point, rank: int, step: int) -> None:
-        self.plan.fire(where, rank, step, store=self.store, job=self.target)
+        self.plan.fire(where, rank, step, kv=self.kv, job=self.target)
 
 
 class Checkpointer(Protocol):
@@ -108,7 +108,7 @@ class Handover:
     """Planned, preventive and unplanned handovers of one process; see the module docstring.
 
     Args:
-        store: a client of the agent's store.
+        kv: a client of the agent's key-value store.
         member: this process's rank, generation and group (shared with the job).
         registry: the training state (the job fills it when the script registers).
         channels: opens the transport of each transfer.
@@ -123,7 +123,7 @@ class Handover:
     def __init__(
         self,
         *,
-        store: Any,
+        kv: Any,
         member: Membership,
         registry: Registry,
         channels: Channels,
@@ -134,7 +134,7 @@ class Handover:
         note: Callable[..., None] = lambda event, **fields: None,
         checkpointer: Checkpointer | None = None,
     ) -> None:
-        self.store = store
+        self.kv = kv
         self.member = member
         self.registry = registry
         self.channels = channels
@@ -162,8 +162,8 @@ class Handover:
         """In the thread forming g+1 ahead: wait until the move's spare is up (it may still
         be importing torch, longer than the rendezvous timeout); False: the move was aborted."""
         mid = cmd["migration_id"]
-        keys = [f"slot{cmd['spare']}/ready", f"m/{mid}/aborted"]
-        got = P.first_present(self.store, keys, timeout_s=self.join_timeout_s, what="spare")
+        keys = [P.ready_key(cmd["spare"]), P.MigrationKeys(mid).aborted]
+        got = P.first_present(self.kv, keys, timeout_s=self.join_timeout_s, what="spare")
         return got == keys[0]
 
     @property
@@ -185,17 +185,19 @@ class Handover:
         if used is not None:
             record = used.record()
             record.update(waited_s=waited, ready_at_switch=not pending)
-            P.put_json(self.store, f"m/{used.migration_id}/group/{rank}", record)
+            P.put_json(self.kv, P.MigrationKeys(used.migration_id).group(rank), record)
         return waited
 
     def _turned_unplanned(self, gen: int, mid: str) -> bool:
         """Whether the agent took move ``mid`` of generation ``gen`` over as an unplanned
         recovery (its source was lost before S)."""
         key = P.recovery_key(gen)
-        if not self.store.check([key]):
+        if not self.kv.check([key]):
             return False
-        decision = P.get_json(self.store, key)
-        return bool(decision.get("status") == "plan" and decision.get("migration_id") == mid)
+        decision = P.get_json(self.kv, key)
+        return bool(
+            decision.get("status") == P.Decision.PLAN and decision.get("migration_id") == mid
+        )
 
     def _abandon(self, mid: str) -> None:
         """The move ``mid`` will not happen: its g+1 formed ahead is left (kept referenced),
@@ -204,7 +206,7 @@ class Handover:
         if formation is not None and self.member.rank is not None:
             record = formation.record()
             record.update(abandoned=True)
-            P.put_json(self.store, f"m/{mid}/group/{self.member.rank}", record)
+            P.put_json(self.kv, P.MigrationKeys(mid).group(self.member.rank), record)
 
     # -- sending ----------------------------------------------------------------------------
 
@@ -250,12 +252,13 @@ class Handover:
             if isinstance(got, int):
                 self.cmd, self.stop = cmd, got
                 return True
-            if got.endswith("/aborted"):
+            keys = P.MigrationKeys(mid)
+            if got == keys.aborted:
                 commands.abort(mid)
                 self._abandon(mid)
                 return False
-            if got.endswith("/failed"):
-                info = P.get_json(self.store, got)
+            if got == keys.failed:
+                info = P.get_json(self.kv, got)
                 raise MigrationError(info.get("message", "migration failed"), details=info)
             if got == P.suspect_key(cmd["gen"]):
                 # Standing at a boundary, this rank is in no collective that could fail:
@@ -277,22 +280,21 @@ class Handover:
         if cmd.get("kind") == "stop":
             self._stop_here(cmd, step, snapshot)
         mid, src, replica = cmd["migration_id"], cmd["rank"], cmd["replica"]
-        base = f"m/{mid}"
-        outcomes = [f"{base}/received/{src}", f"{base}/fallback/{src}", f"{base}/aborted"]
-        outcomes.append(f"{base}/failed")
+        keys = P.MigrationKeys(mid)
+        outcomes = [keys.received(src), keys.fallback(src), keys.aborted, keys.failed]
         if member.rank == src:
             # The stall the job sees starts here: this rank's last step before S is done.
-            self.store.set(f"{base}/source_at", repr(time.time() - (time.perf_counter() - t0)))
+            self.kv.set(keys.source_at, repr(time.time() - (time.perf_counter() - t0)))
             try:
                 if "spare" in cmd:  # a spare still starting (importing torch) is waited for
-                    ready = [f"slot{cmd['spare']}/ready", f"{base}/aborted"]
-                    P.first_present(self.store, ready, timeout_s=self.join_timeout_s, what="spare")
-                self._send(f"x/{mid}/peer", step=step, rank_state=snapshot)
+                    ready = [P.ready_key(cmd["spare"]), keys.aborted]
+                    P.first_present(self.kv, ready, timeout_s=self.join_timeout_s, what="spare")
+                self._send(keys.peer_prefix, step=step, rank_state=snapshot)
             except (RuntimeError, MigrationError) as exc:
                 log.warning("sending rank %d to the spare failed: %s", src, exc)
-            got = P.first_present(self.store, outcomes, timeout_s=self._bound, what="the spare")
-            if got.endswith("/aborted"):  # the spare died: this rank trains on
-                self.store.set(f"{base}/pause/{member.rank}", repr(time.perf_counter() - t0))
+            got = P.first_present(self.kv, outcomes, timeout_s=self._bound, what="the spare")
+            if got == keys.aborted:  # the spare died: this rank trains on
+                self.kv.set(keys.pause(member.rank), repr(time.perf_counter() - t0))
                 member.commands.abort(mid)
                 self.stop, self.cmd = None, None
                 return
@@ -302,27 +304,27 @@ class Handover:
             self.note("retired", rank=src, step=step, migration=mid)
             member.leave(broken=False)
             raise SystemExit(0)
-        got = P.first_present(self.store, outcomes, timeout_s=self._bound, what="the spare")
-        if got.endswith("/aborted"):  # the pause this rank stood at S, for the report
+        got = P.first_present(self.kv, outcomes, timeout_s=self._bound, what="the spare")
+        if got == keys.aborted:  # the pause this rank stood at S, for the report
             self._abandon(mid)
-            self.store.set(f"{base}/pause/{member.rank}", repr(time.perf_counter() - t0))
+            self.kv.set(keys.pause(member.rank), repr(time.perf_counter() - t0))
             member.commands.abort(mid)
             self.stop, self.cmd = None, None
             return
-        if got.endswith("/failed"):
-            _raise_failed(self.store, got)
-        if "/fallback/" in got:
+        if got == keys.failed:
+            _raise_failed(self.kv, got)
+        if got == keys.fallback(src):
             if member.rank == replica:
-                self._send(P.replica_prefix(mid, src), step=step, rank_state=None)
+                self._send(keys.replica_prefix(src), step=step, rank_state=None)
             got = P.first_present(
-                self.store, [outcomes[0], outcomes[3]], timeout_s=self._bound, what="the spare"
+                self.kv, [outcomes[0], outcomes[3]], timeout_s=self._bound, what="the spare"
             )
-            if got.endswith("/failed"):
-                _raise_failed(self.store, got)
+            if got == keys.failed:
+                _raise_failed(self.kv, got)
         plans = member.bucket_plans()
         member.graveyard.bury(member.group, broken=False)
         self._join(member.gen + 1, member.rank, plans, migration_id=mid)
-        self.store.set(f"{base}/pause/{member.rank}", repr(time.perf_counter() - t0))
+        self.kv.set(keys.pause(member.rank), repr(time.perf_counter() - t0))
 
     def _stop_here(self, cmd: dict[str, Any], step: int, snapshot: bytes | None) -> NoReturn:
         """The job stops at this boundary (the launcher was stopped): hand this rank's state
@@ -331,7 +333,7 @@ class Handover:
         if self.checkpointer is not None:
             self.checkpointer.at_stop(plan, step=step, snapshot=snapshot)
         elif self.member.rank == plan["writer"]:
-            self.store.set(f"{P.checkpoint_key(plan['id'])}/failed", "no checkpoint directory")
+            self.kv.set(P.CheckpointKeys(plan["id"]).failed, "no checkpoint directory")
         self.member.commands.close()
         self.note("stopped", rank=self.member.rank, step=step)
         raise SystemExit(0)
@@ -353,22 +355,22 @@ class Handover:
         t0 = time.perf_counter()
         gen, rank = member.gen, member.rank
         report = {"step": step, "stepped": stepped, "slot": self.slot, "error": str(exc)}
-        P.put_json(self.store, P.alive_key(gen, rank), report)
-        self.store.add(P.alive_count_key(gen), 1)
+        P.put_json(self.kv, P.alive_key(gen, rank), report)
+        self.kv.add(P.alive_count_key(gen), 1)
         log.warning("rank %d: a collective failed at step %d (%s)", rank, step, exc)
         key = P.recovery_key(gen)
-        P.first_present(self.store, [key], timeout_s=self._bound, what="the agent")
-        decision = P.get_json(self.store, key)
+        P.first_present(self.kv, [key], timeout_s=self._bound, what="the agent")
+        decision = P.get_json(self.kv, key)
         paused_said = False
-        while decision["status"] == "paused":
+        while decision["status"] == P.Decision.PAUSED:
             if not paused_said:
                 log.error("rank %d waits: %s", rank, decision.get("message"))
                 paused_said = True
             time.sleep(0.1)
-            decision = P.get_json(self.store, key)
-        if decision["status"] == "none":
+            decision = P.get_json(self.kv, key)
+        if decision["status"] == P.Decision.NONE:
             return False
-        if decision["status"] == "failed":
+        if decision["status"] == P.Decision.FAILED:
             plan = decision.get("checkpoint")
             if plan is not None and self.checkpointer is not None:
                 # Every survivor stands at the boundary of the failed step, whose optimizer
@@ -394,7 +396,7 @@ class Handover:
             self._await_spare(mid, lost, step, sender=rank == sender, copy_of=rewind)
         self._join(decision["gen"], rank, plans)
         self.rewind = rewind
-        self.store.set(f"m/{mid}/pause/{rank}", repr(time.perf_counter() - t0))
+        self.kv.set(P.MigrationKeys(mid).pause(rank), repr(time.perf_counter() - t0))
         self.note("recovered", rank=rank, step=step, migration=mid)
         return True
 
@@ -405,29 +407,28 @@ class Handover:
         (``copy_of``: the buddy sends its copy of that boundary instead, peer copies).
 
         A spare that dies while it receives is replaced by the agent with another one (a new
-        attempt, announced under :func:`protocol.attempt_key`); the replica sends again.
+        attempt, announced under :meth:`protocol.MigrationKeys.attempt`); the replica sends again.
         """
-        base = f"m/{mid}"
+        m = P.MigrationKeys(mid)
         attempt = 0
         while True:
             if sender:
                 try:
-                    prefix = P.replica_prefix(mid, lost, attempt)
+                    prefix = m.replica_prefix(lost, attempt)
                     if copy_of is not None and self.peers is not None:
                         self.peers.send_held(prefix, copy_of)
                     else:
                         self._send(prefix, step=step, rank_state=None)
                 except (RuntimeError, MigrationError, KeyError) as exc:
                     log.warning("sending rank %d (attempt %d) failed: %s", lost, attempt, exc)
-            keys = [f"{base}/received/{lost}", f"{base}/failed"]
-            keys.append(P.attempt_key(mid, lost, attempt + 1))
+            keys = [m.received(lost), m.failed, m.attempt(lost, attempt + 1)]
             got = P.first_present(
-                self.store, keys, timeout_s=self._bound, what=f"the spare for {lost}"
+                self.kv, keys, timeout_s=self._bound, what=f"the spare for {lost}"
             )
             if got == keys[0]:
                 return
             if got == keys[1]:
-                _raise_failed(self.store, got)
+                _raise_failed(self.kv, got)
             attempt += 1
 
     # -- spare ------------------------------------------------------------------------------
@@ -437,7 +438,7 @@ class Handover:
         transfer lands in memory this spare has already touched (Registry.preallocate)."""
         t = time.perf_counter()
         try:
-            nbytes = self.registry.preallocate(pickle.loads(self.store.get(P.MANIFEST_KEY)))
+            nbytes = self.registry.preallocate(pickle.loads(self.kv.get(P.MANIFEST_KEY)))
         except (MigrationError, RuntimeError) as exc:  # another model, or out of memory
             self.registry.ahead.clear()
             log.warning("spare: no optimizer state allocated ahead: %s", exc)
@@ -453,7 +454,7 @@ class Handover:
         """Rank ``rank``'s mirrored state at boundary ``step``: the boundary's own mirror, or
         the one written inside the step before (the rank died after that step's last
         collective, before it reached the boundary)."""
-        return mirror_at(self.store, rank, step)
+        return mirror_at(self.kv, rank, step)
 
     def serve_as_spare(self) -> int:
         """Wait for an assignment, take the rank over; returns the step to run next.
@@ -463,20 +464,21 @@ class Handover:
             StateNotReplicated: the rank's state is rank-unique and its source is gone.
         """
         key = P.assign_key(self.slot)
-        self.store.set(f"slot{self.slot}/ready", "1")
+        self.kv.set(P.ready_key(self.slot), "1")
         ahead = bool(self.member.fsdps)  # shards depend on the rank: nothing to allocate yet
-        while not self.store.check([key]):
-            # Each check is bounded by the store's timeout: if the agent is gone, it raises.
-            if not ahead and self.store.check([P.MANIFEST_KEY]):
+        while not self.kv.check([key]):
+            # Each check is bounded by the key-value store's timeout: if the agent is gone,
+            # it raises.
+            if not ahead and self.kv.check([P.MANIFEST_KEY]):
                 ahead = True
                 self._allocate_ahead()
             time.sleep(0.02)
-        a = P.get_json(self.store, key)
+        a = P.get_json(self.kv, key)
         if a["mode"] == "exit":
             raise SystemExit(0)
         t0 = time.perf_counter()
         mid, rank = a["migration_id"], a["rank"]
-        base = f"m/{mid}"
+        keys = P.MigrationKeys(mid)
         source = "peer"
         if a["mode"] == "peer" and self.member.form_ahead:  # g+1 formed while the state comes
             self.member.preform(a["gen"], rank, mid)
@@ -485,7 +487,7 @@ class Handover:
         try:
             if a["mode"] != "peer":
                 raise MigrationError("rebuilding from a replica")
-            meta, stats = self._receive(f"x/{mid}/peer", rank)
+            meta, stats = self._receive(keys.peer_prefix, rank)
             rank_state = meta["rank_state"]
         except (RuntimeError, MigrationError) as exc:
             if a["mode"] == "peer":
@@ -499,12 +501,12 @@ class Handover:
             ):
                 msg = f"rank {rank} holds rank-unique state and its source is gone"
                 failure = {"code": StateNotReplicated.code, "message": msg}
-                P.put_json(self.store, f"{base}/failed", failure)
+                P.put_json(self.kv, keys.failed, failure)
                 raise StateNotReplicated(msg) from exc
             source = "replica"
             if a["mode"] == "peer":
-                self.store.set(f"{base}/fallback/{rank}", str(exc)[:500])
-            meta, stats = self._receive(P.replica_prefix(mid, rank, a.get("attempt", 0)), rank)
+                self.kv.set(keys.fallback(rank), str(exc)[:500])
+            meta, stats = self._receive(keys.replica_prefix(rank, a.get("attempt", 0)), rank)
             # A buddy's copy carries the rank's own state; a replica's comes from the mirror.
             rank_state = meta.get("rank_state") or self.mirror_at(rank, meta["step"])
         self.registry.apply_meta(meta)
@@ -513,7 +515,7 @@ class Handover:
             raise MigrationError(f"rank {rank}'s state is at step {step}, not {meta['step']}")
         if self.peers is not None:  # its own copy of this step; the ward's are lost
             self.peers.took_over(rank, step, rank_state, planned=a["mode"] == "peer")
-        self.store.set(f"{base}/received/{rank}", str(self.slot))
+        self.kv.set(keys.received(rank), str(self.slot))
         # The group formed ahead is the move's only if the move went on as planned: a source
         # lost before S turned it into an unplanned recovery, whose ranks build g+1 anew.
         planned = a["mode"] == "peer" and not self._turned_unplanned(a["gen"] - 1, mid)
@@ -528,12 +530,12 @@ class Handover:
         report.update(source=source, slot=self.slot, ahead_bytes=self.ahead_bytes)
         used = self.member.used
         report.update(joined_at=joined_at, preformed=used is not None, group_waited_s=waited)
-        self.store.set(f"{base}/report/{rank}", json.dumps(report))
+        self.kv.set(keys.report(rank), json.dumps(report))
         self.note("took over", rank=rank, migration=mid, **report)
         return step
 
 
-def mirror_at(store: Any, rank: int, step: int) -> bytes:
+def mirror_at(kv: Any, rank: int, step: int) -> bytes:
     """Rank ``rank``'s mirrored state at boundary ``step`` (see :meth:`Handover.mirror_at`).
 
     Raises:
@@ -541,9 +543,9 @@ def mirror_at(store: Any, rank: int, step: int) -> bytes:
     """
     seen = []
     for key in (P.mirror_key(rank), P.mirror_ahead_key(rank)):
-        if not store.check([key]):
+        if not kv.check([key]):
             continue
-        blob: bytes = store.get(key)
+        blob: bytes = kv.get(key)
         at = peek_step(blob)
         if at == step:
             return blob

@@ -27,8 +27,8 @@ agent gives them a rank; they receive its state in place and continue at the ste
 stopped. A source whose rank moved to a spare leaves the loop with ``SystemExit(0)``.
 
 At each step boundary the job snapshots this rank's own state (RNG, data position), mirrors it
-to the agent's store and checks for a migration command: one local pickle and two store round
-trips (tens of microseconds; ``benchmarks/migration.py`` measures it against a plain loop).
+to the agent's key-value store and checks for a migration command: one local pickle and two
+round trips (tens of microseconds; ``benchmarks/migration.py`` measures it against a plain loop).
 The mirror's round trip also carries this rank's step timing (:mod:`migrator.timing`: the
 compute before the step's first collective and the wait in it, over the last
 ``timing_window`` steps), which the agent sends to the service with its heartbeat.
@@ -139,9 +139,9 @@ class Step:
 
 
 # Where a failed collective surfaces in Python: torch.distributed itself (a collective's
-# wait, the store, FSDP's hooks), DDP's reducer, or the autograd engine, which runs DDP's
+# wait, the key-value store, FSDP's hooks), DDP's reducer, or the autograd engine, which runs DDP's
 # bucket all-reduces inside ``loss.backward()``. gloo raises plain RuntimeErrors there;
-# NCCL and the store raise torch.distributed.DistError subclasses.
+# NCCL and the key-value store raise torch.distributed.DistError subclasses.
 _COLLECTIVE_MODULES = ("torch.distributed", "torch.nn.parallel", "torch.autograd", "torch._tensor")
 
 
@@ -205,17 +205,24 @@ def spare_may_help(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and not isinstance(exc, deterministic)
 
 
+def kv_address(env: Mapping[str, str]) -> str:
+    """The key-value store's ``host:port`` a process of the job was given: ``FOREWARN_KV``,
+    or ``FOREWARN_STORE`` (its former name) when that is unset."""
+    return env["FOREWARN_KV"] if "FOREWARN_KV" in env else env["FOREWARN_STORE"]
+
+
 class Job:
     """One process of a migratable job (an active rank or a warm spare).
 
     Built from collaborators: a :class:`~migrator.membership.Membership` (rank, generation,
     process group, DDP wrappers, the command watcher) and a
     :class:`~migrator.handover.Handover` (the planned, preventive and unplanned procedures),
-    which gets the store client, the membership, the registry, the transfer channels and the
-    fault hooks. Pass ``channels`` to use another transport than the two-rank process groups.
+    which gets the key-value store client, the membership, the registry, the transfer channels
+    and the fault hooks. Pass ``channels`` to use another transport than the two-rank process
+    groups.
 
     Args:
-        store: a client of the agent's rendezvous store.
+        kv: a client of the agent's key-value store.
         slot: this process's slot, its identity for the agent (not its rank).
         world_size: number of active ranks (unchanged by migrations).
         initial_rank: the rank this process starts with; None for a spare.
@@ -226,12 +233,12 @@ class Job:
         faults: a fault-injection plan (tests and demos).
         agent_url: the agent's HTTP endpoint (for :meth:`request_migration`).
         device: this rank's CUDA device, for NCCL.
-        mirror: mirror the rank state to the store at each boundary (needed to rebuild a
+        mirror: mirror the rank state to the key-value store at each boundary (needed to rebuild a
             dead rank from a replica).
         join_timeout_s: how long the ranks wait for each other to start (the launchers of
             a multi-node job do not start at the same moment).
         channels: opens the transport of each state transfer (default:
-            :class:`~migrator.channels.PairChannels` on ``store``).
+            :class:`~migrator.channels.PairChannels` on ``kv``).
         checkpoint_dir: where the job writes its checkpoint when it stops at a step
             boundary (no spare left, a crash loop, the launcher stopped); None: none.
             See :mod:`migrator.checkpoint`.
@@ -244,7 +251,7 @@ class Job:
     def __init__(
         self,
         *,
-        store: Any,
+        kv: Any,
         slot: int,
         world_size: int,
         initial_rank: int | None,
@@ -261,7 +268,7 @@ class Job:
         resume_from: str | Path | None = None,
         timing_window: int = DEFAULT_WINDOW,
     ) -> None:
-        self.store = store
+        self.kv = kv
         self.slot = slot
         self.world_size = world_size
         self.job_id = job_id
@@ -277,19 +284,19 @@ class Job:
         """This rank's step timing (:mod:`migrator.timing`)."""
         self.events: list[dict[str, Any]] = []
         self.member = Membership(
-            store,
+            kv,
             world_size=world_size,
             rank=initial_rank,
             backend=backend,
             timeout_s=timeout_s,
             device=device,
         )
-        self.hooks = PlanHooks(self.faults, store, self)
+        self.hooks = PlanHooks(self.faults, kv, self)
         self.resume_from = Path(resume_from) if resume_from else None
         checkpointer = None
         if checkpoint_dir:
             checkpointer = StopCheckpointer(
-                store,
+                kv,
                 Path(checkpoint_dir),
                 registry=self.registry,
                 member=self.member,
@@ -297,12 +304,12 @@ class Job:
                 job_id=job_id,
             )
         self.handover = Handover(
-            store=store,
+            kv=kv,
             member=self.member,
             registry=self.registry,
             channels=channels
             or PairChannels(
-                store, backend=backend, timeout_s=timeout_s, graveyard=self.member.graveyard
+                kv, backend=backend, timeout_s=timeout_s, graveyard=self.member.graveyard
             ),
             faults=self.hooks,
             slot=slot,
@@ -347,14 +354,14 @@ class Job:
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Job:
         """Build the job from the variables ``forewarn launch`` sets (``FOREWARN_*``)."""
         env = os.environ if environ is None else environ
-        host, port = env["FOREWARN_STORE"].rsplit(":", 1)
+        host, port = kv_address(env).rsplit(":", 1)
         timeout_s = float(env.get("FOREWARN_TIMEOUT_S", "30"))
-        store = dist.TCPStore(
+        kv = dist.TCPStore(
             host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s + 30)
         )
         initial = env.get("FOREWARN_INITIAL_RANK", "")
         kwargs: dict[str, Any] = {
-            "store": store,
+            "kv": kv,
             "slot": int(env["FOREWARN_SLOT"]),
             "world_size": int(env["FOREWARN_WORLD_SIZE"]),
             "initial_rank": int(initial) if initial else None,
@@ -437,7 +444,7 @@ class Job:
         if peer_copy_every is not None:
             reg.peer_copies = True
             self.handover.peers = PeerCopies(
-                self.store,
+                self.kv,
                 reg,
                 self.handover.channels,
                 every=peer_copy_every,
@@ -591,9 +598,9 @@ class Job:
         self._started = True
         self._install_fault_hooks()
         if self.registry.rank_unique:
-            self.store.set(f"slot{self.slot}/unique", "1")
+            self.kv.set(P.unique_key(self.slot), "1")
         if self.rank is not None and self.mesh_layout is not None:
-            publish_layout(self.store, self.mesh_layout)
+            publish_layout(self.kv, self.mesh_layout)
         if self.rank is None:
             self._next = self.handover.serve_as_spare()
             return
@@ -616,9 +623,9 @@ class Job:
         rendezvous is bounded by ``timeout_s`` (the failure bound), which must not be spent
         waiting for a slow node to import torch.
         """
-        self.store.add("g0/arrived", 1)
+        self.kv.add(P.ARRIVED_KEY, 1)
         deadline = time.monotonic() + self.join_timeout_s
-        while int(self.store.add("g0/arrived", 0)) < self.world_size:
+        while int(self.kv.add(P.ARRIVED_KEY, 0)) < self.world_size:
             if time.monotonic() >= deadline:
                 raise P.HandoverTimeout(
                     f"waited {self.join_timeout_s:.0f} s for the {self.world_size} ranks to start"
@@ -646,9 +653,10 @@ class Job:
         if self.handover.peers is not None:
             self.handover.peers.wait()  # the last round's copies, sent and received
         if self.rank is not None and (timing := self.clock.take(self.slot)) is not None:
-            self.store.set(timing_key(self.rank), timing)  # the last step's, once
+            self.kv.set(timing_key(self.rank), timing)  # the last step's, once
         self.commands.close()
-        self.store.set(f"done/{self.rank}", str(self.slot))
+        if self.rank is not None:
+            self.kv.set(P.done_key(self.rank), str(self.slot))
 
     def _boundary(self, k: int) -> None:
         assert self.rank is not None
@@ -659,13 +667,11 @@ class Job:
         # write every TIMING_EVERY steps).
         timing = self.clock.take(self.slot) if self.mirror or k % TIMING_EVERY == 0 else None
         if self.mirror and timing is not None:
-            self.store.multi_set(
-                [P.mirror_key(self.rank), timing_key(self.rank)], [snapshot, timing]
-            )
+            self.kv.multi_set([P.mirror_key(self.rank), timing_key(self.rank)], [snapshot, timing])
         elif self.mirror:
-            self.store.set(P.mirror_key(self.rank), snapshot)
+            self.kv.set(P.mirror_key(self.rank), snapshot)
         elif timing is not None:
-            self.store.set(timing_key(self.rank), timing)
+            self.kv.set(timing_key(self.rank), timing)
         if self.handover.peers is not None:
             self.handover.peers.at_boundary(k, snapshot)
         self.hooks.fire("step_start", self.rank, k)
@@ -674,7 +680,7 @@ class Job:
             self._publish_manifest()
         handover = self.handover
         cmd = self.commands.pending(self.gen) if handover.stop is None else None
-        # A command was flagged (a local read: the watcher thread polls the store): wait
+        # A command was flagged (a local read: the watcher thread polls the key-value store): wait
         # here for the step S every rank hands over at (migrator.commands).
         if cmd is not None and not handover.await_stop(cmd, k, snapshot=snapshot):
             return
@@ -693,20 +699,20 @@ class Job:
             self._published = True
         elif any(opt.state for opt in optimizers):
             manifest = self.registry.manifest()
-            self.store.set(P.MANIFEST_KEY, pickle.dumps(manifest, protocol=pickle.HIGHEST_PROTOCOL))
+            self.kv.set(P.MANIFEST_KEY, pickle.dumps(manifest, protocol=pickle.HIGHEST_PROTOCOL))
             self._published = True
 
     def _mirror_ahead(self) -> None:
         """Mirror this rank's state as boundary ``k+1`` will find it, from inside step ``k``.
 
-        Called before the step's collectives; the store is written only when the state
+        Called before the step's collectives; the key-value store is written only when the state
         changed since the last call (a plain loop all-reduces many tensors in a row).
         """
         if not self.mirror or self.rank is None:
             return
         blob = capture_rank_state(self._current + 1, self.registry.data)
         if blob != self._ahead:
-            self.store.set(P.mirror_ahead_key(self.rank), blob)
+            self.kv.set(P.mirror_ahead_key(self.rank), blob)
             self._ahead = blob
 
     def bucket_plans(self) -> list[Any]:
@@ -771,7 +777,7 @@ class Job:
             "traceback": "".join(traceback.format_exception(exc))[-8000:],
         }
         try:
-            P.put_json(self.store, P.error_key(self.slot), info)
+            P.put_json(self.kv, P.error_key(self.slot), info)
         except (RuntimeError, OSError) as err:  # the agent is gone: nobody to tell
             log.warning("could not report the error to the agent: %s", err)
 

@@ -3,9 +3,9 @@
     forewarn launch --nproc 2 --spares 1 --job-id demo -- python examples/train_gpt.py
 
 Starts ``--nproc`` active ranks and ``--spares`` warm spares of the command, hosts the
-rendezvous store, serves the local command endpoint (``forewarn migrate`` finds it through
-the job file), registers the job with ``--service`` when given, and supervises the job until
-it ends. Exit code: the job's (0 completed, 1 failed).
+job's key-value store (a c10d TCPStore), serves the local command endpoint (``forewarn
+migrate`` finds it through the job file), registers the job with ``--service`` when given,
+and supervises the job until it ends. Exit code: the job's (0 completed, 1 failed).
 """
 
 from __future__ import annotations
@@ -74,14 +74,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--node-rank",
         type=int,
         default=node_rank_from_env(os.environ),
-        help="this launcher's node rank; 0 coordinates and hosts the store "
+        help="this launcher's node rank; 0 coordinates and hosts the key-value store "
         "(default: $PET_NODE_RANK, $SLURM_NODEID, $JOB_COMPLETION_INDEX, else automatic)",
     )
     parser.add_argument(
         "--rdzv-endpoint",
         default=env("PET_RDZV_ENDPOINT"),
         metavar="HOST[:PORT]",
-        help="the store of a multi-node job, hosted by node rank 0 (port default 29400)",
+        help="the key-value store of a multi-node job, hosted by node rank 0 (port default 29400)",
     )
     parser.add_argument("--node-name", help="this node's name in placements (default: hostname)")
     parser.add_argument(
@@ -163,8 +163,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="start from the checkpoint in DIR (its latest) or from a checkpoint file",
     )
-    parser.add_argument("--host", default="127.0.0.1", help="address of the store and endpoint")
-    parser.add_argument("--store-port", type=int, default=0, help="0: any free port")
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="address of the key-value store and endpoint"
+    )
+    parser.add_argument(
+        "--kv-port", type=int, default=0, help="port of the key-value store (0: any free port)"
+    )
+    parser.add_argument("--store-port", dest="kv_port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--http-port", type=int, default=0, help="0: any free port")
     parser.add_argument("--log-dir", type=Path, help="one log file per process (default: inherit)")
     parser.add_argument("--report", type=Path, help="append each MigrationReport (JSON lines)")
@@ -189,9 +194,9 @@ def run(args: argparse.Namespace) -> int:
     # SIGTERM (a scheduler's stop) ends the job as Ctrl-C does: the launcher terminates the
     # job's processes, which ignore SIGINT (migrator.nodes.spawn), and exits with 130.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
-    if args.rdzv_endpoint:  # several launchers: node rank 0 hosts the store there
+    if args.rdzv_endpoint:  # several launchers: node rank 0 hosts the key-value store there
         host, _, port = args.rdzv_endpoint.partition(":")
-        args.host, args.store_port = host, int(port or 29400)
+        args.host, args.kv_port = host, int(port or 29400)
     if args.nnodes > 1:
         code = run_node(args, command)
         if code is not None:  # another node's launcher: it ran its share of the job
@@ -240,7 +245,7 @@ def run(args: argparse.Namespace) -> int:
         pause_timeout_s=args.pause_timeout_s,
         refill_spares=args.refill_spares,
         host=args.host,
-        store_port=args.store_port,
+        kv_port=args.kv_port,
         http_port=args.http_port,
         service_url=args.service,
         faults=FaultPlan.from_json(args.faults) if args.faults else None,
@@ -261,7 +266,7 @@ def run(args: argparse.Namespace) -> int:
     def register_and_publish() -> None:
         write_job_file(
             args.job_id,
-            {"job_id": args.job_id, "agent_url": agent.agent_url, "store": agent.store_address},
+            {"job_id": args.job_id, "agent_url": agent.agent_url, "kv": agent.kv_address},
         )
         original()
 

@@ -12,9 +12,10 @@ groups of ``shard`` ranks each (rank ``r * shard + s`` holds shard ``s`` in repl
 - ``peer_copy``: no other rank holds it live; its buddy holds a copy of a recent boundary,
   and the whole job goes back to that boundary (:mod:`migrator.peercopy`).
 
-Every active rank publishes the layout in the job's store at its start (:func:`publish_layout`,
-under :data:`LAYOUT_KEY`); the agent reads it when it chooses the rank that sends a lost
-rank's state (:func:`senders`). Pure Python: the agent imports it without torch.
+Every active rank publishes the layout in the job's key-value store at its start
+(:func:`publish_layout`, under :data:`LAYOUT_KEY`); the agent reads it when it chooses the
+rank that sends a lost rank's state (:func:`senders`). Pure Python: the agent imports it
+without torch.
 """
 
 from __future__ import annotations
@@ -24,10 +25,9 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["LAYOUT_KEY", "MeshLayout", "publish_layout", "read_layout", "senders"]
+from migrator.protocol import LAYOUT_KEY
 
-LAYOUT_KEY = "job/layout"
-"""The store key of the job's :class:`MeshLayout` (JSON), written by every active rank."""
+__all__ = ["LAYOUT_KEY", "MeshLayout", "publish_layout", "read_layout", "senders"]
 
 
 @dataclass(frozen=True)
@@ -88,17 +88,17 @@ class MeshLayout:
         return cls(**data)
 
 
-def publish_layout(store: Any, layout: MeshLayout) -> None:
+def publish_layout(kv: Any, layout: MeshLayout) -> None:
     """Write ``layout`` under :data:`LAYOUT_KEY` (every active rank writes the same)."""
-    store.set(LAYOUT_KEY, layout.to_json())
+    kv.set(LAYOUT_KEY, layout.to_json())
 
 
-def read_layout(store: Any) -> MeshLayout | None:
+def read_layout(kv: Any) -> MeshLayout | None:
     """The job's published layout; None if no rank published one (a job of an older
     library, or before the first rank started)."""
-    if not store.check([LAYOUT_KEY]):
+    if not kv.check([LAYOUT_KEY]):
         return None
-    return MeshLayout.from_json(store.get(LAYOUT_KEY))
+    return MeshLayout.from_json(kv.get(LAYOUT_KEY))
 
 
 def senders(

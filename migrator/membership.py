@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from migrator import protocol as P
 from migrator.commands import CommandWatcher
 from migrator.ddp import ElasticDDP
 from migrator.fsdp import ElasticFSDP
@@ -76,13 +77,13 @@ class Formation:
         }
 
 
-def _own_client(store: Any, timeout_s: float) -> Any:
-    """Another client of ``store``'s server (a TCPStore; any other store is shared)."""
-    if not isinstance(store, dist.TCPStore):
-        return store
+def _own_client(kv: Any, timeout_s: float) -> Any:
+    """Another client of ``kv``'s server (a TCPStore; any other store is shared)."""
+    if not isinstance(kv, dist.TCPStore):
+        return kv
     return dist.TCPStore(
-        store.host,
-        store.port,
+        kv.host,
+        kv.port,
         is_master=False,
         timeout=timedelta(seconds=max(timeout_s, 30.0)),
         wait_for_workers=False,
@@ -90,27 +91,27 @@ def _own_client(store: Any, timeout_s: float) -> Any:
 
 
 def formation_prefix(gen: int, migration_id: str) -> str:
-    """The store prefix of generation ``gen``'s group formed ahead for ``migration_id``."""
-    return f"g{gen}/m/{migration_id}/pg"
+    """See :func:`protocol.formation_prefix`."""
+    return P.formation_prefix(gen, migration_id)
 
 
 class Membership:
     """The rank, generation and process group of one process of the job.
 
     Args:
-        store: a client of the job's store (generations rendezvous under ``g{g}/pg``).
+        kv: a client of the job's key-value store (generations rendezvous under ``g{g}/pg``).
         world_size: active ranks of the job (unchanged by migrations).
         rank: the rank this process starts with; None for a spare.
         backend: ``"gloo"`` or ``"nccl"``.
         timeout_s: bound on joining a group and on every collective on it, in seconds.
         device: this rank's CUDA device, for NCCL.
         graveyard: where left groups go (default: a new one).
-        commands: the watcher of this process's commands (default: one on ``store``).
+        commands: the watcher of this process's commands (default: one on ``kv``).
     """
 
     def __init__(
         self,
-        store: Any,
+        kv: Any,
         *,
         world_size: int,
         rank: int | None,
@@ -120,7 +121,7 @@ class Membership:
         graveyard: Graveyard | None = None,
         commands: CommandWatcher | None = None,
     ) -> None:
-        self.store = store
+        self.kv = kv
         self.world_size = world_size
         self.backend = backend
         self.timeout_s = timeout_s
@@ -132,7 +133,7 @@ class Membership:
         self.fsdps: list[ElasticFSDP] = []
         self.subgroups: list[dist.ProcessGroup] = []  # the generation's HSDP sub-groups
         self.graveyard = graveyard or Graveyard()
-        self.commands = commands or CommandWatcher(store, lambda: (self.gen, self.rank))
+        self.commands = commands or CommandWatcher(kv, lambda: (self.gen, self.rank))
         self.commands.on_command = self._on_command
         self.commands.formed = self._formed_by_all
         self.commands.on_abort = lambda mid: self.abandon()
@@ -160,16 +161,16 @@ class Membership:
             self.preform(cmd["gen"] + 1, rank, cmd["migration_id"], before=lambda: ready(cmd))
         else:
             self.on_source(cmd)
-        return bool(self.store.check([f"slot{cmd['spare']}/ready"]))
+        return bool(self.kv.check([P.ready_key(cmd["spare"])]))
 
     def _formed_keys(self, migration_id: str) -> list[str]:
-        return [f"m/{migration_id}/formed/{r}" for r in range(self.world_size)]
+        return [P.MigrationKeys(migration_id).formed(r) for r in range(self.world_size)]
 
     def _formed_by_all(self, cmd: dict[str, Any]) -> bool:
         """Every member of the move's g+1 (the spare at the source's rank) is done forming
         it, formed or failed."""
         keys = self._formed_keys(cmd["migration_id"])
-        return all(self.store.check([k]) for k in keys)
+        return all(self.kv.check([k]) for k in keys)
 
     def preform(
         self,
@@ -191,7 +192,7 @@ class Membership:
 
         # A client of its own: a blocking wait of the main thread (a spare waiting for its
         # state) holds the shared client's lock, which the rendezvous would wait behind.
-        store = _own_client(self.store, self.timeout_s)
+        kv = _own_client(self.kv, self.timeout_s)
 
         def run() -> None:
             try:
@@ -199,7 +200,7 @@ class Membership:
                     raise RuntimeError("the move ended before its group was formed")
                 t = time.perf_counter()
                 group = new_group(
-                    store,
+                    kv,
                     formation.prefix,
                     rank=rank,
                     size=self.world_size,
@@ -208,7 +209,7 @@ class Membership:
                     device=self.device,
                 )
                 mesh = [
-                    sharded.mesh_groups(group, self._sub_group(formation.prefix, formation, store))
+                    sharded.mesh_groups(group, self._sub_group(formation.prefix, formation, kv))
                     for sharded in self.fsdps
                 ]
                 formation.form_s = time.perf_counter() - t
@@ -224,8 +225,8 @@ class Membership:
                 formation.done.set()
                 ok = "1" if formation.group is not None else "0"
                 try:
-                    store.set(f"m/{migration_id}/formed/{rank}", ok)
-                except (RuntimeError, OSError) as exc:  # the store is gone
+                    kv.set(P.MigrationKeys(migration_id).formed(rank), ok)
+                except (RuntimeError, OSError) as exc:  # the key-value store is gone
                     log.warning("could not say that generation %d was formed: %s", gen, exc)
 
         formation.thread = threading.Thread(target=run, name="forewarn-preform", daemon=True)
@@ -266,11 +267,11 @@ class Membership:
         # Every member decides alike from the same keys, once all are written (a spare that
         # was still starting at S: the others may be finishing their rendezvous): the formed
         # group if every member formed it, else one built now under the generation's prefix.
-        while not all(self.store.check([k]) for k in keys) and time.monotonic() < deadline:
+        while not all(self.kv.check([k]) for k in keys) and time.monotonic() < deadline:
             time.sleep(0.005)
         if not (
             formation.done.is_set()
-            and all(self.store.check([k]) and self.store.get(k) == b"1" for k in keys)
+            and all(self.kv.check([k]) and self.kv.get(k) == b"1" for k in keys)
         ):
             self.abandon()
             return None
@@ -303,8 +304,8 @@ class Membership:
             mesh = formation.mesh
         else:
             group = new_group(
-                self.store,
-                f"g{gen}/pg",
+                self.kv,
+                P.pg_prefix(gen),
                 rank=rank,
                 size=self.world_size,
                 backend=self.backend,
@@ -312,7 +313,9 @@ class Membership:
                 device=self.device,
             )
             into: list[dist.ProcessGroup] = []
-            mesh = [s.mesh_groups(group, self._sub_group(f"g{gen}/pg", into)) for s in self.fsdps]
+            mesh = [
+                s.mesh_groups(group, self._sub_group(P.pg_prefix(gen), into)) for s in self.fsdps
+            ]
             self.subgroups = into
         for i, wrapped in enumerate(self.ddps):
             wrapped.rebuild(group, plans[i] if plans else None, initial=initial)
@@ -322,14 +325,14 @@ class Membership:
         self.commands.clear()
         self.commands.start()
 
-    def _sub_group(self, prefix: str, into: Any, store: Any = None) -> Any:
+    def _sub_group(self, prefix: str, into: Any, kv: Any = None) -> Any:
         """Builds a sub-group (an HSDP or tensor-parallel mesh dimension's) under
         ``{prefix}/{tag}``, kept in ``into.subgroups`` (or the list ``into``); left with
         the generation's group."""
 
         def build(tag: str, rank: int, size: int) -> dist.ProcessGroup:
             sub = new_group(
-                store or self.store,
+                kv or self.kv,
                 f"{prefix}/{tag}",
                 rank=rank,
                 size=size,

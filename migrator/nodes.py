@@ -1,14 +1,14 @@
-"""A job across several nodes: one launcher per node, one coordinator, one c10d store.
+"""A job across several nodes: one launcher per node, one coordinator, one key-value store.
 
 ``forewarn launch`` runs once per node, as ``torchrun`` does. The launcher of node rank 0 is
-the *coordinator*: it hosts the job's ``torch.distributed.TCPStore`` on the rendezvous
+the *coordinator*: it hosts the job's key-value store (a c10d ``TCPStore``) on the rendezvous
 endpoint (``--rdzv-endpoint host:port``), runs the :class:`migrator.agent.Agent` (commands,
 recovery, reports, the endpoint, the registration with the service) and sees every slot of
-the job. Every other launcher is a :class:`NodeAgent`: a client of that store that starts its
-own node's ranks and spares, reports their pids and exits, beats a heartbeat, and kills a
-slot when the coordinator asks. Nothing else travels between launchers; the ranks themselves
-rendezvous through the same store (process-group generations, transfers), so a spare on any
-node can take over any rank.
+the job. Every other launcher is a :class:`NodeAgent`: a client of that key-value store that
+starts its own node's ranks and spares, reports their pids and exits, beats a heartbeat, and
+kills a slot when the coordinator asks. Nothing else travels between launchers; the ranks
+themselves rendezvous through the same key-value store (process-group generations,
+transfers), so a spare on any node can take over any rank.
 
 Store keys of the launchers (beside those of :mod:`migrator.protocol`)::
 
@@ -28,7 +28,7 @@ Store keys of the launchers (beside those of :mod:`migrator.protocol`)::
 A node whose launcher stops beating for ``node_timeout_s`` (its power, its network, or a
 SIGKILL of its process group) is lost: every process it ran counts as killed, and the
 coordinator recovers those ranks on spares of the surviving nodes. The coordinator's own node
-hosts the store: losing it ends the job (as losing torchrun's c10d store host does).
+hosts the key-value store: losing it ends the job (as losing torchrun's c10d store host does).
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def slot_env(
 ) -> dict[str, str]:
     """The variables a process of the job gets (``FOREWARN_*`` and torchrun's own names)."""
     return {
-        "FOREWARN_STORE": config["store"],
+        "FOREWARN_KV": config["kv"],
         "FOREWARN_SLOT": str(spec.index),
         "FOREWARN_WORLD_SIZE": str(config["world_size"]),
         "FOREWARN_INITIAL_RANK": "" if spec.rank is None else str(spec.rank),
@@ -153,16 +153,16 @@ def spawn(
 
 
 class NodeMonitor:
-    """What the coordinator knows of the other nodes: beats, exits and pids, from the store.
+    """What the coordinator knows of the other nodes: beats, exits and pids (key-value store).
 
     Args:
-        store: a client of the job's store.
+        kv: a client of the job's key-value store.
         node_timeout_s: a node that has not beaten for this long is lost.
         clock: monotonic seconds (a parameter for tests).
     """
 
-    def __init__(self, store: Any, *, node_timeout_s: float, clock: Any = time.monotonic) -> None:
-        self.store = store
+    def __init__(self, kv: Any, *, node_timeout_s: float, clock: Any = time.monotonic) -> None:
+        self.kv = kv
         self.node_timeout_s = node_timeout_s
         self.clock = clock
         self.nodes: dict[int, dict[str, Any]] = {}
@@ -180,12 +180,12 @@ class NodeMonitor:
         for node, state in self.nodes.items():
             if state["lost"]:
                 continue
-            beat = int(self.store.add(f"node/{node}/beat", 0))
+            beat = int(self.kv.add(P.node_key(node, "beat"), 0))
             if beat != state["beat"]:
                 state["beat"], state["seen"] = beat, now
             for key, field in (("exits", "exits"), ("pids", "pids")):
-                if self.store.check([f"node/{node}/{key}"]):
-                    got = P.get_json(self.store, f"node/{node}/{key}")
+                if self.kv.check([P.node_key(node, key)]):
+                    got = P.get_json(self.kv, P.node_key(node, key))
                     state[field] = {int(k): v for k, v in got.items()}
             if now - state["seen"] > self.node_timeout_s:
                 state["lost"] = True
@@ -225,7 +225,7 @@ class RemoteProc:
         return self.returncode
 
     def send_signal(self, sig: int) -> None:
-        self.monitor.store.set(f"kill/{self.slot}", str(int(sig)))
+        self.monitor.kv.set(P.kill_key(self.slot), str(int(sig)))
 
     def wait(self, timeout: float | None = None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -246,11 +246,11 @@ class NodeConfig:
     """One non-coordinator launcher. Timeouts in seconds."""
 
     command: list[str]
-    store_host: str
-    store_port: int
+    kv_host: str
+    kv_port: int
     nproc: int
     spares: int
-    node_rank: int | None  # None: the store hands one out
+    node_rank: int | None  # None: the key-value store hands one out
     node: str
     join_timeout_s: float = 300.0
     log_dir: Path | None = None
@@ -270,27 +270,27 @@ class NodeAgent:
         import torch.distributed as dist
 
         self.cfg = config
-        self.store = dist.TCPStore(
-            config.store_host,
-            config.store_port,
+        self.kv = dist.TCPStore(
+            config.kv_host,
+            config.kv_port,
             is_master=False,
             timeout=timedelta(seconds=config.join_timeout_s),
         )
         if config.node_rank is None:
-            self.node_rank = int(self.store.add("nodes/next", 1))
+            self.node_rank = int(self.kv.add(P.NODES_NEXT_KEY, 1))
         else:
             self.node_rank = config.node_rank
         if self.node_rank < 1:
-            raise ValueError("node rank 0 is the coordinator's (it hosts the store)")
+            raise ValueError("node rank 0 is the coordinator's (it hosts the key-value store)")
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
         self.exits: dict[int, int] = {}
         self.interrupted = False
 
     def run(self) -> int:
         hello = {"name": self.cfg.node, "nproc": self.cfg.nproc, "spares": self.cfg.spares}
-        P.put_json(self.store, f"node/{self.node_rank}/hello", hello)
+        P.put_json(self.kv, P.node_key(self.node_rank, "hello"), hello)
         config = P.wait_json(
-            self.store, "job/config", timeout_s=self.cfg.join_timeout_s, what="the coordinator"
+            self.kv, P.JOB_CONFIG_KEY, timeout_s=self.cfg.join_timeout_s, what="the coordinator"
         )
         mine = [SlotSpec(**s) for s in config["slots"] if s["node_rank"] == self.node_rank]
         for spec in mine:
@@ -301,10 +301,13 @@ class NodeAgent:
                 self.cfg.command, env, log_dir=self.cfg.log_dir, index=spec.index
             )
         pids = {slot: proc.pid for slot, proc in self.procs.items()}
-        P.put_json(self.store, f"node/{self.node_rank}/pids", pids)
+        P.put_json(self.kv, P.node_key(self.node_rank, "pids"), pids)
         try:
             code = self._watch()
-        except (RuntimeError, OSError) as exc:  # the store (the coordinator's node) is gone
+        except (
+            RuntimeError,
+            OSError,
+        ) as exc:  # the key-value store (the coordinator's node) is gone
             log.error("node %d: lost the coordinator: %s", self.node_rank, exc)
             code = 1
         except KeyboardInterrupt:  # SIGINT or SIGTERM to this launcher
@@ -320,25 +323,25 @@ class NodeAgent:
         beating, until the job ends (bounded; a second interrupt stops at once), so that
         they write their part of the stop checkpoint."""
         try:
-            self.store.set("job/stop", str(self.node_rank))
+            self.kv.set(P.JOB_STOP_KEY, str(self.node_rank))
             self._watch(deadline=time.monotonic() + 4 * timeout_s + 60)
         except (RuntimeError, OSError, KeyboardInterrupt):
             pass
 
     def _watch(self, deadline: float | None = None) -> int:
         while deadline is None or time.monotonic() < deadline:
-            self.store.add(f"node/{self.node_rank}/beat", 1)
+            self.kv.add(P.node_key(self.node_rank, "beat"), 1)
             changed = False
             for slot, proc in self.procs.items():
                 if slot not in self.exits and proc.poll() is not None:
                     self.exits[slot] = int(proc.returncode)
                     changed = True
-                elif slot not in self.exits and self.store.check([f"kill/{slot}"]):
-                    proc.send_signal(int(self.store.get(f"kill/{slot}")))
+                elif slot not in self.exits and self.kv.check([P.kill_key(slot)]):
+                    proc.send_signal(int(self.kv.get(P.kill_key(slot))))
             if changed:
-                P.put_json(self.store, f"node/{self.node_rank}/exits", self.exits)
-            if self.store.check(["job/end"]):
-                return int(self.store.get("job/end"))
+                P.put_json(self.kv, P.node_key(self.node_rank, "exits"), self.exits)
+            if self.kv.check([P.JOB_END_KEY]):
+                return int(self.kv.get(P.JOB_END_KEY))
             time.sleep(BEAT_S)
         return 130
 
@@ -356,29 +359,29 @@ class NodeAgent:
                 proc.wait(timeout=30)
             self.exits.setdefault(slot, int(proc.returncode))
         try:
-            P.put_json(self.store, f"node/{self.node_rank}/exits", self.exits)
-            self.store.set(f"node/{self.node_rank}/bye", "1")
+            P.put_json(self.kv, P.node_key(self.node_rank, "exits"), self.exits)
+            self.kv.set(P.node_key(self.node_rank, "bye"), "1")
         except (RuntimeError, OSError):
             pass
 
 
-def wait_for_nodes(store: Any, nnodes: int, *, timeout_s: float) -> list[dict[str, Any]]:
+def wait_for_nodes(kv: Any, nnodes: int, *, timeout_s: float) -> list[dict[str, Any]]:
     """The coordinator waits until every other node's launcher said hello (bounded)."""
-    keys = [f"node/{n}/hello" for n in range(1, nnodes)]
+    keys = [P.node_key(n, "hello") for n in range(1, nnodes)]
     deadline = time.monotonic() + timeout_s
     hellos = []
     for key in keys:
         left = max(0.1, deadline - time.monotonic())
-        hellos.append(P.wait_json(store, key, timeout_s=left, what=f"the launcher of {key[:-6]}"))
+        hellos.append(P.wait_json(kv, key, timeout_s=left, what=f"the launcher of {key[:-6]}"))
     return hellos
 
 
-def say_goodbye(store: Any, nodes: list[int], code: int, *, timeout_s: float = 15.0) -> None:
+def say_goodbye(kv: Any, nodes: list[int], code: int, *, timeout_s: float = 15.0) -> None:
     """The coordinator ends the job on ``nodes`` and waits (bounded) for them to leave."""
-    store.set("job/end", str(code))
+    kv.set(P.JOB_END_KEY, str(code))
     deadline = time.monotonic() + timeout_s
     for n in nodes:
-        while not store.check([f"node/{n}/bye"]) and time.monotonic() < deadline:
+        while not kv.check([P.node_key(n, "bye")]) and time.monotonic() < deadline:
             time.sleep(0.05)
 
 
@@ -395,7 +398,8 @@ def node_rank_from_env(environ: Any) -> int | None:
 
 
 def _can_host(host: str, port: int) -> bool:
-    """Whether this machine can bind the store's address (automatic node rank: first wins)."""
+    """Whether this machine can bind the key-value store's address (automatic node rank:
+    first wins)."""
     import socket
 
     try:
@@ -411,7 +415,7 @@ def run_node(args: Any, command: list[str]) -> int | None:
     exit code."""
     node_rank = args.node_rank
     if node_rank is None:
-        node_rank = 0 if _can_host(args.host, args.store_port) else None
+        node_rank = 0 if _can_host(args.host, args.kv_port) else None
     if node_rank == 0:
         return None
     import socket
@@ -420,8 +424,8 @@ def run_node(args: Any, command: list[str]) -> int | None:
     agent = NodeAgent(
         NodeConfig(
             command=command,
-            store_host=args.host,
-            store_port=args.store_port,
+            kv_host=args.host,
+            kv_port=args.kv_port,
             nproc=args.nproc,
             spares=args.spares,
             node_rank=node_rank,

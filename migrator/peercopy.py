@@ -12,7 +12,7 @@ k steps; copies from then on):
    its own host memory (:class:`Copy`), at the boundary, before step ``c`` runs;
 2. sends that copy, from a background thread while training goes on, to its *buddy*, rank
    ``(r + 1) % world`` (:func:`buddy_of`), which receives it, from a background thread too,
-   into its host memory and then says so in the store (:func:`held_key`: the step of the
+   into its host memory and then says so in the key-value store (:func:`held_key`: the step of the
    last copy of rank ``r`` the buddy holds whole).
 
 Each process keeps its own last two copies and its ward's (rank ``r - 1``) last two: four
@@ -27,7 +27,7 @@ lost ranks' held copies; every survivor puts its own copy of ``c`` back in place
 (``2k`` when the last round had not landed) replayed, deterministically. A rank lost together
 with its buddy has no copy left: the job stops, naming both.
 
-The copies travel point to point over gloo, not through the store: a two-rank group per
+The copies travel point to point over gloo, not through the key-value store: a two-rank group per
 copy (prefix ``pc/g{gen}/{rank}/{step}``), built at the boundary, used by the round's
 threads, then left in the job's graveyard (:mod:`migrator.groups`).
 """
@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from migrator import protocol as P
 from migrator.channels import Channels
 from migrator.groups import Graveyard, pair_group
 from migrator.peerplan import EVERY_KEY, buddy_of, held_key, rewind_plan, since_key
@@ -82,7 +83,7 @@ class PeerCopies:
     """This process's side of the peer copies; see the module docstring.
 
     Args:
-        store: a client of the job's store.
+        kv: a client of the job's key-value store.
         registry: the training state.
         channels: opens the transport of a copy sent to a spare.
         every: ``k``, the steps between two copies.
@@ -97,7 +98,7 @@ class PeerCopies:
 
     def __init__(
         self,
-        store: Any,
+        kv: Any,
         registry: Registry,
         channels: Channels,
         *,
@@ -113,7 +114,7 @@ class PeerCopies:
             raise ValueError(f"peer_copy_every must be >= 1 or 'auto', not {every!r}")
         if world < 2:
             raise ValueError("peer copies need a second rank to hold them")
-        self.store = store
+        self.kv = kv
         self.registry = registry
         self.channels = channels
         self.every: int | None = every if isinstance(every, int) else None
@@ -142,8 +143,8 @@ class PeerCopies:
         boundary (a spare that joins later, at once), so all agree."""
         if self._first < 0:
             self._first = step + PROBE
-            if self.store.check([EVERY_KEY]):  # a spare joining a running job
-                self.every, self._first = int(self.store.get(EVERY_KEY)), step
+            if self.kv.check([EVERY_KEY]):  # a spare joining a running job
+                self.every, self._first = int(self.kv.get(EVERY_KEY)), step
                 return
         if rank == 0:
             self._probe.append(time.perf_counter())
@@ -154,7 +155,7 @@ class PeerCopies:
                 _take(self.registry, step, b"")
                 copy_s = time.perf_counter() - t0
                 every = max(1, math.ceil(copy_s / (self.cost_target * step_s)))
-                self.store.set(EVERY_KEY, str(every))
+                self.kv.set(EVERY_KEY, str(every))
                 log.info(
                     "peer copies every %d steps: a copy takes %.1f ms, a step %.1f ms",
                     every,
@@ -162,7 +163,9 @@ class PeerCopies:
                     step_s * 1e3,
                 )
         if step == self._first:
-            self.every = int(self.store.get(EVERY_KEY))  # waits for rank 0 (store timeout)
+            self.every = int(
+                self.kv.get(EVERY_KEY)
+            )  # waits for rank 0 (the key-value store's timeout)
 
     def at_boundary(self, step: int, rank_state: bytes) -> None:
         """At boundary ``step``: when a copy is due, take this rank's own copy, build the
@@ -188,12 +191,15 @@ class PeerCopies:
         for old in sorted(self.own)[:-2]:
             del self.own[old]
         ward = (rank - 1) % self.world
-        prefixes = {True: f"pc/g{gen}/{rank}/{step}", False: f"pc/g{gen}/{ward}/{step}"}
+        prefixes = {
+            True: P.peer_copy_prefix(gen, rank, step),
+            False: P.peer_copy_prefix(gen, ward, step),
+        }
         groups = {}
         try:
             for sender in (True, False) if rank % 2 == 0 else (False, True):
                 groups[sender] = pair_group(
-                    self.store,
+                    self.kv,
                     prefixes[sender],
                     sender=sender,
                     backend=self.backend,
@@ -246,7 +252,7 @@ class PeerCopies:
         self.held[step] = Copy(step, meta, got["tensors"], meta["rank_state"], stats.bytes)
         for old in sorted(self.held)[:-2]:
             del self.held[old]
-        self.store.set(held_key(ward), str(step))
+        self.kv.set(held_key(ward), str(step))
 
     def restore(self, step: int) -> None:
         """Put this rank's own copy of boundary ``step`` back in place (tensors in place,
@@ -284,8 +290,8 @@ class PeerCopies:
         recovery every rank runs the boundary again, its round included."""
         self.own = {step: _take(self.registry, step, rank_state)}
         self._skip = step if planned else None
-        self.store.delete_key(held_key((rank - 1) % self.world))
-        self.store.set(since_key(rank), str(step))
+        self.kv.delete_key(held_key((rank - 1) % self.world))
+        self.kv.set(since_key(rank), str(step))
 
     def forget_after(self, step: int) -> None:
         """Drop the ward's copies of steps after ``step`` (the job went back to it)."""

@@ -1,4 +1,4 @@
-"""The plan of a peer-copy job's recovery, read from the job's store: who holds whose copy
+"""The plan of a peer-copy job's recovery, read from the job's key-value store: who holds whose copy
 and which step every rank goes back to (:func:`rewind_plan`). Apart from the copies
 themselves (:mod:`migrator.peercopy`, which needs torch), so that the launcher's recovery
 imports it without torch.
@@ -9,10 +9,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["EVERY_KEY", "buddy_of", "held_key", "rewind_plan", "since_key"]
+from migrator.protocol import EVERY_KEY, held_key, since_key
 
-EVERY_KEY = "pc/every"
-"""The store key of the k rank 0 derived."""
+__all__ = ["EVERY_KEY", "buddy_of", "held_key", "rewind_plan", "since_key"]
 
 
 def buddy_of(rank: int, world: int) -> int:
@@ -20,19 +19,8 @@ def buddy_of(rank: int, world: int) -> int:
     return (rank + 1) % world
 
 
-def held_key(rank: int) -> str:
-    """The store key (written by the buddy) of the step of rank ``rank``'s last whole copy."""
-    return f"pc/held/{rank}"
-
-
-def since_key(rank: int) -> str:
-    """The store key of the first step whose copy rank ``rank``'s current process holds (a
-    spare that took the rank at step S holds no copy of an earlier step)."""
-    return f"pc/since/{rank}"
-
-
 def rewind_plan(
-    store: Any, world: int, lost: Iterable[int], healthy: Iterable[int]
+    kv: Any, world: int, lost: Iterable[int], healthy: Iterable[int]
 ) -> tuple[dict[int, int], int | None, str]:
     """For the lost ranks of a peer-copy job: the buddy that sends each one's copy, the step
     every rank goes back to (the oldest lost rank's last whole copy), and why not ("" if
@@ -44,15 +32,15 @@ def rewind_plan(
         buddy = buddy_of(rank, world)
         if buddy not in alive:
             return {}, None, f"rank {rank} and its buddy rank {buddy} were lost together"
-        if not store.check([held_key(rank)]):
+        if not kv.check([held_key(rank)]):
             return {}, None, f"rank {rank} was lost before its first copy reached rank {buddy}"
         senders[rank] = buddy
-        steps.append(int(store.get(held_key(rank))))
+        steps.append(int(kv.get(held_key(rank))))
     if not steps:
         return senders, None, ""
     step = min(steps)
     for rank in sorted(alive):
-        if store.check([since_key(rank)]) and int(store.get(since_key(rank))) > step:
-            since = int(store.get(since_key(rank)))
+        if kv.check([since_key(rank)]) and int(kv.get(since_key(rank))) > step:
+            since = int(kv.get(since_key(rank)))
             return {}, None, f"rank {rank} was taken over at step {since}, after the copy of {step}"
     return senders, step, ""

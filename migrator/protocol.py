@@ -1,10 +1,9 @@
-"""The control protocol between the job agent and its ranks: store keys and bounded waits.
+"""The control protocol between the job agent and its ranks: key names and bounded waits.
 
-Everything the agent and the processes of a job say to each other goes through the
-rendezvous store the agent hosts (a ``torch.distributed.TCPStore``), so that no message lives
-in a process that may die. This module names every key in one place and gives the one
-primitive every participant uses to wait: a poll with a deadline. Nothing here blocks without
-a timeout.
+Everything the agent and the processes of a job say to each other goes through the job's
+key-value store: a c10d TCPStore the agent hosts, so that no message lives in a process
+that may die. This module names every key in one place and gives the one primitive every
+participant uses to wait: a poll with a deadline. Nothing here blocks without a timeout.
 
 Key map (``g`` is a process-group generation, ``r`` a rank, ``s`` a process slot)::
 
@@ -20,6 +19,7 @@ Key map (``g`` is a process-group generation, ``r`` a rank, ``s`` a process slot
     g{g}/recovery            the agent's decision after a failure
     slot{s}/assign           what a spare is to become (agent)
     slot{s}/unique           the process registered rank-unique state
+    slot{s}/ready            the spare of slot ``s`` is up and waits for an assignment
     err/{s}                  the exception the script of slot ``s`` raised (JSON: rank, step,
                              type, message, traceback), written before the process exits
     rs/{r}                   mirror of rank r's own state (RNG, data position) at its last
@@ -39,6 +39,18 @@ Key map (``g`` is a process-group generation, ``r`` a rank, ``s`` a process slot
     x/{id}/...               point-to-point transfer groups of migration ``id``
     fault/{i}                fault-injection bookkeeping (each fault fires once per job)
     done/{r}                 rank r finished its last step
+    g0/arrived               how many ranks reached their first step (counter)
+    g{g}/m/{id}/pg/...       generation g formed ahead for migration ``id`` (PrefixStore)
+    pc/...                   peer copies: k (pc/every), held and since steps, pair groups
+    job/config, job/layout   the slots' configuration (agent), the job's mesh layout (ranks)
+    job/stop, job/end        a node's launcher was stopped; the job's exit code (agent)
+    nodes/next, node/{n}/... node ranks handed out; node n's hello, beat, pids, exits, bye
+    kill/{s}                 the signal the node hosting slot ``s`` is to send it
+
+Every key is built here (:class:`MigrationKeys`, :class:`CheckpointKeys` and the ``*_key``
+functions), and the values the agent and the ranks compare (a migration's outcome, the
+job's status, the agent's recovery decision) are the enums below, whose values are the
+strings on the wire.
 """
 
 from __future__ import annotations
@@ -46,30 +58,53 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 from forewarn.errors import MigrationError
 
 __all__ = [
+    "ARRIVED_KEY",
+    "EVERY_KEY",
+    "JOB_CONFIG_KEY",
+    "JOB_END_KEY",
+    "JOB_STOP_KEY",
+    "LAYOUT_KEY",
     "MANIFEST_KEY",
+    "NODES_NEXT_KEY",
+    "CheckpointKeys",
+    "Decision",
     "HandoverTimeout",
+    "JobStatus",
+    "MigrationKeys",
+    "Outcome",
     "alive_count_key",
     "alive_key",
     "assign_key",
-    "attempt_key",
-    "checkpoint_key",
     "cmd_key",
+    "done_key",
     "error_key",
+    "fault_key",
     "first_present",
+    "formation_prefix",
     "get_json",
+    "held_key",
+    "kill_key",
     "mirror_ahead_key",
     "mirror_key",
+    "node_key",
+    "peer_copy_prefix",
+    "pg_prefix",
     "put_json",
+    "ready_key",
     "recovery_key",
-    "replica_prefix",
     "roster_key",
+    "since_key",
     "stop_key",
     "suspect_key",
+    "timing_key",
+    "unique_key",
     "wait_json",
 ]
 
@@ -81,6 +116,208 @@ class HandoverTimeout(MigrationError):
 
     code = "handover_timeout"
     retryable = True
+
+
+class Outcome(StrEnum):
+    """How a migration ended (``MigrationReport.outcome``)."""
+
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+class JobStatus(StrEnum):
+    """Where the job stands (``JobTable.status``, and ``GET /v1/job``'s ``status``)."""
+
+    STARTING = "starting"
+    RUNNING = "running"
+    PAUSED = "paused"
+    STOPPING = "stopping"
+    FAILED = "failed"
+    COMPLETED = "completed"
+    STOPPED = "stopped"
+
+
+class Decision(StrEnum):
+    """The agent's decision after a suspected failure (``status`` of ``g{g}/recovery``)."""
+
+    NONE = "none"
+    """no rank was lost: the survivors go on in generation g"""
+    PAUSED = "paused"
+    """no spare yet: the survivors wait for a later decision"""
+    PLAN = "plan"
+    """spares take the lost ranks in generation g+1"""
+    FAILED = "failed"
+    """the job cannot go on"""
+
+
+@dataclass(frozen=True)
+class MigrationKeys:
+    """The keys of migration ``migration_id``: its progress (``m/{id}/...``) and its
+    transfer groups (``x/{id}/...``)."""
+
+    migration_id: str
+
+    @property
+    def base(self) -> str:
+        return f"m/{self.migration_id}"
+
+    @property
+    def aborted(self) -> str:
+        """Set (to why) by the agent when it aborts a planned move; the source trains on."""
+        return f"{self.base}/aborted"
+
+    @property
+    def failed(self) -> str:
+        """The move failed (JSON: code, message), written by the new rank."""
+        return f"{self.base}/failed"
+
+    @property
+    def source_at(self) -> str:
+        """When the source stood at S (wall clock), for the stall the job sees."""
+        return f"{self.base}/source_at"
+
+    @property
+    def peer_prefix(self) -> str:
+        """The transfer group of the source sending its state to the spare."""
+        return f"x/{self.migration_id}/peer"
+
+    def ack(self, rank: int) -> str:
+        """The last boundary rank ``rank`` passed when it read the command."""
+        return f"{self.base}/ack/{rank}"
+
+    def received(self, rank: int) -> str:
+        return f"{self.base}/received/{rank}"
+
+    def fallback(self, rank: int) -> str:
+        """The spare gave up on the source of rank ``rank`` (it takes a replica's state)."""
+        return f"{self.base}/fallback/{rank}"
+
+    def pause(self, rank: int) -> str:
+        return f"{self.base}/pause/{rank}"
+
+    def report(self, rank: int) -> str:
+        return f"{self.base}/report/{rank}"
+
+    def group(self, rank: int) -> str:
+        """Rank ``rank``'s record of how generation g+1 was formed ahead."""
+        return f"{self.base}/group/{rank}"
+
+    def formed(self, rank: int) -> str:
+        return f"{self.base}/formed/{rank}"
+
+    def attempts(self, rank: int) -> str:
+        """Counter of the spares tried for rank ``rank``."""
+        return f"{self.base}/attempts/{rank}"
+
+    def attempt(self, rank: int, attempt: int) -> str:
+        return f"{self.base}/attempt/{rank}/{attempt}"
+
+    def replica_prefix(self, rank: int, attempt: int = 0) -> str:
+        """The transfer group of a replica sending rank ``rank``'s state (``attempt``: the
+        how-many-th spare tried; a spare that dies mid-receive is replaced by another)."""
+        return f"x/{self.migration_id}/replica/{rank}" + (f"/{attempt}" if attempt else "")
+
+
+@dataclass(frozen=True)
+class CheckpointKeys:
+    """The keys of stop checkpoint ``checkpoint_id`` (see :mod:`migrator.checkpoint`)."""
+
+    checkpoint_id: str
+
+    @property
+    def base(self) -> str:
+        return f"ckpt/{self.checkpoint_id}"
+
+    def rank_state(self, rank: int) -> str:
+        return f"{self.base}/rs/{rank}"
+
+    @property
+    def done(self) -> str:
+        """The checkpoint's path and step (JSON), once written."""
+        return f"{self.base}/done"
+
+    @property
+    def failed(self) -> str:
+        """Why no checkpoint was written."""
+        return f"{self.base}/failed"
+
+
+ARRIVED_KEY = "g0/arrived"
+"""Counter of the ranks that reached their first step."""
+JOB_STOP_KEY = "job/stop"
+"""A node's launcher was stopped: the job stops (the node's rank)."""
+JOB_END_KEY = "job/end"
+"""The job's exit code, for the nodes' launchers."""
+NODES_NEXT_KEY = "nodes/next"
+"""Counter handing out node ranks."""
+LAYOUT_KEY = "job/layout"
+"""The job's :class:`~migrator.layouts.MeshLayout` (JSON), written by every active rank."""
+EVERY_KEY = "pc/every"
+"""The peer copies' k rank 0 derived."""
+JOB_CONFIG_KEY = "job/config"
+"""The coordinator's slot configuration, for the nodes' launchers (JSON)."""
+
+
+def peer_copy_prefix(gen: int, rank: int, step: int) -> str:
+    """The pair group carrying rank ``rank``'s copy of step ``step`` to its buddy."""
+    return f"pc/g{gen}/{rank}/{step}"
+
+
+def pg_prefix(gen: int) -> str:
+    """The prefix of generation ``gen``'s gloo/NCCL rendezvous."""
+    return f"g{gen}/pg"
+
+
+def formation_prefix(gen: int, migration_id: str) -> str:
+    """The prefix of generation ``gen``'s group formed ahead for ``migration_id``."""
+    return f"g{gen}/m/{migration_id}/pg"
+
+
+def ready_key(slot: int) -> str:
+    """The process of slot ``slot`` (a spare) is ready to receive."""
+    return f"slot{slot}/ready"
+
+
+def unique_key(slot: int) -> str:
+    """The process of slot ``slot`` registered rank-unique state."""
+    return f"slot{slot}/unique"
+
+
+def done_key(rank: int) -> str:
+    """Rank ``rank`` finished its last step."""
+    return f"done/{rank}"
+
+
+def fault_key(index: int) -> str:
+    """Counter of fault ``index``'s firings (it fires once per job)."""
+    return f"fault/{index}"
+
+
+def node_key(node: int, what: str) -> str:
+    """Node ``node``'s ``beat`` (counter), ``exits``, ``pids`` (JSON) or ``bye``."""
+    return f"node/{node}/{what}"
+
+
+def kill_key(slot: int) -> str:
+    """The signal the node hosting slot ``slot`` is to send its process."""
+    return f"kill/{slot}"
+
+
+def held_key(rank: int) -> str:
+    """The step of rank ``rank``'s last whole peer copy (written by the buddy)."""
+    return f"pc/held/{rank}"
+
+
+def since_key(rank: int) -> str:
+    """The first step whose copy rank ``rank``'s current process holds (a spare that took
+    the rank at step S holds no copy of an earlier step)."""
+    return f"pc/since/{rank}"
+
+
+def timing_key(rank: int) -> str:
+    """Rank ``rank``'s recent step timings (:func:`migrator.timing.encode`)."""
+    return f"t/{rank}"
 
 
 def roster_key(gen: int) -> str:
@@ -102,21 +339,6 @@ def suspect_key(gen: int) -> str:
 
 def error_key(slot: int) -> str:
     return f"err/{slot}"
-
-
-def replica_prefix(migration_id: str, rank: int, attempt: int = 0) -> str:
-    """The transfer group of a replica sending rank ``rank``'s state (``attempt``: the
-    how-many-th spare tried; a spare that dies mid-receive is replaced by another)."""
-    return f"x/{migration_id}/replica/{rank}" + (f"/{attempt}" if attempt else "")
-
-
-def attempt_key(migration_id: str, rank: int, attempt: int) -> str:
-    return f"m/{migration_id}/attempt/{rank}/{attempt}"
-
-
-def checkpoint_key(checkpoint_id: str) -> str:
-    """Prefix of the keys of one stop checkpoint (see :mod:`migrator.checkpoint`)."""
-    return f"ckpt/{checkpoint_id}"
 
 
 def alive_key(gen: int, rank: int) -> str:
@@ -146,16 +368,16 @@ def mirror_ahead_key(rank: int) -> str:
     return f"rs/{rank}/ahead"
 
 
-def put_json(store: Any, key: str, value: Any) -> None:
-    store.set(key, json.dumps(value, separators=(",", ":")))
+def put_json(kv: Any, key: str, value: Any) -> None:
+    kv.set(key, json.dumps(value, separators=(",", ":")))
 
 
-def get_json(store: Any, key: str) -> Any:
-    return json.loads(store.get(key))
+def get_json(kv: Any, key: str) -> Any:
+    return json.loads(kv.get(key))
 
 
 def first_present(
-    store: Any,
+    kv: Any,
     keys: Sequence[str],
     *,
     timeout_s: float,
@@ -165,7 +387,7 @@ def first_present(
     """Wait until one of ``keys`` exists and return it (the first in ``keys`` order).
 
     Args:
-        keys: store keys to watch.
+        keys: keys to watch.
         timeout_s: seconds to wait at most.
         what: what is awaited, for the error message.
         abort: called between polls; a non-None return ends the wait with that reason.
@@ -177,7 +399,7 @@ def first_present(
     poll = POLL_S
     while True:
         for key in keys:
-            if store.check([key]):
+            if kv.check([key]):
                 return key
         if abort is not None and (reason := abort()) is not None:
             raise HandoverTimeout(f"gave up waiting for {what}: {reason}")
@@ -189,7 +411,7 @@ def first_present(
         poll = min(poll * 1.5, 0.05)
 
 
-def wait_json(store: Any, key: str, *, timeout_s: float, what: str) -> Any:
+def wait_json(kv: Any, key: str, *, timeout_s: float, what: str) -> Any:
     """Wait for ``key`` (bounded, see :func:`first_present`) and decode its JSON value."""
-    first_present(store, [key], timeout_s=timeout_s, what=what)
-    return get_json(store, key)
+    first_present(kv, [key], timeout_s=timeout_s, what=what)
+    return get_json(kv, key)

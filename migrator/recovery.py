@@ -1,7 +1,7 @@
 """Unplanned failures: a lost or wedged rank replaced by a spare rebuilt from a replica.
 
 A collaborator of the job agent: :class:`migrator.agent.Agent` builds one :class:`Recovery`
-from its store, the job's :class:`~migrator.table.JobTable` (slots, roster, status), its
+from its key-value store, the job's :class:`~migrator.table.JobTable` (slots, roster, status), its
 settings and a :class:`Supervisor` (what it may ask of the agent: kill a process, report a
 migration's end), and calls it on every tick of its watch loop. It handles what nobody
 asked for:
@@ -21,8 +21,8 @@ asked for:
   would raise again (out of memory, any exception but a ``RuntimeError``) stops the job
   without using one, and the same error on the same rank and step after a spare took it
   over is a crash loop (the job stops instead of using up every spare);
-- with too few spares, the pause (said on stderr, on the endpoint and in the store) and the
-  failure after ``pause_timeout_s``; and :meth:`Recovery.fail`, which ends the job.
+- with too few spares, the pause (said on stderr, on the endpoint and in the key-value
+  store) and the failure after ``pause_timeout_s``; and :meth:`Recovery.fail`, which ends the job.
 
 Its own state is the recovery in progress (:attr:`Recovery.current`), the pause deadline and
 the script errors seen; the rest is the table's. Call it only with the agent's lock held.
@@ -68,7 +68,7 @@ class Supervisor(Protocol):
         """SIGKILL the slot's process and wait for it."""
         ...
 
-    def finish(self, m: Migration, outcome: str, **fields: Any) -> None:
+    def finish(self, m: Migration, outcome: P.Outcome, **fields: Any) -> None:
         """Report the end of migration ``m`` (its MigrationReport)."""
         ...
 
@@ -81,16 +81,16 @@ class Recovery:
     """Failure handling of the job agent; call only with the agent's lock held.
 
     Args:
-        store: the job's store (the agent hosts it).
+        kv: the job's key-value store (the agent hosts it).
         table: the job's slots, roster and status, shared with the agent.
         settings: timeouts and names (:class:`RecoverySettings`).
         supervisor: kills processes and reports migrations for the recovery.
     """
 
     def __init__(
-        self, store: Any, table: JobTable, settings: RecoverySettings, supervisor: Supervisor
+        self, kv: Any, table: JobTable, settings: RecoverySettings, supervisor: Supervisor
     ) -> None:
-        self.store = store
+        self.kv = kv
         self.table = table
         self.cfg = settings
         self.supervisor = supervisor
@@ -114,7 +114,7 @@ class Recovery:
         spares = self.table.live_spares()
         # A warm spare (model and optimizer allocated, waiting) first: one still starting
         # would make the ranks wait for it at the handover step.
-        spares.sort(key=lambda s: not self.store.check([f"slot{s.index}/ready"]))
+        spares.sort(key=lambda s: not self.kv.check([P.ready_key(s.index)]))
         return spares[0] if spares else None
 
     def replica_for(self, lost: set[int]) -> int | None:
@@ -124,23 +124,23 @@ class Recovery:
         if not lost or not healthy:
             return healthy[0] if healthy else None
         first = min(lost)
-        return senders(read_layout(self.store), [first], healthy).get(first, healthy[0])
+        return senders(read_layout(self.kv), [first], healthy).get(first, healthy[0])
 
     def _unrebuildable(self, dead: list[int]) -> list[int]:
         """The lost ranks whose state no healthy rank holds: by the job's published layout
         (an HSDP rank has holders in the other replica groups; a peer-copy rank a copy in
         its buddy's memory), else every lost rank when a rank registered rank-unique
         state."""
-        layout = read_layout(self.store)
+        layout = read_layout(self.kv)
         roster = self.table.roster
         if layout is not None and layout.kind == "peer_copy":
             healthy = [r for r in range(self.table.world_size) if r not in dead]
-            _, _, why = rewind_plan(self.store, self.table.world_size, dead, healthy)
+            _, _, why = rewind_plan(self.kv, self.table.world_size, dead, healthy)
             if why:
                 self.why_not = why
             return list(dead) if why else []
         if layout is None or layout.kind == "replicated":
-            unique = any(self.store.check([f"slot{roster[r]}/unique"]) for r in roster)
+            unique = any(self.kv.check([P.unique_key(roster[r])]) for r in roster)
             return list(dead) if unique else []
         healthy = [r for r in range(self.table.world_size) if r not in dead]
         return [r for r in dead if r not in senders(layout, dead, healthy)]
@@ -162,7 +162,7 @@ class Recovery:
                 and s.rank is not None
                 and self.table.roster.get(s.rank) == s.index
             ]
-            reported = int(self.store.add(P.alive_count_key(g), 0))
+            reported = int(self.kv.add(P.alive_count_key(g), 0))
             # Reports already weighed by a decision of this generation start nothing new:
             # only a newly lost rank or a new report does.
             if not lost and reported <= self._weighed.get(g, 0):
@@ -174,13 +174,13 @@ class Recovery:
                 "decided": False,
                 "seen": {},
             }
-            self.store.set(P.suspect_key(g), "1")  # ranks waiting for S join the recovery
+            self.kv.set(P.suspect_key(g), "1")  # ranks waiting for S join the recovery
             log.warning(
                 "generation %d: failure suspected (%d lost, %d reports)", g, len(lost), reported
             )
         rec = self.current
         if rec["decided"]:
-            if self.table.status == "paused":
+            if self.table.status is P.JobStatus.PAUSED:
                 self._retry_paused(now)
             return
         alive: dict[int, dict[str, Any]] = {}
@@ -190,8 +190,8 @@ class Recovery:
             # is no survivor's.
             if self.table.slots[index].role in ("dead", "retired", "done"):
                 dead.append(rank)
-            elif self.store.check([P.alive_key(g, rank)]):
-                alive[rank] = P.get_json(self.store, P.alive_key(g, rank))
+            elif self.kv.check([P.alive_key(g, rank)]):
+                alive[rank] = P.get_json(self.kv, P.alive_key(g, rank))
                 rec["seen"].setdefault(rank, now)
         undecided = [r for r in self.table.roster if r not in alive and r not in dead]
         if undecided and now < rec["deadline"]:
@@ -214,7 +214,7 @@ class Recovery:
         rec["decided"] = True
         rec["dead"] = sorted(dead)
         rec["alive"] = alive
-        self._weighed[g] = int(self.store.add(P.alive_count_key(g), 0))
+        self._weighed[g] = int(self.kv.add(P.alive_count_key(g), 0))
         errors = self._script_errors_of(dead)
         if dead and not alive:
             code = "script_error" if errors else "no_replica"
@@ -244,8 +244,8 @@ class Recovery:
             self.fail("a rank failed during a planned migration of another rank")
             return
         if not dead:
-            self.store.delete_key(P.suspect_key(g))
-            P.put_json(self.store, P.recovery_key(g), {"status": "none"})
+            self.kv.delete_key(P.suspect_key(g))
+            P.put_json(self.kv, P.recovery_key(g), {"status": P.Decision.NONE})
             self.current = None
             return
         self.why_not = ""
@@ -292,35 +292,35 @@ class Recovery:
                 for e in self.script_errors
                 if e["rank"] in dead
             )
-            if self.table.status != "paused":
+            if self.table.status is not P.JobStatus.PAUSED:
                 print(f"forewarn launch: {msg}", file=sys.stderr, flush=True)
                 self.pause_deadline = now + self.cfg.pause_timeout_s
-            self.table.status, self.table.message = "paused", msg
-            P.put_json(self.store, P.recovery_key(g), {"status": "paused", "message": msg})
+            self.table.status, self.table.message = P.JobStatus.PAUSED, msg
+            P.put_json(self.kv, P.recovery_key(g), {"status": P.Decision.PAUSED, "message": msg})
             return
         mid = planned.migration_id if planned is not None else uuid.uuid4().hex[:12]
         replica = self.replica_for(set(dead))
         healthy = [r for r in range(self.table.world_size) if r not in dead]
-        layout = read_layout(self.store)
+        layout = read_layout(self.kv)
         sources = senders(layout, dead, healthy)
         rewind = None
         if layout is not None and layout.kind == "peer_copy":  # from the buddies' copies
-            sources, rewind, _ = rewind_plan(self.store, self.table.world_size, dead, healthy)
+            sources, rewind, _ = rewind_plan(self.kv, self.table.world_size, dead, healthy)
         targets = {}
         for rank, spare in zip(dead, spares, strict=False):
             spare.role, spare.rank = "assigned", rank
             targets[rank] = spare.index
             if planned is None:
                 P.put_json(
-                    self.store,
+                    self.kv,
                     P.assign_key(spare.index),
                     {"mode": "replica", "gen": g + 1, "rank": rank, "migration_id": mid},
                 )
         P.put_json(
-            self.store,
+            self.kv,
             P.recovery_key(g),
             {
-                "status": "plan",
+                "status": P.Decision.PLAN,
                 "gen": g + 1,
                 "replacements": dead,
                 "replica": replica,
@@ -350,7 +350,7 @@ class Recovery:
         """The spare of an unplanned recovery died: give its rank to another idle spare.
 
         The replica sends again to the new one (a new attempt under
-        :func:`protocol.attempt_key`); with no spare left the job fails.
+        :meth:`protocol.MigrationKeys.attempt`); with no spare left the job fails.
         """
         rank = next(r for r, index in m.targets.items() if index == dead_spare.index)
         spare = self.free_spare()
@@ -361,13 +361,13 @@ class Recovery:
             )
             return
         mid = m.migration_id
-        attempt = int(self.store.add(f"m/{mid}/attempts/{rank}", 1))
+        attempt = int(self.kv.add(P.MigrationKeys(mid).attempts(rank), 1))
         spare.role, spare.rank = "assigned", rank
         m.targets[rank] = spare.index
         assignment = {"mode": "replica", "gen": m.gen + 1, "rank": rank, "migration_id": mid}
         assignment["attempt"] = attempt
-        P.put_json(self.store, P.assign_key(spare.index), assignment)
-        self.store.set(P.attempt_key(mid, rank, attempt), str(spare.index))
+        P.put_json(self.kv, P.assign_key(spare.index), assignment)
+        self.kv.set(P.MigrationKeys(mid).attempt(rank, attempt), str(spare.index))
         log.warning(
             "recovery %s: the spare in slot %d died; rank %d -> slot %d (attempt %d)",
             mid,
@@ -382,8 +382,8 @@ class Recovery:
         out = []
         for rank in sorted(ranks):
             key = P.error_key(self.table.roster[rank])
-            if self.store.check([key]):
-                out.append(P.get_json(self.store, key))
+            if self.kv.check([key]):
+                out.append(P.get_json(self.kv, key))
         return out
 
     def _describe(self, info: dict[str, Any]) -> str:
@@ -433,8 +433,8 @@ class Recovery:
         assert self.current is not None
         if self.free_spare() is not None:
             self._place_spares(now)
-            if self.table.status != "paused":
-                self.table.status = "running"
+            if self.table.status is not P.JobStatus.PAUSED:
+                self.table.status = P.JobStatus.RUNNING
             return
         if self.pause_deadline is not None and now >= self.pause_deadline:
             self.fail(
@@ -462,7 +462,7 @@ class Recovery:
         if len(steps) != 1 or any(a["stepped"] for a in alive.values()):
             return None, "the survivors do not stand at one boundary with their optimizer unstepped"
         roster = self.table.roster
-        if any(self.store.check([f"slot{roster[r]}/unique"]) for r in roster):
+        if any(self.kv.check([P.unique_key(roster[r])]) for r in roster):
             return None, "the job registered rank-unique state, which no replica holds"
         plan = {
             "id": f"g{rec['gen']}",
@@ -486,9 +486,13 @@ class Recovery:
         # One line in the log; the whole message (a traceback, say) is the job's final
         # status, which its launcher prints once when it exits.
         log.error("job %s failed: %s", self.cfg.job_id, (message.splitlines() or [""])[0])
-        self.table.status, self.table.message = "failed", message
+        self.table.status, self.table.message = P.JobStatus.FAILED, message
         if self.current is not None:
-            decision: dict[str, Any] = {"status": "failed", "code": code, "message": message}
+            decision: dict[str, Any] = {
+                "status": P.Decision.FAILED,
+                "code": code,
+                "message": message,
+            }
             if checkpoint:
                 plan, why = self._checkpoint_plan(code)
                 if plan is not None:
@@ -496,12 +500,12 @@ class Recovery:
                 elif why:
                     message += f"; no checkpoint: {why}"
                     decision["message"] = self.table.message = message
-            P.put_json(self.store, P.recovery_key(self.current["gen"]), decision)
+            P.put_json(self.kv, P.recovery_key(self.current["gen"]), decision)
         if self.table.inflight is not None:
             P.put_json(
-                self.store,
-                f"m/{self.table.inflight.migration_id}/failed",
+                self.kv,
+                P.MigrationKeys(self.table.inflight.migration_id).failed,
                 {"code": code, "message": message},
             )
-            self.supervisor.finish(self.table.inflight, "failed", error=message)
+            self.supervisor.finish(self.table.inflight, P.Outcome.FAILED, error=message)
             self.table.inflight = None

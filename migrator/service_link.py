@@ -221,7 +221,7 @@ class ServiceLink:
         """The heartbeat's body: the job's status and its ranks' step timing."""
         try:
             timings = agent.timings()
-        except (RuntimeError, OSError) as exc:  # the store is going away with the job
+        except (RuntimeError, OSError) as exc:  # the key-value store is going away with the job
             log.warning("no step timing for the heartbeat: %s", exc)
             timings = None
         beat = JobHeartbeat(

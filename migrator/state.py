@@ -7,7 +7,7 @@ The state of a data-parallel rank has two parts:
   from any healthy replica.
 - the *rank state*, this rank's own: the RNG states (Python, NumPy, torch CPU, the rank's
   CUDA device), the data position, the step. It is small (a few KB), snapshotted at every
-  step boundary and mirrored to the agent's store, so that a dead rank's share can be
+  step boundary and mirrored to the agent's key-value store, so that a dead rank's share can be
   rebuilt from a replica without the rank itself.
 
 An FSDP2 module's parameters and optimizer state are DTensors (:mod:`migrator.fsdp`): each

@@ -44,7 +44,7 @@ class Stopper:
     """Stops a job at a step boundary with its checkpoint; see the module docstring.
 
     Args:
-        store: the job's store.
+        kv: the job's key-value store.
         table: the job's slots, roster and status (shared with the agent).
         recovery: the agent's recovery (a paused job is failed through it).
         settings: the job id, ``timeout_s`` and the checkpoint directory.
@@ -53,13 +53,13 @@ class Stopper:
 
     def __init__(
         self,
-        store: Any,
+        kv: Any,
         table: JobTable,
         recovery: Recovery,
         settings: StopSettings,
         lock: threading.RLock,
     ) -> None:
-        self.store = store
+        self.kv = kv
         self.table = table
         self.recovery = recovery
         self.settings = settings
@@ -74,14 +74,14 @@ class Stopper:
             return ""
         with self.lock:
             table = self.table
-            if table.status == "paused" and self.recovery.current is not None:
+            if table.status is P.JobStatus.PAUSED and self.recovery.current is not None:
                 self.recovery.fail(
                     "stopped by a signal while paused: " + table.message,
                     code="stopped",
                     checkpoint=True,
                 )
                 plan = self.recovery.checkpoint
-            elif table.status != "running" or table.inflight or self.recovery.current:
+            elif table.status is not P.JobStatus.RUNNING or table.inflight or self.recovery.current:
                 why = "a migration was in progress" if table.inflight else f"it was {table.status}"
                 return f"; no checkpoint: {why}"
             else:
@@ -91,8 +91,8 @@ class Stopper:
                 plan["reason"] = "stopped"
                 command = {"migration_id": mid, "kind": "stop", "rank": -1, "replica": None}
                 command["checkpoint"] = plan
-                table.status = "stopping"  # no new command replaces this one
-                P.put_json(self.store, P.cmd_key(table.gen), command)
+                table.status = P.JobStatus.STOPPING  # no new command replaces this one
+                P.put_json(self.kv, P.cmd_key(table.gen), command)
         if plan is None:
             return "; no checkpoint: the survivors' state is not consistent"
         print(
@@ -105,22 +105,22 @@ class Stopper:
 
     def await_checkpoint(self, plan: dict[str, Any]) -> str:
         """Wait (bounded) for the stop checkpoint ``plan``; returns what to say about it."""
-        base = P.checkpoint_key(plan["id"])
+        keys = P.CheckpointKeys(plan["id"])
         with self.lock:
             ranks = [self.table.slots[self.table.roster[r]] for r in plan["live"]]
         deadline = time.monotonic() + 4 * self.settings.timeout_s + 30
         gone = False
         while True:
-            if self.store.check([f"{base}/done"]):
-                done = P.get_json(self.store, f"{base}/done")
+            if self.kv.check([keys.done]):
+                done = P.get_json(self.kv, keys.done)
                 said = (
                     f"; a consistent checkpoint of step {done['step']} in "
                     f"{self.settings.checkpoint_dir} ({Path(done['path']).name}): restart with "
                     f"forewarn launch --resume {self.settings.checkpoint_dir}"
                 )
                 break
-            if self.store.check([f"{base}/failed"]):
-                said = f"; no checkpoint: {self.store.get(f'{base}/failed').decode()}"
+            if self.kv.check([keys.failed]):
+                said = f"; no checkpoint: {self.kv.get(keys.failed).decode()}"
                 break
             if gone:  # looked once more after the last rank had exited
                 said = "; no checkpoint: the ranks exited without writing it"

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from forewarn.wire import MigrationReason, Placement
+from migrator.protocol import JobStatus
 
 __all__ = ["JobTable", "Migration", "Slot"]
 
@@ -75,9 +76,7 @@ class JobTable:
     roster: dict[int, int] = field(default_factory=dict)
     """rank -> slot of the current generation"""
     gen: int = 0
-    status: str = (
-        "starting"  # starting | running | paused | stopping | failed | completed | stopped
-    )
+    status: JobStatus = JobStatus.STARTING
     message: str = ""
     inflight: Migration | None = None
 

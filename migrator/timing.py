@@ -12,7 +12,7 @@ wrapper measures around the step's first collective:
 The slow rank has the largest ``compute_s`` and the smallest ``wait_s``; its peers wait for it.
 
 Rank side, a :class:`StepClock` keeps this rank's last ``window`` rows; the job writes them at
-each step boundary in the same store round trip as its state mirror (``t/{r}``,
+each step boundary in the same key-value store round trip as its state mirror (``t/{r}``,
 :func:`encode`). Agent side, :func:`summarize` reads those blobs into one
 :class:`forewarn.wire.RankTimings` of medians, rank by rank. A blob written by a slot that no
 longer holds the rank (the source of a migration) is ignored: the new rank starts fresh.
@@ -29,6 +29,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from forewarn.wire import RankTimings
+from migrator.protocol import timing_key
 
 __all__ = ["DEFAULT_WINDOW", "StepClock", "decode", "encode", "summarize", "timing_key"]
 
@@ -40,11 +41,6 @@ Row = tuple[float, float, float, float]
 
 _HEAD = struct.Struct("=2d")  # slot, total steps (-1: unknown)
 _ROW = struct.Struct("=4d")
-
-
-def timing_key(rank: int) -> str:
-    """Store key of rank ``rank``'s recent step timings (:func:`encode`)."""
-    return f"t/{rank}"
 
 
 class StepClock:
@@ -111,7 +107,7 @@ class StepClock:
         return [_ROW.unpack(r) for r in self._rows]
 
     def take(self, slot: int) -> bytes | None:
-        """This rank's rows, encoded for the store, if any came since the last take."""
+        """This rank's rows, encoded for the key-value store, if any came since the last take."""
         if not self.fresh:
             return None
         self.fresh = False

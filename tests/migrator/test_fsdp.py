@@ -25,7 +25,7 @@ FSDP_ARGS = ("--width", "33")
 
 
 def _job() -> Job:
-    return Job(store=dist.HashStore(), slot=0, world_size=1, initial_rank=0, mirror=False)
+    return Job(kv=dist.HashStore(), slot=0, world_size=1, initial_rank=0, mirror=False)
 
 
 def _model() -> torch.nn.Sequential:
@@ -66,7 +66,7 @@ def test_fsdp_layout_is_stated_at_registration_and_trains_on_the_jobs_group() ->
             loss.backward()
             opt.step()
         losses.append(loss.item())
-    assert job.store.get("slot0/unique") == b"1"
+    assert job.kv.get("slot0/unique") == b"1"
     assert losses[1] != losses[0] and not torch.equal(before, first.weight.to_local())
     # Optimizer state is sharded like its parameter; the transfer sends its local part.
     assert isinstance(opt.state[first.weight]["exp_avg"], DTensor)

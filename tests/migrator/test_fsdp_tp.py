@@ -75,18 +75,18 @@ def test_fsdp_tp_layout_is_stated_at_registration() -> None:
     sys.path.insert(0, str(ROOT / "examples"))
     from llama_tp import Llama, apply_tp
 
-    job = Job(store=dist.HashStore(), slot=0, world_size=4, initial_rank=None, mirror=False)
+    job = Job(kv=dist.HashStore(), slot=0, world_size=4, initial_rank=None, mirror=False)
     model = Llama()
     job.fsdp(model, layers=list(model.layers), tp=2, tp_plan=apply_tp)
     layout = job.register(model=model, optimizer=torch.optim.AdamW(model.parameters()))
     assert layout.kind == "fsdp2_tp" and "tensor-parallel and FSDP shards" in layout.planned
     assert "refused (state_not_replicated)" in layout.unplanned
-    spare = Job(store=dist.HashStore(), slot=1, world_size=4, initial_rank=None)
+    spare = Job(kv=dist.HashStore(), slot=1, world_size=4, initial_rank=None)
     with pytest.raises(ValueError, match="3-D mesh"):
         spare.fsdp(Llama(), replicate=2, tp=2, tp_plan=apply_tp)
     with pytest.raises(ValueError, match="both tp > 1 and tp_plan"):
         spare.fsdp(Llama(), tp=2)
-    copies = Job(store=dist.HashStore(), slot=2, world_size=4, initial_rank=None)
+    copies = Job(kv=dist.HashStore(), slot=2, world_size=4, initial_rank=None)
     other = Llama()
     copies.fsdp(other, layers=list(other.layers), tp=2, tp_plan=apply_tp)
     assert copies.register(model=other, peer_copy_every=2).kind == "peer_copy"

@@ -47,7 +47,7 @@ def test_hsdp_registration_states_the_layout() -> None:
     (A spare: it shards only once given a rank, so this process keeps no default group.)"""
     import torch
 
-    job = Job(store=dist.HashStore(), slot=0, world_size=4, initial_rank=None, mirror=False)
+    job = Job(kv=dist.HashStore(), slot=0, world_size=4, initial_rank=None, mirror=False)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 2))
     job.fsdp(model, layers=[model[0]], replicate=2)
@@ -56,7 +56,7 @@ def test_hsdp_registration_states_the_layout() -> None:
     assert "same shard index in another replica group" in layout.unplanned
     assert job.mesh_layout == MeshLayout.of("hsdp", 4, replicate=2)
     assert job.registry.holders is not None and job.registry.holders(1) == [1, 3]
-    spare = Job(store=dist.HashStore(), slot=1, world_size=4, initial_rank=None)
+    spare = Job(kv=dist.HashStore(), slot=1, world_size=4, initial_rank=None)
     with pytest.raises(ValueError, match="do not split"):
         spare.fsdp(torch.nn.Linear(2, 2), replicate=3)
 

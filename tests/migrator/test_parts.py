@@ -169,6 +169,24 @@ def test_handover_step_is_after_the_last_boundary_any_rank_passed() -> None:
     assert handover_step(store, "m1", range(2)) == 9
 
 
+def test_the_key_value_store_keeps_its_former_flag_and_variable() -> None:
+    """``--kv-port`` and ``FOREWARN_KV``; ``--store-port`` and ``FOREWARN_STORE`` still work
+    (the old flag hidden from the help)."""
+    import argparse
+
+    from migrator.job import kv_address
+    from migrator.launch_cli import configure
+
+    parser = argparse.ArgumentParser()
+    configure(parser)
+    assert parser.parse_args(["--kv-port", "7", "--", "x"]).kv_port == 7
+    assert parser.parse_args(["--store-port", "8", "--", "x"]).kv_port == 8
+    assert parser.parse_args(["--", "x"]).kv_port == 0
+    assert "--store-port" not in parser.format_help()
+    assert kv_address({"FOREWARN_KV": "h:1", "FOREWARN_STORE": "old:2"}) == "h:1"
+    assert kv_address({"FOREWARN_STORE": "old:2"}) == "old:2"
+
+
 @pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")  # torchdata 0.11
 def test_a_stateful_dataloader_is_a_data_position() -> None:
     """torchdata's StatefulDataLoader moves with the rank state like ShardedIndices."""

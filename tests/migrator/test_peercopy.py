@@ -62,13 +62,13 @@ def test_rewind_plan_names_the_buddy_the_step_and_a_pair_lost_together() -> None
 
 
 def test_peer_copy_registration_states_the_layout() -> None:
-    job = Job(store=dist.HashStore(), slot=0, world_size=4, initial_rank=None, mirror=False)
+    job = Job(kv=dist.HashStore(), slot=0, world_size=4, initial_rank=None, mirror=False)
     model = torch.nn.Linear(4, 2)
     layout = job.register(model=model, rank_unique=True, peer_copy_every=3)
     assert layout.kind == "peer_copy" and "at most k steps replayed" in layout.unplanned
     assert job.handover.peers is not None and job.handover.peers.every == 3
     with pytest.raises(ValueError, match="a second rank"):
-        Job(store=dist.HashStore(), slot=0, world_size=1, initial_rank=None).register(
+        Job(kv=dist.HashStore(), slot=0, world_size=1, initial_rank=None).register(
             model=model, peer_copy_every=1
         )
 

@@ -143,13 +143,13 @@ def test_slow_at_slows_the_process_that_held_the_rank_not_the_rank() -> None:
     text = FaultPlan().slow_at(1, 2, 0.001, where="backward").to_json()
     store = CountingStore()
     source, spare = FaultPlan.from_json(text), FaultPlan.from_json(text)
-    source.fire("backward", 1, 1, store=store, job=None)
+    source.fire("backward", 1, 1, kv=store, job=None)
     assert source.slowed == {}
-    source.fire("backward", 1, 2, store=store, job=None)
+    source.fire("backward", 1, 2, kv=store, job=None)
     assert source.slowed == {"backward": 0.001}
-    source.fire("backward", 0, 7, store=store, job=None)  # still slow under another rank
+    source.fire("backward", 0, 7, kv=store, job=None)  # still slow under another rank
     assert source.slowed == {"backward": 0.001}
-    spare.fire("backward", 1, 2, store=store, job=None)  # rank 1 at step 2 again (a redo)
+    spare.fire("backward", 1, 2, kv=store, job=None)  # rank 1 at step 2 again (a redo)
     assert spare.slowed == {}  # the fault fired once per job: the spare is not slow
     with pytest.raises(ValueError):
         FaultPlan().slow_at(0, 0, 0.0)

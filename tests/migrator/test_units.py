@@ -118,7 +118,7 @@ def test_a_waiting_spare_allocates_the_published_state_and_receives_into_it() ->
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 2))
         opt = torch.optim.Adam(model.parameters(), lr=0.1)
-        j = Job(store=_client(store), slot=slot, world_size=1, initial_rank=rank, timeout_s=10)
+        j = Job(kv=_client(store), slot=slot, world_size=1, initial_rank=rank, timeout_s=10)
         j.register(model=model, optimizer=opt)
         return j, model, opt
 
@@ -238,7 +238,7 @@ def test_fault_plan_json_and_once_per_job() -> None:
 
     store = dist.HashStore()
     for _ in range(3):
-        again.fire("step_start", 0, 2, store=store, job=Job())
+        again.fire("step_start", 0, 2, kv=store, job=Job())
     assert calls == [(0, "preventive")]
 
 
