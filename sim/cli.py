@@ -251,7 +251,7 @@ def _history(args: argparse.Namespace) -> int:
     print(
         f"wrote {info.path}: {info.samples:,} samples, {info.events:,} events, "
         f"{info.failures} failures ({info.manifest['counts']['incidents']} incidents), "
-        f"{info.manifest['counts']['slowdowns']} straggler episodes "
+        f"{info.manifest['counts'].get('slowdowns', 0)} straggler episodes "
         f"in {took:.1f} s ({info.samples / max(took, 1e-9):,.0f} samples/s)"
     )
     return 0
