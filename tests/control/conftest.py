@@ -123,21 +123,8 @@ def scene(
     monkeypatch.setenv("FOREWARN_RISK_HISTORY_INTERVAL_S", "1")
     service = start_service(database_url, tmp_path / "service.log", timeout_s=120)
     s = Scene(service, tmp_path)
-    s.spawn(
-        [
-            "simulate",
-            "--gpus", "16",
-            "--seed", "0",
-            "--speed", "60",
-            "--service", service.url,
-            "--token", service.ingest_token,
-            "--control-port", str(s.control),
-        ],
-        "simulate.log",
-    )  # fmt: skip
+    s.simulate("--speed", "60")
     try:
         yield s
     finally:
-        s.stop()
-        service.stop()
-        print(service.log()[-4000:])
+        s.close()

@@ -73,6 +73,27 @@ class Scene:
         response.raise_for_status()
         return response.json()
 
+    def simulate(self, *extra: str) -> subprocess.Popen[bytes]:
+        """Stream a 16-GPU simulated fleet (seed 0) into the service, with ``extra`` options."""
+        return self.spawn(
+            [
+                "simulate",
+                "--gpus", "16",
+                "--seed", "0",
+                "--service", self.service.url,
+                "--token", self.service.ingest_token,
+                "--control-port", str(self.control),
+                *extra,
+            ],
+            "simulate.log",
+        )  # fmt: skip
+
+    def close(self) -> None:
+        """Stop the scene's processes and the service, and print the service's last log."""
+        self.stop()
+        self.service.stop()
+        print(self.service.log()[-4000:])
+
     def stop(self) -> None:
         for proc in self.procs:
             if proc.poll() is None:

@@ -59,24 +59,11 @@ def scene(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Scene]:
     db = f"sqlite:///{tmp_path / 's.db'}"
     service = start_service(db, tmp_path / "service.log", timeout_s=120)
     s = Scene(service, tmp_path)
-    s.spawn(
-        [
-            "simulate",
-            "--gpus", "16",
-            "--seed", "0",
-            "--service", service.url,
-            "--token", service.ingest_token,
-            "--control-port", str(s.control),
-            "--slow", f"{SLOW_GPU[0]}:{SLOW_GPU[1]}:pcie:3600",
-        ],
-        "simulate.log",
-    )  # fmt: skip
+    s.simulate("--slow", f"{SLOW_GPU[0]}:{SLOW_GPU[1]}:pcie:3600")
     try:
         yield s
     finally:
-        s.stop()
-        service.stop()
-        print(service.log()[-4000:])
+        s.close()
 
 
 def _launch(scene: Scene, out: Path) -> subprocess.Popen[bytes]:
