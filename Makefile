@@ -6,9 +6,9 @@ STAMP := $(VENV)/.installed-stamp
 HOST ?= 127.0.0.1
 PORT ?= 8765
 PYTEST_ARGS ?=
-# Test workers (pytest-xdist; each test file stays on one worker). 2, the default: on two
-# cores the whole suite took 10.7-11.3 min with two workers against 16.4 min in one process
-# (the end-to-end cases mostly wait on real processes and clocks). 0: one process.
+# Test workers (pytest-xdist; each test file stays on one worker, the longest files first:
+# tests/conftest.py). 2, the default: the end-to-end cases mostly wait on real processes and
+# clocks, so two workers on two cores take about half the time of one process. 0: one process.
 PYTEST_WORKERS ?= 2
 
 .PHONY: run test lint typecheck pytest bench clean
@@ -33,7 +33,7 @@ typecheck: $(STAMP)
 	$(BIN)/mypy
 
 pytest: $(STAMP)
-	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile --durations=25 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 $(PYTEST_ARGS)
 
 ## bench: every benchmark, each printing ratios against a baseline measured in the same run.
 bench: $(STAMP)

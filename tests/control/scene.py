@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 PACED = Path(__file__).with_name("train_paced.py")
 STEPS = 3000
-WEAR_LEAD_S = 180
+WEAR_LEAD_S = 100
 POLICY = '{"threshold": 0.02, "hysteresis": 2, "cooldown_s": 0, "stale_after_s": 60}'
 
 

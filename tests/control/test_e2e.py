@@ -7,9 +7,11 @@ run without the migration, bit for bit. It starts in dry-run (one audit entry, n
 and is armed mid-episode, as an operator turns Forewarn on.
 
 The shipped model scores a short wear episode low until its last stretch (its precursors are
-learnt over hours): a three-minute episode (three hours of fleet time at ``--speed 60``) crosses
-0.02 about 27 s before the GPU fails, the healthy GPUs stay under 0.005. So the test sets the
-policy's threshold there, and gives the dry-run, the arming and the move that margin.
+learnt over hours): over a 100-s episode (100 minutes of fleet time at ``--speed 60``) the worn
+GPU stays near 0.002 until, about 30 s before it fails, the floor's rules trip (row remap
+pending, a fatal Xid) and raise it to the threshold; the healthy GPUs stay under 0.005. So the
+test sets the policy's threshold at 0.02, and the dry-run, the arming and the move share those
+30 s (``tests/demo/test_wear_margin.py`` replays the episode offline and holds it to 20 s).
 """
 
 from __future__ import annotations
