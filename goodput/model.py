@@ -60,11 +60,12 @@ class Assumptions:
     """State moved per migrated rank (weights, optimizer, RNG, data position)."""
     transfer_gb_s: float = 25.0
     """Point-to-point bandwidth between the source (or replica) and the spare."""
-    pause_per_transfer: float = 2.59
+    pause_per_transfer: float = 1.39
     """A preventive move's stall per second of ideal transfer (bytes / bandwidth), the next
     group formed ahead: the fit in ``goodput/data/preventive_stall.json``
-    (``benchmarks/migration.py --parts f``, 4 ranks, loopback, 10 and 100 MB, load ~12)."""
-    pause_fixed_s: float = 0.085
+    (``benchmarks/migration.py --parts f``, 4 ranks, loopback, 10 MB, 100 MB and 1 GB, 3 runs
+    each, load 0.5 before the run)."""
+    pause_fixed_s: float = 0.041
     """Fixed part of that stall (the switch: the transfer's pair group, DDP rebuilt), from
     the same fit."""
     regroup_s: float | None = None
