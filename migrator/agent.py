@@ -54,6 +54,7 @@ from migrator.nodes import (
     spawn,
     wait_for_nodes,
 )
+from migrator.peerplan import ring_of
 from migrator.recovery import Recovery
 from migrator.stopping import Stopper, StopRequested
 from migrator.table import JobTable, Migration, Slot
@@ -207,6 +208,9 @@ class Agent:
             # one round trip (multi_get waits for a missing key).
             ranks = range(self.table.world_size)
             self.kv.multi_set([timing_key(r) for r in ranks], [b""] * len(ranks))  # type: ignore[attr-defined]
+            # Peer copies' ring: every buddy on another node when there are several.
+            placed = [(r, s.node_rank, s.local) for s in specs if (r := s.rank) is not None]
+            P.put_json(self.kv, P.RING_KEY, ring_of(placed))
             if self.cfg.nnodes > 1:
                 grace = self.cfg.node_timeout_s or min(self.cfg.timeout_s, 10.0)
                 self.monitor = NodeMonitor(self.kv, node_timeout_s=grace)

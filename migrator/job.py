@@ -413,7 +413,8 @@ class Job:
                 preventive migrations still work (the rank itself sends it); rebuilding a
                 dead rank from a replica is refused. Implied by a module of :meth:`fsdp`.
             peer_copy_every: ``k``: every ``k`` steps each rank's whole state is copied, in
-                the background, into the memory of its buddy process (rank ``r + 1``), so
+                the background, into the memory of its buddy process (the next rank in
+                the job's ring: on another node when there are several), so
                 that a rank lost without warning is rebuilt from that copy and every rank
                 goes back to its step (:mod:`migrator.peercopy`). For state no replica
                 holds (rank-unique, FSDP2); costs four times the rank's state in host memory.

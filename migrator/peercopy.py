@@ -10,12 +10,14 @@ k steps; copies from then on):
 1. copies its whole state (every registered tensor, a DTensor's local shard; the optimizer
    hyper-parameters, schedulers and scaler; its RNG states, data position and step) into
    its own host memory (:class:`Copy`), at the boundary, before step ``c`` runs;
-2. sends that copy, from a background thread while training goes on, to its *buddy*, rank
-   ``(r + 1) % world`` (:func:`buddy_of`), which receives it, from a background thread too,
+2. sends that copy, from a background thread while training goes on, to its *buddy*, the
+   next rank in the job's ring (:func:`buddy_of`; with two or more nodes, a rank on another
+   node: :func:`migrator.peerplan.ring_of`), which receives it, from a background thread too,
    into its host memory and then says so in the key-value store (:func:`held_key`: the step of the
    last copy of rank ``r`` the buddy holds whole).
 
-Each process keeps its own last two copies and its ward's (rank ``r - 1``) last two: four
+Each process keeps its own last two copies and its ward's (the rank before it in the
+ring, :func:`ward_of`) last two: four
 times its state in host memory. A round waits for the previous round's threads before it
 starts (at most one round in flight), so the buddy's last whole copy is the last round's or
 the one before, and every rank still holds its own copy of that step.
@@ -47,11 +49,19 @@ import torch
 from migrator import protocol as P
 from migrator.channels import Channels
 from migrator.groups import Graveyard, pair_group
-from migrator.peerplan import EVERY_KEY, buddy_of, held_key, rewind_plan, since_key
+from migrator.peerplan import (
+    EVERY_KEY,
+    buddy_of,
+    held_key,
+    read_ring,
+    rewind_plan,
+    since_key,
+    ward_of,
+)
 from migrator.state import Manifest, Registry, restore_rank_state
 from migrator.transport import PGTransport
 
-__all__ = ["Copy", "PeerCopies", "buddy_of", "held_key", "rewind_plan", "since_key"]
+__all__ = ["Copy", "PeerCopies", "buddy_of", "held_key", "rewind_plan", "since_key", "ward_of"]
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +134,7 @@ class PeerCopies:
         self._first = 1 if self.every is not None else -1  # the first step a copy may be at
         self._skip: int | None = None  # the boundary whose round ran before this took over
         self.world = world
+        self._ring: list[int] | None = None
         self.timeout_s = timeout_s
         self.where = where
         self.backend = backend
@@ -132,6 +143,12 @@ class PeerCopies:
         self.held: dict[int, Copy] = {}
         self._threads: list[threading.Thread] = []
         self.copy_s = 0.0  # the last round's time at the boundary (copy and groups)
+
+    def ring(self) -> list[int]:
+        """The job's ring (:func:`read_ring`), read once."""
+        if self._ring is None:
+            self._ring = read_ring(self.kv, self.world)
+        return self._ring
 
     def due(self, step: int) -> bool:
         return self.every is not None and step >= self._first and step % self.every == 0
@@ -174,8 +191,9 @@ class PeerCopies:
 
         The groups are built here, on the training thread: building a gloo group blocks
         with the interpreter lock held, so two built at once by threads of one process wait
-        on each other. Even ranks build the group to their buddy first, odd ranks the one
-        from their ward first, so the ring of rendezvous never waits on itself.
+        on each other. The ranks at even places of the ring build the group to their buddy
+        first, the others the one from their ward first, so the ring of rendezvous never
+        waits on itself.
         """
         gen, rank = self.where()
         if rank is None:
@@ -190,14 +208,15 @@ class PeerCopies:
         self.own[step] = mine
         for old in sorted(self.own)[:-2]:
             del self.own[old]
-        ward = (rank - 1) % self.world
+        ring = self.ring()
+        ward = ward_of(rank, ring)
         prefixes = {
             True: P.peer_copy_prefix(gen, rank, step),
             False: P.peer_copy_prefix(gen, ward, step),
         }
         groups = {}
         try:
-            for sender in (True, False) if rank % 2 == 0 else (False, True):
+            for sender in (True, False) if ring.index(rank) % 2 == 0 else (False, True):
                 groups[sender] = pair_group(
                     self.kv,
                     prefixes[sender],
@@ -290,7 +309,7 @@ class PeerCopies:
         recovery every rank runs the boundary again, its round included."""
         self.own = {step: _take(self.registry, step, rank_state)}
         self._skip = step if planned else None
-        self.kv.delete_key(held_key((rank - 1) % self.world))
+        self.kv.delete_key(held_key(ward_of(rank, self.ring())))
         self.kv.set(since_key(rank), str(step))
 
     def forget_after(self, step: int) -> None:

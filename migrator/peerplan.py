@@ -2,21 +2,62 @@
 and which step every rank goes back to (:func:`rewind_plan`). Apart from the copies
 themselves (:mod:`migrator.peercopy`, which needs torch), so that the launcher's recovery
 imports it without torch.
+
+Who holds whose copy is a ring of the active ranks (:func:`ring_of`): each rank's *buddy* is
+the next one in the ring, its *ward* the one before. The ring takes the nodes in turn (every
+node's first rank, then every node's second, ...), so that with two or more nodes a rank's
+buddy is on another node and a node lost whole leaves every copy of its ranks on the nodes
+that remain. The coordinator writes it once (:data:`RING_KEY`); a job without it (one not
+started by ``forewarn launch``) uses the ranks in order.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import json
+from collections.abc import Iterable, Sequence
 from typing import Any
 
-from migrator.protocol import EVERY_KEY, held_key, since_key
+from migrator.protocol import EVERY_KEY, RING_KEY, held_key, since_key
 
-__all__ = ["EVERY_KEY", "buddy_of", "held_key", "rewind_plan", "since_key"]
+__all__ = [
+    "EVERY_KEY",
+    "RING_KEY",
+    "buddy_of",
+    "held_key",
+    "read_ring",
+    "rewind_plan",
+    "ring_of",
+    "since_key",
+    "ward_of",
+]
 
 
-def buddy_of(rank: int, world: int) -> int:
-    """The rank whose process holds ``rank``'s copies."""
-    return (rank + 1) % world
+def ring_of(placed: Iterable[tuple[int, int, int]]) -> list[int]:
+    """The ring of the active ranks from where they start: ``placed`` holds each rank's
+    (rank, node, index on its node); the ranks sorted by (index on the node, node). On one
+    node that is the ranks in order; on N nodes of L ranks each (torchrun's numbering),
+    ``0, L, 2L, ..., 1, L + 1, ...``: two neighbours are never on the same node."""
+    return [rank for rank, _, _ in sorted(placed, key=lambda p: (p[2], p[1], p[0]))]
+
+
+def read_ring(kv: Any, world: int) -> list[int]:
+    """The job's ring (:data:`RING_KEY`); the ranks in order when the coordinator wrote none
+    or one for another world size."""
+    if kv.check([RING_KEY]):
+        ring = [int(r) for r in json.loads(kv.get(RING_KEY))]
+        if sorted(ring) == list(range(world)):
+            return ring
+    return list(range(world))
+
+
+def buddy_of(rank: int, ring: Sequence[int]) -> int:
+    """The rank whose process holds ``rank``'s copies: the next one in the ring."""
+    return ring[(ring.index(rank) + 1) % len(ring)]
+
+
+def ward_of(rank: int, ring: Sequence[int]) -> int:
+    """The rank whose copies ``rank``'s process holds: the one before it in the ring."""
+    return ring[(ring.index(rank) - 1) % len(ring)]
 
 
 def rewind_plan(
@@ -26,10 +67,11 @@ def rewind_plan(
     every rank goes back to (the oldest lost rank's last whole copy), and why not ("" if
     the plan holds)."""
     alive = set(healthy)
+    ring = read_ring(kv, world)
     senders: dict[int, int] = {}
     steps = []
     for rank in sorted(lost):
-        buddy = buddy_of(rank, world)
+        buddy = buddy_of(rank, ring)
         if buddy not in alive:
             return {}, None, f"rank {rank} and its buddy rank {buddy} were lost together"
         if not kv.check([held_key(rank)]):

@@ -73,6 +73,7 @@ __all__ = [
     "LAYOUT_KEY",
     "MANIFEST_KEY",
     "NODES_NEXT_KEY",
+    "RING_KEY",
     "CheckpointKeys",
     "Decision",
     "HandoverTimeout",
@@ -255,6 +256,9 @@ LAYOUT_KEY = "job/layout"
 """The job's :class:`~migrator.layouts.MeshLayout` (JSON), written by every active rank."""
 EVERY_KEY = "pc/every"
 """The peer copies' k rank 0 derived."""
+RING_KEY = "pc/ring"
+"""The peer copies' ring (JSON list of ranks, each one's buddy the next), written by the
+coordinator at the start (:func:`migrator.peerplan.ring_of`)."""
 JOB_CONFIG_KEY = "job/config"
 """The coordinator's slot configuration, for the nodes' launchers (JSON)."""
 

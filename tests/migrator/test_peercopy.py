@@ -24,7 +24,9 @@ import torch.distributed as dist
 from migrator.faults import FaultPlan
 from migrator.job import Job
 from migrator.peercopy import buddy_of, held_key, rewind_plan, since_key
+from migrator.peerplan import RING_KEY, read_ring, ring_of
 from tests.migrator.harness import Run, assert_same_final, launch
+from tests.migrator.nodes_harness import launch_nodes
 
 ARGS = ("--width", "33", "--peer-copy", "2")
 
@@ -39,9 +41,34 @@ def _rows(run: Run) -> dict[tuple[int, int], list[dict[str, Any]]]:
     return rows
 
 
+def test_the_ring_puts_every_buddy_on_another_node_and_a_node_lost_whole_is_rebuilt() -> None:
+    """Two nodes of two ranks (torchrun's numbering: node 0 holds ranks 0 and 1): the ring
+    takes the nodes in turn, so each rank's copy lives on the other node, and losing node 0
+    whole leaves both of its ranks' copies on node 1."""
+    placed = [(0, 0, 0), (1, 0, 1), (2, 1, 0), (3, 1, 1)]  # (rank, node, index on the node)
+    ring = ring_of(placed)
+    assert ring == [0, 2, 1, 3]
+    node = {rank: n for rank, n, _ in placed}
+    assert all(node[buddy_of(r, ring)] != node[r] for r in range(4))
+    assert ring_of([(r, 0, r) for r in range(4)]) == [0, 1, 2, 3]  # one node: in order
+    assert ring_of([(0, 0, 0), (1, 0, 1), (2, 0, 2), (3, 1, 0)]) == [0, 3, 1, 2]
+
+    store = dist.HashStore()
+    store.set(RING_KEY, json.dumps(ring))
+    assert read_ring(store, 4) == ring and read_ring(store, 8) == list(range(8))
+    for rank, step in ((0, 6), (1, 6), (2, 4), (3, 6)):
+        store.set(held_key(rank), str(step))
+    assert rewind_plan(store, 4, [0, 1], [2, 3]) == ({0: 2, 1: 3}, 6, "")
+    assert rewind_plan(store, 4, [2, 3], [0, 1]) == ({2: 1, 3: 0}, 4, "")
+    assert rewind_plan(store, 4, [0, 2], [1, 3])[2] == (
+        "rank 0 and its buddy rank 2 were lost together"
+    )
+
+
 def test_rewind_plan_names_the_buddy_the_step_and_a_pair_lost_together() -> None:
     store = dist.HashStore()
-    assert buddy_of(3, 4) == 0 and buddy_of(1, 4) == 2
+    assert read_ring(store, 4) == [0, 1, 2, 3]  # no ring written: the ranks in order
+    assert buddy_of(3, [0, 1, 2, 3]) == 0 and buddy_of(1, [0, 1, 2, 3]) == 2
     assert rewind_plan(store, 4, [1], [0, 2, 3]) == (
         {},
         None,
@@ -116,6 +143,31 @@ def test_rank_lost_with_its_buddy_stops_naming_both(tmp_path: Path) -> None:
     assert "rank 1 and its buddy rank 2 were lost together" in run.agent.message
     assert "restart from a checkpoint" in run.agent.message
     assert run.reports == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_node_lost_whole_is_rebuilt_from_the_copies_on_the_other_node(
+    base_copies: Run, tmp_path: Path
+) -> None:
+    """Two launchers of two ranks each and a third with two spares: node 1 (ranks 2 and 3)
+    is SIGKILLed whole in step 5. The ring put rank 2's copies on rank 1 and rank 3's on
+    rank 0, both on node 0, so both ranks are rebuilt on the spares from those copies of
+    step 4 and every rank replays from there: the same losses and final state as the run
+    nothing disturbed. (With buddies on the same node both copies would have died with it.)"""
+    plan = FaultPlan().kill_node_at(2, 5)
+    run, errs = launch_nodes(
+        tmp_path, [(2, 0), (2, 0), (0, 2)], plan=plan, steps=9, mode="fsdp", script_args=ARGS
+    )
+    assert run.agent.codes[0] == 0 and run.agent.codes[2] == 0, errs
+    # One recovery for both ranks, each from its buddy on node 0.
+    assert [(r.rank, r.outcome, r.step) for r in run.reports] == [(2, "completed", 4)], errs[0]
+    assert "rank(s) [2, 3] -> slot(s) [4, 5] from replica rank 1, 0" in errs[0]
+    base, rows = _rows(base_copies), _rows(run)
+    for key, seen in rows.items():
+        for row in seen:
+            assert row["loss"] == base[key][0]["loss"], f"loss differs at {key}"
+    assert_same_final(base_copies, run, nproc=4)
 
 
 def test_auto_k_is_derived_by_rank_0_and_read_by_every_rank() -> None:
