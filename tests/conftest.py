@@ -34,28 +34,29 @@ IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 os.environ.setdefault("FOREWARN_RUN_DIR", tempfile.mkdtemp(prefix="forewarn-test-run-"))
 
 
-# The files that take longest, longest first: seconds of one `.ci/run` on 2 cores, from its
-# junit report (`make test PYTEST_ARGS=--junitxml=report.xml`, summed per file). `make test`
+# The files that take longest, longest first: seconds of two `.ci/run`s on 2 cores, from their
+# junit reports (`make test PYTEST_ARGS=--junitxml=report.xml`, summed per file). `make test`
 # runs pytest-xdist with `--dist loadfile --no-loadscope-reorder`, so each worker takes whole
 # files in collection order; started first, the long ones end before the short ones, and no
 # worker is left running one long file alone at the end (xdist's own order, by the number of
 # tests in a file, put these last: they hold few tests each).
 LONGEST_FIRST = (
-    "tests/demo/test_demo.py",  # 131 s
-    "tests/migrator/test_handover.py",  # 114 s
-    "tests/migrator/test_defects.py",  # 112 s
-    "tests/control/test_e2e.py",  # 95 s
-    "tests/migrator/test_peercopy.py",  # 84 s
-    "tests/docs/test_readme.py",  # 81 s
-    "tests/migrator/test_nodes.py",  # 75 s
-    "tests/deploy/test_wheel.py",  # 63 s
-    "tests/migrator/test_fsdp_tp.py",  # 60 s
-    "tests/migrator/test_hsdp.py",  # 60 s
-    "tests/migrator/test_cli.py",  # 58 s
-    "tests/control/test_straggler_e2e.py",  # 54 s
-    "tests/migrator/test_preform.py",  # 45 s
-    "tests/control/test_e2e_restart.py",  # 38 s
-    "tests/migrator/test_fsdp.py",  # 33 s
+    "tests/demo/test_demo.py",  # 114-130 s
+    "tests/migrator/test_peercopy.py",  # 77 s, plus its node-loss case (30 s)
+    "tests/migrator/test_defects.py",  # 93-102 s
+    "tests/docs/test_readme.py",  # 91-102 s
+    "tests/control/test_e2e.py",  # 91-97 s
+    "tests/migrator/test_handover.py",  # 89-93 s
+    "tests/migrator/test_nodes.py",  # 61-65 s
+    "tests/migrator/test_cli.py",  # 56-57 s
+    "tests/deploy/test_wheel.py",  # 50-60 s
+    "tests/control/test_e2e_restart.py",  # 53-54 s
+    "tests/control/test_straggler_e2e.py",  # 52 s
+    "tests/migrator/test_fsdp_tp.py",  # 48-54 s
+    "tests/migrator/test_hsdp.py",  # 50 s
+    "tests/migrator/test_preform.py",  # 48-51 s
+    "tests/migrator/test_checkpoint.py",  # 42-45 s
+    "tests/migrator/test_fsdp.py",  # 30-36 s
 )
 
 
