@@ -83,9 +83,13 @@ def test_a_fatal_event_of_a_failed_tick_is_judged_again(registered: Store) -> No
 
 def test_a_new_leader_trips_the_breaker_as_the_old_one_would_have(registered: Store) -> None:
     breaker = {"hysteresis": 1, "breaker_pct": 20, "breaker_min_gpus": 3}
+    # The take-over rebuilds the breaker's window back from its own clock (wall time here):
+    # the crossings are stamped now, not at the module's import (NOW), which may be longer
+    # ago than the window when the suite's workers come to this file late.
+    now = int(time.time() * 1000)
     first, scorer = make_loop(registered, **breaker)
     scorer.risk[("n0", 2)] = scorer.risk[("n0", 3)] = 0.9  # two crossings: under the minimum
-    first.tick(NOW)
+    first.tick(now)
     assert "policy.breaker_tripped" not in outbox_types(registered)
     first.leadership.release()  # the leader dies
 
@@ -93,7 +97,7 @@ def test_a_new_leader_trips_the_breaker_as_the_old_one_would_have(registered: St
     assert len(second._crossings) == 2  # rebuilt from the store
     scorer2.risk.update(scorer.risk)
     scorer2.risk[("n1", 0)] = 0.9  # the third crossing within the window
-    second.tick(NOW + 1000)
+    second.tick(now + 1000)
     assert outbox_types(registered).count("policy.breaker_tripped") == 1
     (entry,) = audit(registered, kind="policy")
     assert entry["action"] == "breaker_tripped" and entry["data"]["crossings"] == 3
@@ -101,7 +105,7 @@ def test_a_new_leader_trips_the_breaker_as_the_old_one_would_have(registered: St
 
     with registered.begin() as c:  # an operator re-arms: the window starts afresh
         db.set_state(c, "breaker_tripped_ms", "")
-        db.write_audit(c, ts_ms=NOW + 1500, kind="policy", action="breaker_reset", reason="reset")
+        db.write_audit(c, ts_ms=now + 1500, kind="policy", action="breaker_reset", reason="reset")
     third, _ = make_loop(registered, **breaker)
     assert len(third._crossings) == 0
     third.leadership.release()
