@@ -10,6 +10,7 @@ from typing import Any
 import pandas as pd
 import pytest
 
+from api.control import orchestrator
 from api.control.loop import ControlLoop
 from api.control.policy import Policy
 from store import Store
@@ -99,6 +100,23 @@ def register(store: Store, job_id: str = "j") -> None:
                 {"slot": 2, "rank": 2, "node": "n1", "gpu": 0, "role": "spare"},
             ],
         )
+
+
+def request_move(
+    c: Any, *, now_ms: int, trigger: str = "manual", why: str = "test"
+) -> dict[str, Any]:
+    """Ask, on connection ``c``, for rank 1 of :func:`register`'s job (on n0:1) to move to
+    its spare on n1:0; returns the migration row."""
+    return orchestrator.request(
+        c,
+        job_id="j",
+        rank=1,
+        trigger=trigger,
+        now_ms=now_ms,
+        source=("n0", 1),
+        target={"node": "n1", "gpu": 0, "slot": 2},
+        why=why,
+    )
 
 
 @pytest.fixture

@@ -13,22 +13,14 @@ from forewarn.wire import MigrationReport, Placement
 from store import Store
 from store import control as db
 from store.outbox import events_after
+from tests.control.conftest import request_move
 
 NOW = 1_800_000_000_000
 
 
 def new(store: Store) -> dict:  # type: ignore[type-arg]
     with store.begin() as c:
-        return orchestrator.request(
-            c,
-            job_id="j",
-            rank=1,
-            trigger="manual",
-            now_ms=NOW,
-            source=("n0", 1),
-            target={"node": "n1", "gpu": 0, "slot": 2},
-            why="test",
-        )
+        return request_move(c, now_ms=NOW)
 
 
 def step(store: Store, mid: str, state: str, **fields) -> dict:  # type: ignore[no-untyped-def, type-arg]

@@ -18,7 +18,7 @@ from api.control.leader import Leadership
 from forewarn.errors import Conflict
 from store import Store
 from store import control as db
-from tests.control.conftest import make_loop
+from tests.control.conftest import make_loop, request_move
 from tests.control.test_loop import audit, migrations, outbox_types
 
 NOW = int(time.time() * 1000)
@@ -150,16 +150,7 @@ def test_one_active_migration_per_rank(registered: Store) -> None:
     with pytest.raises(IntegrityError), registered.begin() as c:
         c.execute(insert(db.migrations).values(row("m2", "acknowledged")))
     with registered.begin() as c, pytest.raises(Conflict, match="already has a migration"):
-        orchestrator.request(
-            c,
-            job_id="j",
-            rank=1,
-            trigger="manual",
-            now_ms=NOW,
-            source=("n0", 1),
-            target={"node": "n1", "gpu": 0, "slot": 2},
-            why="test",
-        )
+        request_move(c, now_ms=NOW)
     assert {m["id"] for m in migrations(registered)} == {"m0", "m1"}
     assert outbox_types(registered).count("migration.requested") == 0
 
@@ -175,16 +166,7 @@ def test_a_refused_request_is_declined_and_audited(registered: Store) -> None:
         return [m for m in real(c, **kw) if m["trigger"] != "manual"]
 
     with registered.begin() as c:
-        orchestrator.request(
-            c,
-            job_id="j",
-            rank=1,
-            trigger="manual",
-            now_ms=NOW,
-            source=("n0", 1),
-            target={"node": "n1", "gpu": 0, "slot": 2},
-            why="an operator",
-        )
+        request_move(c, now_ms=NOW, why="an operator")
     mp = pytest.MonkeyPatch()
     mp.setattr(db, "list_migrations", unseen)
     try:
@@ -205,16 +187,7 @@ def test_a_recovery_the_agent_made_itself_ends_the_ranks_requested_move(
     from forewarn.wire import MigrationReport, Placement
 
     with registered.begin() as c:
-        asked = orchestrator.request(
-            c,
-            job_id="j",
-            rank=1,
-            trigger="preventive",
-            now_ms=NOW,
-            source=("n0", 1),
-            target={"node": "n1", "gpu": 0, "slot": 2},
-            why="risk",
-        )
+        asked = request_move(c, now_ms=NOW, trigger="preventive", why="risk")
     report = MigrationReport(
         migration_id="mig_agent",
         job_id="j",
