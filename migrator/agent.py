@@ -129,14 +129,15 @@ class Agent:
         self.cfg = config
         self.link = link
         self._transferring: set[str] = set()
-        self.kv = dist.TCPStore(
+        server = dist.TCPStore(
             config.host,
             config.kv_port,
             is_master=True,
             wait_for_workers=False,
             timeout=timedelta(seconds=config.timeout_s + 30),
         )
-        self.kv_address = f"{config.host}:{self.kv.port}"
+        self.kv = P.as_kv_store(server)
+        self.kv_address = f"{config.host}:{server.port}"
         self.lock = threading.RLock()
         self.table = JobTable(world_size=config.nproc)  # all nodes' ranks, once they joined
         self.recovery = Recovery(self.kv, self.table, config, self)
@@ -207,7 +208,7 @@ class Agent:
             # Every rank's timing key exists from the start: the heartbeat reads them all in
             # one round trip (multi_get waits for a missing key).
             ranks = range(self.table.world_size)
-            self.kv.multi_set([timing_key(r) for r in ranks], [b""] * len(ranks))  # type: ignore[attr-defined]
+            self.kv.multi_set([timing_key(r) for r in ranks], [b""] * len(ranks))
             # Peer copies' ring: every buddy on another node when there are several.
             placed = [(r, s.node_rank, s.local) for s in specs if (r := s.rank) is not None]
             P.put_json(self.kv, P.RING_KEY, ring_of(placed))

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from typing import Protocol
 
 from migrator.groups import Graveyard, pair_group
+from migrator.protocol import KVStore
 from migrator.transport import PGTransport, Transport
 
 __all__ = ["Channels", "PairChannels"]
@@ -43,7 +44,9 @@ class PairChannels:
         graveyard: where each pair's group goes when the transfer ends.
     """
 
-    def __init__(self, kv: Any, *, backend: str, timeout_s: float, graveyard: Graveyard) -> None:
+    def __init__(
+        self, kv: KVStore, *, backend: str, timeout_s: float, graveyard: Graveyard
+    ) -> None:
         self.kv = kv
         self.backend = backend
         self.timeout_s = timeout_s

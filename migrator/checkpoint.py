@@ -171,7 +171,7 @@ class StopCheckpointer:
 
     def __init__(
         self,
-        kv: Any,
+        kv: P.KVStore,
         directory: Path,
         *,
         registry: Registry,

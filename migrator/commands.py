@@ -56,7 +56,7 @@ class CommandWatcher:
 
     def __init__(
         self,
-        kv: Any,
+        kv: P.KVStore,
         where: Callable[[], tuple[int, int | None]],
         *,
         poll_s: float = POLL_S,
@@ -210,7 +210,7 @@ def ack_key(migration_id: str, rank: int) -> str:
     return P.MigrationKeys(migration_id).ack(rank)
 
 
-def handover_step(kv: Any, migration_id: str, ranks: range) -> int | None:
+def handover_step(kv: P.KVStore, migration_id: str, ranks: range) -> int | None:
     """The agent's side: S = max(acknowledged boundary) + 1 once every rank acknowledged."""
     keys = [ack_key(migration_id, r) for r in ranks]
     if not all(kv.check([k]) for k in keys):

@@ -137,7 +137,7 @@ class FaultPlan:
             if f.where == where and f.rank == rank and f.step == step
         ]
 
-    def fire(self, where: Point, rank: int, step: int, *, kv: Any, job: Any) -> None:
+    def fire(self, where: Point, rank: int, step: int, *, kv: P.KVStore, job: Any) -> None:
         """Fire every fault due at this point, each at most once per job; then, if this
         process was made slow at this point, sleep."""
         for i, fault in self.due(where, rank, step):

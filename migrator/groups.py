@@ -22,13 +22,26 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["Graveyard", "new_group", "pair_group"]
+from migrator.protocol import KVStore
+
+__all__ = ["Graveyard", "c10d_store", "new_group", "pair_group"]
 
 log = logging.getLogger(__name__)
 
 
+def c10d_store(kv: KVStore) -> dist.Store:
+    """``kv`` as the c10d store it is, for the process groups' rendezvous.
+
+    Raises:
+        TypeError: ``kv`` is not a c10d store (a fake: no group can rendezvous in it).
+    """
+    if not isinstance(kv, dist.Store):
+        raise TypeError(f"a process group needs a c10d store, not {type(kv).__name__}")
+    return kv
+
+
 def new_group(
-    kv: Any,
+    kv: KVStore,
     prefix: str,
     *,
     rank: int,
@@ -53,7 +66,7 @@ def new_group(
         timeout_s: bound for joining and for every collective, in seconds.
         device: the CUDA device of this rank, for NCCL.
     """
-    prefixed = dist.PrefixStore(prefix, kv)
+    prefixed = dist.PrefixStore(prefix, c10d_store(kv))
     timeout = timedelta(seconds=timeout_s)
     group = dist.ProcessGroup(prefixed, rank, size)
     gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo", prefixed), rank, size, timeout)
@@ -81,7 +94,7 @@ def new_group(
 
 
 def pair_group(
-    kv: Any, prefix: str, *, sender: bool, backend: str, timeout_s: float
+    kv: KVStore, prefix: str, *, sender: bool, backend: str, timeout_s: float
 ) -> dist.ProcessGroup:
     """A two-rank group for one point-to-point transfer: the sender is rank 0."""
     return new_group(

@@ -54,7 +54,7 @@ _ERRORS: dict[str, type[MigrationError]] = {
 }
 
 
-def _raise_failed(kv: Any, key: str) -> None:
+def _raise_failed(kv: P.KVStore, key: str) -> None:
     info = P.get_json(kv, key)
     cls = _ERRORS.get(info.get("code", ""), MigrationError)
     raise cls(info.get("message", "migration failed"), details=info)
@@ -80,7 +80,7 @@ class PlanHooks:
     """:class:`FaultHooks` from a :class:`~migrator.faults.FaultPlan`, its firings counted in
     ``kv``; ``target`` is what a ``migrate`` fault asks (the job: ``request_migration``)."""
 
-    def __init__(self, plan: FaultPlan, kv: Any, target: Any) -> None:
+    def __init__(self, plan: FaultPlan, kv: P.KVStore, target: Any) -> None:
         self.plan = plan
         self.kv = kv
         self.target = target
@@ -123,7 +123,7 @@ class Handover:
     def __init__(
         self,
         *,
-        kv: Any,
+        kv: P.KVStore,
         member: Membership,
         registry: Registry,
         channels: Channels,
@@ -535,7 +535,7 @@ class Handover:
         return step
 
 
-def mirror_at(kv: Any, rank: int, step: int) -> bytes:
+def mirror_at(kv: P.KVStore, rank: int, step: int) -> bytes:
     """Rank ``rank``'s mirrored state at boundary ``step`` (see :meth:`Handover.mirror_at`).
 
     Raises:

@@ -251,7 +251,7 @@ class Job:
     def __init__(
         self,
         *,
-        kv: Any,
+        kv: P.KVStore,
         slot: int,
         world_size: int,
         initial_rank: int | None,
@@ -356,8 +356,10 @@ class Job:
         env = os.environ if environ is None else environ
         host, port = kv_address(env).rsplit(":", 1)
         timeout_s = float(env.get("FOREWARN_TIMEOUT_S", "30"))
-        kv = dist.TCPStore(
-            host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s + 30)
+        kv = P.as_kv_store(
+            dist.TCPStore(
+                host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s + 30)
+            )
         )
         initial = env.get("FOREWARN_INITIAL_RANK", "")
         kwargs: dict[str, Any] = {

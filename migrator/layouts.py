@@ -25,7 +25,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from migrator.protocol import LAYOUT_KEY
+from migrator.protocol import LAYOUT_KEY, KVStore
 
 __all__ = ["LAYOUT_KEY", "MeshLayout", "publish_layout", "read_layout", "senders"]
 
@@ -88,12 +88,12 @@ class MeshLayout:
         return cls(**data)
 
 
-def publish_layout(kv: Any, layout: MeshLayout) -> None:
+def publish_layout(kv: KVStore, layout: MeshLayout) -> None:
     """Write ``layout`` under :data:`LAYOUT_KEY` (every active rank writes the same)."""
     kv.set(LAYOUT_KEY, layout.to_json())
 
 
-def read_layout(kv: Any) -> MeshLayout | None:
+def read_layout(kv: KVStore) -> MeshLayout | None:
     """The job's published layout; None if no rank published one (a job of an older
     library, or before the first rank started)."""
     if not kv.check([LAYOUT_KEY]):

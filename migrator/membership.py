@@ -77,16 +77,18 @@ class Formation:
         }
 
 
-def _own_client(kv: Any, timeout_s: float) -> Any:
+def _own_client(kv: P.KVStore, timeout_s: float) -> P.KVStore:
     """Another client of ``kv``'s server (a TCPStore; any other store is shared)."""
     if not isinstance(kv, dist.TCPStore):
         return kv
-    return dist.TCPStore(
-        kv.host,
-        kv.port,
-        is_master=False,
-        timeout=timedelta(seconds=max(timeout_s, 30.0)),
-        wait_for_workers=False,
+    return P.as_kv_store(
+        dist.TCPStore(
+            kv.host,
+            kv.port,
+            is_master=False,
+            timeout=timedelta(seconds=max(timeout_s, 30.0)),
+            wait_for_workers=False,
+        )
     )
 
 
@@ -111,7 +113,7 @@ class Membership:
 
     def __init__(
         self,
-        kv: Any,
+        kv: P.KVStore,
         *,
         world_size: int,
         rank: int | None,
@@ -325,7 +327,7 @@ class Membership:
         self.commands.clear()
         self.commands.start()
 
-    def _sub_group(self, prefix: str, into: Any, kv: Any = None) -> Any:
+    def _sub_group(self, prefix: str, into: Any, kv: P.KVStore | None = None) -> Any:
         """Builds a sub-group (an HSDP or tensor-parallel mesh dimension's) under
         ``{prefix}/{tag}``, kept in ``into.subgroups`` (or the list ``into``); left with
         the generation's group."""

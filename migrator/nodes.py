@@ -161,7 +161,9 @@ class NodeMonitor:
         clock: monotonic seconds (a parameter for tests).
     """
 
-    def __init__(self, kv: Any, *, node_timeout_s: float, clock: Any = time.monotonic) -> None:
+    def __init__(
+        self, kv: P.KVStore, *, node_timeout_s: float, clock: Any = time.monotonic
+    ) -> None:
         self.kv = kv
         self.node_timeout_s = node_timeout_s
         self.clock = clock
@@ -270,11 +272,13 @@ class NodeAgent:
         import torch.distributed as dist
 
         self.cfg = config
-        self.kv = dist.TCPStore(
-            config.kv_host,
-            config.kv_port,
-            is_master=False,
-            timeout=timedelta(seconds=config.join_timeout_s),
+        self.kv = P.as_kv_store(
+            dist.TCPStore(
+                config.kv_host,
+                config.kv_port,
+                is_master=False,
+                timeout=timedelta(seconds=config.join_timeout_s),
+            )
         )
         if config.node_rank is None:
             self.node_rank = int(self.kv.add(P.NODES_NEXT_KEY, 1))
@@ -365,7 +369,7 @@ class NodeAgent:
             pass
 
 
-def wait_for_nodes(kv: Any, nnodes: int, *, timeout_s: float) -> list[dict[str, Any]]:
+def wait_for_nodes(kv: P.KVStore, nnodes: int, *, timeout_s: float) -> list[dict[str, Any]]:
     """The coordinator waits until every other node's launcher said hello (bounded)."""
     keys = [P.node_key(n, "hello") for n in range(1, nnodes)]
     deadline = time.monotonic() + timeout_s
@@ -376,7 +380,7 @@ def wait_for_nodes(kv: Any, nnodes: int, *, timeout_s: float) -> list[dict[str, 
     return hellos
 
 
-def say_goodbye(kv: Any, nodes: list[int], code: int, *, timeout_s: float = 15.0) -> None:
+def say_goodbye(kv: P.KVStore, nodes: list[int], code: int, *, timeout_s: float = 15.0) -> None:
     """The coordinator ends the job on ``nodes`` and waits (bounded) for them to leave."""
     kv.set(P.JOB_END_KEY, str(code))
     deadline = time.monotonic() + timeout_s

@@ -108,7 +108,7 @@ class PeerCopies:
 
     def __init__(
         self,
-        kv: Any,
+        kv: P.KVStore,
         registry: Registry,
         channels: Channels,
         *,

@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Sequence
-from typing import Any
 
-from migrator.protocol import EVERY_KEY, RING_KEY, held_key, since_key
+from migrator.protocol import EVERY_KEY, RING_KEY, KVStore, held_key, since_key
 
 __all__ = [
     "EVERY_KEY",
@@ -40,7 +39,7 @@ def ring_of(placed: Iterable[tuple[int, int, int]]) -> list[int]:
     return [rank for rank, _, _ in sorted(placed, key=lambda p: (p[2], p[1], p[0]))]
 
 
-def read_ring(kv: Any, world: int) -> list[int]:
+def read_ring(kv: KVStore, world: int) -> list[int]:
     """The job's ring (:data:`RING_KEY`); the ranks in order when the coordinator wrote none
     or one for another world size."""
     if kv.check([RING_KEY]):
@@ -61,7 +60,7 @@ def ward_of(rank: int, ring: Sequence[int]) -> int:
 
 
 def rewind_plan(
-    kv: Any, world: int, lost: Iterable[int], healthy: Iterable[int]
+    kv: KVStore, world: int, lost: Iterable[int], healthy: Iterable[int]
 ) -> tuple[dict[int, int], int | None, str]:
     """For the lost ranks of a peer-copy job: the buddy that sends each one's copy, the step
     every rank goes back to (the oldest lost rank's last whole copy), and why not ("" if

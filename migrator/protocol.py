@@ -50,7 +50,7 @@ Key map (``g`` is a process-group generation, ``r`` a rank, ``s`` a process slot
 Every key is built here (:class:`MigrationKeys`, :class:`CheckpointKeys` and the ``*_key``
 functions), and the values the agent and the ranks compare (a migration's outcome, the
 job's status, the agent's recovery decision) are the enums below, whose values are the
-strings on the wire.
+strings on the wire. :class:`KVStore` is what the migrator asks of the store itself.
 """
 
 from __future__ import annotations
@@ -60,9 +60,12 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from forewarn.errors import MigrationError
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 __all__ = [
     "ARRIVED_KEY",
@@ -78,10 +81,12 @@ __all__ = [
     "Decision",
     "HandoverTimeout",
     "JobStatus",
+    "KVStore",
     "MigrationKeys",
     "Outcome",
     "alive_count_key",
     "alive_key",
+    "as_kv_store",
     "assign_key",
     "cmd_key",
     "done_key",
@@ -117,6 +122,84 @@ class HandoverTimeout(MigrationError):
 
     code = "handover_timeout"
     retryable = True
+
+
+class KVStore(Protocol):
+    """The job's key-value store, as the migrator uses it: the methods it calls, no more.
+
+    At run time this is a c10d ``TCPStore`` (the agent's server, or a client of it), or a
+    ``PrefixStore`` or ``HashStore`` in tests; :func:`as_kv_store` is where one enters. Each
+    call is one round trip to the store's server. Only :meth:`get` and :meth:`multi_get`
+    wait, for a missing key, and then only up to the timeout the client was built with
+    (the agent's: ``timeout_s + 30``): they are called once the key is known to exist or
+    behind a bounded :func:`first_present`, so that timeout is a backstop, not a wait the
+    protocol relies on. A server that is gone makes any call raise
+    ``torch.distributed.DistNetworkError`` (a ``RuntimeError``).
+
+    The keys are strings (a ``PrefixStore`` puts ``{prefix}/`` in front); the values are
+    bytes, written as bytes or as str (stored UTF-8 encoded).
+    """
+
+    def set(self, key: str, value: str | bytes, /) -> None:
+        """Write ``value`` at ``key``, replacing any value there. Does not wait."""
+        ...
+
+    def get(self, key: str, /) -> bytes:
+        """The value at ``key``.
+
+        Blocks while ``key`` is missing, up to the client's timeout.
+
+        Raises:
+            torch.distributed.DistStoreError: (a ``RuntimeError``) ``key`` did not appear
+                within the client's timeout.
+        """
+        ...
+
+    def add(self, key: str, amount: int, /) -> int:
+        """Add ``amount`` to the counter at ``key`` (created at 0) and return its new value;
+        atomic across clients. ``add(key, 0)`` reads a counter without waiting for it.
+
+        Raises:
+            torch.distributed.DistNetworkError: ``key`` holds a value written by :meth:`set`
+                that is not a decimal integer (the server drops this client's connection:
+                every later call on the client raises too).
+        """
+        ...
+
+    def check(self, keys: list[str], /) -> bool:
+        """Whether every one of ``keys`` exists. Does not wait."""
+        ...
+
+    def delete_key(self, key: str, /) -> bool:
+        """Remove ``key``; True if it existed. Does not wait."""
+        ...
+
+    def multi_get(self, keys: list[str], /) -> list[bytes]:
+        """The values at ``keys``, in order, in one round trip.
+
+        Blocks while any of ``keys`` is missing, up to the client's timeout.
+
+        Raises:
+            torch.distributed.DistStoreError: a key did not appear within the client's
+                timeout.
+        """
+        ...
+
+    def multi_set(self, keys: list[str], values: Sequence[str | bytes], /) -> None:
+        """Write ``values[i]`` at ``keys[i]`` for every i, in one round trip. Does not wait."""
+        ...
+
+
+def as_kv_store(store: dist.Store) -> KVStore:
+    """The c10d ``store`` as the migrator's :class:`KVStore`: where a real store enters.
+
+    Every c10d store has these methods at run time, but torch's stub
+    (``torch/_C/_distributed_c10d.pyi``) types ``Store.set``'s value as ``str`` (the binding
+    takes bytes too: the mirrors and the manifest are pickles) and declares no
+    ``multi_set`` (the binding has it), so mypy cannot see a ``Store`` as a ``KVStore``.
+    This cast says so once, where the store is built, instead of at every call.
+    """
+    return cast(KVStore, store)
 
 
 class Outcome(StrEnum):
@@ -372,16 +455,16 @@ def mirror_ahead_key(rank: int) -> str:
     return f"rs/{rank}/ahead"
 
 
-def put_json(kv: Any, key: str, value: Any) -> None:
+def put_json(kv: KVStore, key: str, value: Any) -> None:
     kv.set(key, json.dumps(value, separators=(",", ":")))
 
 
-def get_json(kv: Any, key: str) -> Any:
+def get_json(kv: KVStore, key: str) -> Any:
     return json.loads(kv.get(key))
 
 
 def first_present(
-    kv: Any,
+    kv: KVStore,
     keys: Sequence[str],
     *,
     timeout_s: float,
@@ -415,7 +498,7 @@ def first_present(
         poll = min(poll * 1.5, 0.05)
 
 
-def wait_json(kv: Any, key: str, *, timeout_s: float, what: str) -> Any:
+def wait_json(kv: KVStore, key: str, *, timeout_s: float, what: str) -> Any:
     """Wait for ``key`` (bounded, see :func:`first_present`) and decode its JSON value."""
     first_present(kv, [key], timeout_s=timeout_s, what=what)
     return get_json(kv, key)

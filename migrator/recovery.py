@@ -88,7 +88,7 @@ class Recovery:
     """
 
     def __init__(
-        self, kv: Any, table: JobTable, settings: RecoverySettings, supervisor: Supervisor
+        self, kv: P.KVStore, table: JobTable, settings: RecoverySettings, supervisor: Supervisor
     ) -> None:
         self.kv = kv
         self.table = table

@@ -53,7 +53,7 @@ class Stopper:
 
     def __init__(
         self,
-        kv: Any,
+        kv: P.KVStore,
         table: JobTable,
         recovery: Recovery,
         settings: StopSettings,

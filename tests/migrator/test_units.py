@@ -14,9 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from forewarn.errors import MigrationError
+from migrator import protocol as P
 from migrator.data import ShardedIndices
 from migrator.faults import FaultPlan
-from migrator.groups import new_group, pair_group
+from migrator.groups import c10d_store, new_group, pair_group
 from migrator.state import Registry, capture_rank_state, restore_rank_state
 from migrator.transport import PGTransport
 
@@ -41,6 +42,25 @@ def _master() -> dist.TCPStore:
 
 def _client(master: dist.TCPStore) -> dist.TCPStore:
     return dist.TCPStore("127.0.0.1", master.port, is_master=False, timeout=timedelta(seconds=20))
+
+
+def test_c10d_stores_are_kv_stores_and_take_bytes() -> None:
+    """``as_kv_store`` casts past torch's stub (``set`` typed str, no ``multi_set``): the real
+    stores have every :class:`KVStore` method and keep the bytes the mirrors are."""
+    members = [name for name in vars(P.KVStore) if not name.startswith("_")]
+    assert "multi_set" in members and "set" in members
+    for store in (_master(), dist.HashStore()):
+        kv = P.as_kv_store(dist.PrefixStore("p", store))
+        assert all(callable(getattr(kv, name)) for name in members)
+        kv.set("a", b"\xff\x00")
+        kv.multi_set(["b", "c"], [b"\x80", "z"])
+        assert kv.multi_get(["a", "b", "c"]) == [b"\xff\x00", b"\x80", b"z"]
+        assert kv.get("a") == b"\xff\x00"
+        assert kv.add("n", 2) == 2 and kv.add("n", 0) == 2
+        assert kv.check(["a", "n"]) and kv.delete_key("a") and not kv.check(["a"])
+        assert c10d_store(kv) is kv
+    with pytest.raises(TypeError, match="c10d store"):
+        c10d_store(object())
 
 
 def test_transfer_lands_in_place_and_equal() -> None:
