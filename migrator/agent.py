@@ -329,22 +329,21 @@ class Agent:
             mid = migration_id or uuid.uuid4().hex[:12]
             replica = self.recovery.replica_for({rank})
             spare.role, spare.rank = "assigned", rank
-            P.put_json(
-                self.kv,
-                P.assign_key(spare.index),
-                {"mode": "peer", "gen": self.table.gen + 1, "rank": rank, "migration_id": mid},
-            )
-            P.put_json(
-                self.kv,
-                P.cmd_key(self.table.gen),
-                {
-                    "migration_id": mid,
-                    "rank": rank,
-                    "replica": replica,
-                    "reason": reason,
-                    "spare": spare.index,
-                },
-            )
+            assignment: P.Assignment = {
+                "mode": "peer",
+                "gen": self.table.gen + 1,
+                "rank": rank,
+                "migration_id": mid,
+            }
+            P.put_json(self.kv, P.assign_key(spare.index), assignment)
+            command: P.Command = {
+                "migration_id": mid,
+                "rank": rank,
+                "replica": replica,
+                "reason": reason,
+                "spare": spare.index,
+            }
+            P.put_json(self.kv, P.cmd_key(self.table.gen), command)
             self.table.inflight = Migration(
                 mid,
                 why,
@@ -672,7 +671,8 @@ class Agent:
     def _shutdown(self) -> None:
         for slot in self.table.slots:
             if slot.role == "spare" and slot.proc and slot.proc.poll() is None:
-                P.put_json(self.kv, P.assign_key(slot.index), {"mode": "exit"})
+                leave: P.Assignment = {"mode": "exit"}
+                P.put_json(self.kv, P.assign_key(slot.index), leave)
             elif (
                 self.table.status is P.JobStatus.STOPPED and slot.proc and slot.proc.poll() is None
             ):

@@ -186,10 +186,10 @@ class StopCheckpointer:
         self.timeout_s = timeout_s
         self.job_id = job_id
 
-    def at_stop(self, plan: dict[str, Any], *, step: int, snapshot: bytes | None) -> str | None:
+    def at_stop(self, plan: P.CheckpointPlan, *, step: int, snapshot: bytes | None) -> str | None:
         """Take part in the stop checkpoint ``plan`` at boundary ``step``.
 
-        ``plan``: the agent's ``{"id", "writer", "live", "lost", "reason"}``; ``snapshot``:
+        ``plan``: the agent's :class:`~migrator.protocol.CheckpointPlan`; ``snapshot``:
         this rank's state at ``step``. Every live rank hands its snapshot over; the writer
         writes the file. Returns the path written (writer) or None. Never raises: a
         checkpoint that cannot be written is said to the agent and logged.

@@ -64,14 +64,14 @@ class CommandWatcher:
         self.kv = kv
         self.where = where
         self.poll_s = poll_s
-        self.flag: dict[str, Any] | None = None
+        self.flag: P.Command | None = None
         # Called with each command when first seen; True: the next generation is being
         # formed ahead (the membership's thread), and the flag waits until ``formed`` says
         # every member of it is done. Neither may block.
-        self.on_command: Callable[[dict[str, Any]], bool] | None = None
-        self.formed: Callable[[dict[str, Any]], bool] = lambda cmd: True
+        self.on_command: Callable[[P.Command], bool] | None = None
+        self.formed: Callable[[P.Command], bool] = lambda cmd: True
         self.on_abort: Callable[[str], Any] | None = None
-        self._forming: dict[str, Any] | None = None  # a command whose g+1 is being formed
+        self._forming: P.Command | None = None  # a command whose g+1 is being formed
         self.passed = -1  # the last step boundary the training loop passed (or stands at)
         self.ended: set[str] = set()  # migrations that were aborted
         self._thread: threading.Thread | None = None
@@ -108,7 +108,7 @@ class CommandWatcher:
         try:
             if not self.kv.check([P.cmd_key(gen)]):
                 return
-            cmd = P.get_json(self.kv, P.cmd_key(gen))
+            cmd: P.Command = P.get_json(self.kv, P.cmd_key(gen))
         except (
             RuntimeError,
             ValueError,
@@ -128,7 +128,7 @@ class CommandWatcher:
         """No command is being formed ahead (none seen, or it was dropped)."""
         return self._forming is None
 
-    def _check_forming(self, cmd: dict[str, Any], gen: int) -> None:
+    def _check_forming(self, cmd: P.Command, gen: int) -> None:
         """The command's g+1 is being formed: raise the flag once every member formed it;
         forget it when the move was aborted or the generation changed (a recovery)."""
         mid = cmd["migration_id"]
@@ -148,7 +148,7 @@ class CommandWatcher:
         if rank is not None:
             self._raise(cmd, rank)
 
-    def _raise(self, cmd: dict[str, Any], rank: int) -> None:
+    def _raise(self, cmd: P.Command, rank: int) -> None:
         mid = cmd["migration_id"]
         self.flag = cmd  # first the flag ...
         passed = self.passed  # ... then the boundary counter (see the module docstring)
@@ -157,7 +157,7 @@ class CommandWatcher:
         except (RuntimeError, OSError) as exc:
             log.warning("could not acknowledge migration %s: %s", mid, exc)
 
-    def pending(self, gen: int) -> dict[str, Any] | None:
+    def pending(self, gen: int) -> P.Command | None:
         """The command flagged for generation ``gen``, if any (a local read)."""
         flag = self.flag
         if flag is None:
@@ -175,7 +175,7 @@ class CommandWatcher:
         self.ended.add(migration_id)
         self.flag = None
 
-    def await_stop(self, cmd: dict[str, Any], *, world_size: int, timeout_s: float) -> str | int:
+    def await_stop(self, cmd: P.Command, *, world_size: int, timeout_s: float) -> str | int:
         """Wait for S (or an abort, a failure, a suspected lost peer).
 
         Every rank computes S itself from the acknowledgements (they never change once

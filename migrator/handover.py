@@ -98,7 +98,7 @@ class PlanHooks:
 class Checkpointer(Protocol):
     """Writes the stop checkpoint (see :mod:`migrator.checkpoint`)."""
 
-    def at_stop(self, plan: dict[str, Any], *, step: int, snapshot: bytes | None) -> str | None:
+    def at_stop(self, plan: P.CheckpointPlan, *, step: int, snapshot: bytes | None) -> str | None:
         """Take part in checkpoint ``plan`` at boundary ``step`` with this rank's state
         ``snapshot``; returns the path if this rank wrote it. Never raises."""
         ...
@@ -146,19 +146,19 @@ class Handover:
         self.checkpointer = checkpointer
         self.stop: int | None = None  # the step S of the command this rank agreed on
         self.ahead_bytes = 0  # optimizer state a spare allocated before its assignment
-        self.cmd: dict[str, Any] | None = None
+        self.cmd: P.Command | None = None
         self.peers: PeerCopies | None = None  # the job's peer copies, if it keeps them
         self.rewind: int | None = None  # the step a recovery went back to (peer copies)
         member.ready = self._spare_up
         member.on_source = self._forming_fault
 
-    def _forming_fault(self, cmd: dict[str, Any]) -> None:
+    def _forming_fault(self, cmd: P.Command) -> None:
         """A ``forming`` fault: the source of ``cmd`` fails while g+1 forms without it."""
         rank, step = self.member.rank, self.member.commands.passed
         if rank is not None and self.faults.due("forming", rank, step):
             self.faults.fire("forming", rank, step)
 
-    def _spare_up(self, cmd: dict[str, Any]) -> bool:
+    def _spare_up(self, cmd: P.Command) -> bool:
         """In the thread forming g+1 ahead: wait until the move's spare is up (it may still
         be importing torch, longer than the rendezvous timeout); False: the move was aborted."""
         mid = cmd["migration_id"]
@@ -194,7 +194,7 @@ class Handover:
         key = P.recovery_key(gen)
         if not self.kv.check([key]):
             return False
-        decision = P.get_json(self.kv, key)
+        decision: P.RecoveryDecision = P.get_json(self.kv, key)
         return bool(
             decision.get("status") == P.Decision.PLAN and decision.get("migration_id") == mid
         )
@@ -242,7 +242,7 @@ class Handover:
 
     # -- planned / preventive ---------------------------------------------------------------
 
-    def await_stop(self, cmd: dict[str, Any], k: int, *, snapshot: bytes) -> bool:
+    def await_stop(self, cmd: P.Command, k: int, *, snapshot: bytes) -> bool:
         """Learn S for ``cmd`` at boundary ``k``; False: no handover (aborted, or a peer was
         lost meanwhile and this rank took part in the recovery; step ``k`` runs next)."""
         mid = cmd["migration_id"]
@@ -326,7 +326,7 @@ class Handover:
         self._join(member.gen + 1, member.rank, plans, migration_id=mid)
         self.kv.set(keys.pause(member.rank), repr(time.perf_counter() - t0))
 
-    def _stop_here(self, cmd: dict[str, Any], step: int, snapshot: bytes | None) -> NoReturn:
+    def _stop_here(self, cmd: P.Command, step: int, snapshot: bytes | None) -> NoReturn:
         """The job stops at this boundary (the launcher was stopped): hand this rank's state
         to the stop checkpoint and leave."""
         plan = cmd["checkpoint"]
@@ -354,13 +354,18 @@ class Handover:
             return False
         t0 = time.perf_counter()
         gen, rank = member.gen, member.rank
-        report = {"step": step, "stepped": stepped, "slot": self.slot, "error": str(exc)}
+        report: P.SurvivorReport = {
+            "step": step,
+            "stepped": stepped,
+            "slot": self.slot,
+            "error": str(exc),
+        }
         P.put_json(self.kv, P.alive_key(gen, rank), report)
         self.kv.add(P.alive_count_key(gen), 1)
         log.warning("rank %d: a collective failed at step %d (%s)", rank, step, exc)
         key = P.recovery_key(gen)
         P.first_present(self.kv, [key], timeout_s=self._bound, what="the agent")
-        decision = P.get_json(self.kv, key)
+        decision: P.RecoveryDecision = P.get_json(self.kv, key)
         paused_said = False
         while decision["status"] == P.Decision.PAUSED:
             if not paused_said:
@@ -473,7 +478,7 @@ class Handover:
                 ahead = True
                 self._allocate_ahead()
             time.sleep(0.02)
-        a = P.get_json(self.kv, key)
+        a: P.Assignment = P.get_json(self.kv, key)
         if a["mode"] == "exit":
             raise SystemExit(0)
         t0 = time.perf_counter()

@@ -771,7 +771,7 @@ class Job:
         """Tell the agent what the script raised (before the process exits with it)."""
         if isinstance(exc, (SystemExit, KeyboardInterrupt, GeneratorExit)):
             return
-        info = {
+        info: P.ScriptError = {
             "rank": self.rank,
             "step": step,
             "type": type(exc).__name__,

@@ -141,15 +141,15 @@ class Membership:
         self.commands.on_abort = lambda mid: self.abandon()
         self.formation: Formation | None = None  # the next generation's, formed ahead
         self.used: Formation | None = None  # the formation the last switch took
-        self.ready: Callable[[dict[str, Any]], bool] = lambda cmd: True
-        self.on_source: Callable[[dict[str, Any]], Any] = lambda cmd: None  # a fault point
+        self.ready: Callable[[P.Command], bool] = lambda cmd: True
+        self.on_source: Callable[[P.Command], Any] = lambda cmd: None  # a fault point
         # False: a move's g+1 is formed at the switch, after the transfer (the way it was
         # before; benchmarks/migration.py measures both).
         self.form_ahead = True
 
     # -- formed ahead -------------------------------------------------------------------------
 
-    def _on_command(self, cmd: dict[str, Any]) -> bool:
+    def _on_command(self, cmd: P.Command) -> bool:
         """The watcher saw ``cmd``: a move to a spare forms g+1 ahead, here unless this rank
         is the source (it leaves); True: the command waits until every member formed it.
         That is when the spare is up; a spare still starting (importing torch) is waited
@@ -168,7 +168,7 @@ class Membership:
     def _formed_keys(self, migration_id: str) -> list[str]:
         return [P.MigrationKeys(migration_id).formed(r) for r in range(self.world_size)]
 
-    def _formed_by_all(self, cmd: dict[str, Any]) -> bool:
+    def _formed_by_all(self, cmd: P.Command) -> bool:
         """Every member of the move's g+1 (the spare at the source's rank) is done forming
         it, formed or failed."""
         keys = self._formed_keys(cmd["migration_id"])

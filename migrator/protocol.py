@@ -50,7 +50,10 @@ Key map (``g`` is a process-group generation, ``r`` a rank, ``s`` a process slot
 Every key is built here (:class:`MigrationKeys`, :class:`CheckpointKeys` and the ``*_key``
 functions), and the values the agent and the ranks compare (a migration's outcome, the
 job's status, the agent's recovery decision) are the enums below, whose values are the
-strings on the wire. :class:`KVStore` is what the migrator asks of the store itself.
+strings on the wire. The JSON values the agent and the ranks exchange about a move (its
+command, a spare's assignment, a survivor's report, a script's error, the agent's decision,
+a stop checkpoint's plan) are the ``TypedDict``s below: plain dicts on the wire, typed where
+they are built and read. :class:`KVStore` is what the migrator asks of the store itself.
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, Literal, NotRequired, Protocol, TypedDict, cast
 
 from forewarn.errors import MigrationError
 
@@ -77,13 +80,19 @@ __all__ = [
     "MANIFEST_KEY",
     "NODES_NEXT_KEY",
     "RING_KEY",
+    "Assignment",
     "CheckpointKeys",
+    "CheckpointPlan",
+    "Command",
     "Decision",
     "HandoverTimeout",
     "JobStatus",
     "KVStore",
     "MigrationKeys",
     "Outcome",
+    "RecoveryDecision",
+    "ScriptError",
+    "SurvivorReport",
     "alive_count_key",
     "alive_key",
     "as_kv_store",
@@ -233,6 +242,109 @@ class Decision(StrEnum):
     """spares take the lost ranks in generation g+1"""
     FAILED = "failed"
     """the job cannot go on"""
+
+
+class CheckpointPlan(TypedDict):
+    """A stop checkpoint the ranks are to write (:mod:`migrator.checkpoint`): in a stop
+    command's ``checkpoint`` and in a failed :class:`RecoveryDecision`'s."""
+
+    id: str
+    """The checkpoint's id (:class:`CheckpointKeys`)."""
+    step: NotRequired[int]
+    """The boundary the survivors stand at (a failed recovery's plan)."""
+    writer: int
+    """The rank that writes the file (the lowest live one)."""
+    live: list[int]
+    """The ranks that hand their own state over at the boundary."""
+    lost: list[int]
+    """The ranks whose state comes from their mirror."""
+    reason: str
+    """Why the job stopped (``stopped``, or the failure's code)."""
+
+
+class Command(TypedDict):
+    """A planned, preventive or stop command (JSON at ``g{g}/cmd``, written by the agent)."""
+
+    migration_id: str
+    rank: int
+    """The rank that moves (-1: a stop, every rank)."""
+    replica: int | None
+    """The healthy rank that sends the moving rank's state if its source cannot."""
+    reason: NotRequired[str]
+    """``planned`` or ``preventive`` (a move's)."""
+    spare: NotRequired[int]
+    """The slot of the spare that takes the rank (a move's)."""
+    kind: NotRequired[Literal["stop"]]
+    """A stop: every rank hands its state to the stop checkpoint and leaves."""
+    checkpoint: NotRequired[CheckpointPlan]
+    """The stop's checkpoint."""
+    gen: NotRequired[int]
+    """The generation the rank read the command in: set by the rank's watcher
+    (:mod:`migrator.commands`), never on the wire."""
+
+
+class Assignment(TypedDict):
+    """What a spare is to become (JSON at ``slot{s}/assign``, written by the agent)."""
+
+    mode: Literal["peer", "replica", "exit"]
+    """``peer``: take the rank from its source (a planned or preventive move);
+    ``replica``: rebuild it from a healthy rank (a recovery); ``exit``: leave."""
+    gen: NotRequired[int]
+    """The generation the spare joins."""
+    rank: NotRequired[int]
+    migration_id: NotRequired[str]
+    attempt: NotRequired[int]
+    """The how-many-th spare tried for the rank (:meth:`MigrationKeys.attempt`; 0 if absent)."""
+
+
+class SurvivorReport(TypedDict):
+    """A survivor's report after a failed collective (JSON at ``g{g}/alive/{r}``)."""
+
+    step: int
+    """The step whose collective failed (the rank stands at its boundary)."""
+    stepped: bool
+    """Whether the rank's optimizer stepped in that step (then it cannot be redone)."""
+    slot: int
+    error: str
+
+
+class ScriptError(TypedDict):
+    """What a rank's script raised (JSON at ``err/{s}``), written before its process exits."""
+
+    rank: int | None
+    """The rank the process held (None: a spare)."""
+    step: int
+    type: str
+    """The exception's class name."""
+    retryable: bool
+    """Whether a spare could get past it (``migrator.job.spare_may_help``): False for an
+    error the spare would raise again on the same step (out of memory, a ``ValueError``)."""
+    message: str
+    traceback: str
+
+
+class RecoveryDecision(TypedDict):
+    """The agent's decision after a suspected failure (JSON at ``g{g}/recovery``)."""
+
+    status: str
+    """A :class:`Decision` (read back, the plain string, which compares equal to it)."""
+    message: NotRequired[str]
+    """Why the job is paused or failed."""
+    code: NotRequired[str]
+    """The failure's error code (``FAILED``): the survivors raise that error."""
+    checkpoint: NotRequired[CheckpointPlan]
+    """The stop checkpoint the survivors write before they raise (``FAILED``)."""
+    gen: NotRequired[int]
+    """The generation the survivors and the spares form (``PLAN``), and what follows."""
+    replacements: NotRequired[list[int]]
+    """The lost ranks a spare takes."""
+    replica: NotRequired[int | None]
+    """The healthy rank that sends a lost rank's state when ``senders`` names none."""
+    senders: NotRequired[dict[str, int | None]]
+    """Per lost rank (a str: a JSON key), the healthy rank that sends its state."""
+    rewind: NotRequired[int | None]
+    """The boundary every rank goes back to (peer copies); None: the failed step's."""
+    migration_id: NotRequired[str]
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ import logging
 import signal
 import sys
 import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -44,7 +45,7 @@ from migrator.layouts import read_layout, senders
 from migrator.peerplan import rewind_plan
 from migrator.table import JobTable, Migration, Slot
 
-__all__ = ["Recovery", "RecoverySettings", "Supervisor"]
+__all__ = ["Recovery", "RecoverySettings", "RecoveryState", "Supervisor"]
 
 # The agent's own logger: its records read as one stream, whichever half wrote them.
 log = logging.getLogger("migrator.agent")
@@ -73,7 +74,27 @@ class Supervisor(Protocol):
         ...
 
 
-def _same_error(a: dict[str, Any], b: dict[str, Any]) -> bool:
+@dataclass
+class RecoveryState:
+    """The recovery in progress (:attr:`Recovery.current`): a failure suspected in generation
+    ``gen``, then the lost ranks named. Updated in place while the ranks report (so not
+    frozen); the agent's own, never on the wire (its decision is a
+    :class:`~migrator.protocol.RecoveryDecision`)."""
+
+    gen: int
+    deadline: float
+    """Until when (monotonic seconds) every rank of ``gen`` may report or exit."""
+    decided: bool = False
+    """The lost ranks were named (placing their spares may still wait: a pause)."""
+    seen: dict[int, float] = field(default_factory=dict)
+    """When each survivor's report was first seen (the last to report is the wedged one)."""
+    dead: list[int] = field(default_factory=list)
+    """The lost ranks, once decided, in order."""
+    alive: dict[int, P.SurvivorReport] = field(default_factory=dict)
+    """The survivors' reports, once decided."""
+
+
+def _same_error(a: P.ScriptError, b: P.ScriptError) -> bool:
     return (a["rank"], a["step"], a["type"]) == (b["rank"], b["step"], b["type"])
 
 
@@ -94,13 +115,13 @@ class Recovery:
         self.table = table
         self.cfg = settings
         self.supervisor = supervisor
-        self.current: dict[str, Any] | None = None
-        """The recovery in progress: generation, detection deadline, the decision once made."""
+        self.current: RecoveryState | None = None
+        """The recovery in progress."""
         self.pause_deadline: float | None = None
-        self.script_errors: list[dict[str, Any]] = []
+        self.script_errors: list[P.ScriptError] = []
         self._weighed: dict[int, int] = {}
         """Per generation, the survivors' reports a decision already weighed."""
-        self.checkpoint: dict[str, Any] | None = None
+        self.checkpoint: P.CheckpointPlan | None = None
         """The stop checkpoint the survivors were asked to write (see :meth:`fail`)."""
         self.why_not = ""  # why the lost ranks' state is in no healthy rank (peer copies)
 
@@ -168,22 +189,19 @@ class Recovery:
             if not lost and reported <= self._weighed.get(g, 0):
                 return
             grace = self.cfg.detect_grace_s
-            self.current = {
-                "gen": g,
-                "deadline": now + (self.cfg.timeout_s if grace is None else grace),
-                "decided": False,
-                "seen": {},
-            }
+            self.current = RecoveryState(
+                gen=g, deadline=now + (self.cfg.timeout_s if grace is None else grace)
+            )
             self.kv.set(P.suspect_key(g), "1")  # ranks waiting for S join the recovery
             log.warning(
                 "generation %d: failure suspected (%d lost, %d reports)", g, len(lost), reported
             )
         rec = self.current
-        if rec["decided"]:
+        if rec.decided:
             if self.table.status is P.JobStatus.PAUSED:
                 self._retry_paused(now)
             return
-        alive: dict[int, dict[str, Any]] = {}
+        alive: dict[int, P.SurvivorReport] = {}
         dead: list[int] = []
         for rank, index in self.table.roster.items():
             # The process first: a rank that reported and exited since is lost, its report
@@ -192,9 +210,9 @@ class Recovery:
                 dead.append(rank)
             elif self.kv.check([P.alive_key(g, rank)]):
                 alive[rank] = P.get_json(self.kv, P.alive_key(g, rank))
-                rec["seen"].setdefault(rank, now)
+                rec.seen.setdefault(rank, now)
         undecided = [r for r in self.table.roster if r not in alive and r not in dead]
-        if undecided and now < rec["deadline"]:
+        if undecided and now < rec.deadline:
             return
         for rank in undecided:  # neither reported nor exited within the bound: wedged
             log.warning("rank %d did not answer within the bound: declared lost", rank)
@@ -203,7 +221,7 @@ class Recovery:
             # Every rank reported a failed collective and none exited: one was stalled (a
             # SIGSTOP, a swapping host) past the others' timeout and came back. The last to
             # report is the one the others waited for; it is replaced like a wedged rank.
-            late = max(alive, key=lambda r: (rec["seen"][r], r))
+            late = max(alive, key=lambda r: (rec.seen[r], r))
             log.warning(
                 "every rank reported a failed collective and none exited: rank %d, the last "
                 "to report, was the one the others waited for: declared lost",
@@ -211,9 +229,9 @@ class Recovery:
             )
             del alive[late]
             self._declare_lost(late, dead)
-        rec["decided"] = True
-        rec["dead"] = sorted(dead)
-        rec["alive"] = alive
+        rec.decided = True
+        rec.dead = sorted(dead)
+        rec.alive = alive
         self._weighed[g] = int(self.kv.add(P.alive_count_key(g), 0))
         errors = self._script_errors_of(dead)
         if dead and not alive:
@@ -245,7 +263,8 @@ class Recovery:
             return
         if not dead:
             self.kv.delete_key(P.suspect_key(g))
-            P.put_json(self.kv, P.recovery_key(g), {"status": P.Decision.NONE})
+            decision: P.RecoveryDecision = {"status": P.Decision.NONE}
+            P.put_json(self.kv, P.recovery_key(g), decision)
             self.current = None
             return
         self.why_not = ""
@@ -275,13 +294,13 @@ class Recovery:
     def _place_spares(self, now: float) -> None:
         rec = self.current
         assert rec is not None
-        g, dead = rec["gen"], rec["dead"]
+        g, dead = rec.gen, rec.dead
         planned = self.table.inflight
         spares = self.table.live_spares()
         if planned is not None:  # the source died before its handover: reuse its spare
             spares = [self.table.slots[planned.targets[r]] for r in dead] + spares
         if len(spares) < len(dead):
-            at = min(a["step"] for a in rec["alive"].values())
+            at = min(a["step"] for a in rec.alive.values())
             msg = (
                 f"job {self.cfg.job_id} paused at step {at}: "
                 f"rank(s) {dead} lost and {len(spares)} spare(s) left; it fails in "
@@ -296,7 +315,8 @@ class Recovery:
                 print(f"forewarn launch: {msg}", file=sys.stderr, flush=True)
                 self.pause_deadline = now + self.cfg.pause_timeout_s
             self.table.status, self.table.message = P.JobStatus.PAUSED, msg
-            P.put_json(self.kv, P.recovery_key(g), {"status": P.Decision.PAUSED, "message": msg})
+            paused: P.RecoveryDecision = {"status": P.Decision.PAUSED, "message": msg}
+            P.put_json(self.kv, P.recovery_key(g), paused)
             return
         mid = planned.migration_id if planned is not None else uuid.uuid4().hex[:12]
         replica = self.replica_for(set(dead))
@@ -311,24 +331,23 @@ class Recovery:
             spare.role, spare.rank = "assigned", rank
             targets[rank] = spare.index
             if planned is None:
-                P.put_json(
-                    self.kv,
-                    P.assign_key(spare.index),
-                    {"mode": "replica", "gen": g + 1, "rank": rank, "migration_id": mid},
-                )
-        P.put_json(
-            self.kv,
-            P.recovery_key(g),
-            {
-                "status": P.Decision.PLAN,
-                "gen": g + 1,
-                "replacements": dead,
-                "replica": replica,
-                "senders": {str(r): sources.get(r, replica) for r in dead},
-                "rewind": rewind,
-                "migration_id": mid,
-            },
-        )
+                assignment: P.Assignment = {
+                    "mode": "replica",
+                    "gen": g + 1,
+                    "rank": rank,
+                    "migration_id": mid,
+                }
+                P.put_json(self.kv, P.assign_key(spare.index), assignment)
+        decision: P.RecoveryDecision = {
+            "status": P.Decision.PLAN,
+            "gen": g + 1,
+            "replacements": dead,
+            "replica": replica,
+            "senders": {str(r): sources.get(r, replica) for r in dead},
+            "rewind": rewind,
+            "migration_id": mid,
+        }
+        P.put_json(self.kv, P.recovery_key(g), decision)
         self.table.inflight = Migration(
             mid,
             MigrationReason.UNPLANNED,
@@ -364,8 +383,13 @@ class Recovery:
         attempt = int(self.kv.add(P.MigrationKeys(mid).attempts(rank), 1))
         spare.role, spare.rank = "assigned", rank
         m.targets[rank] = spare.index
-        assignment = {"mode": "replica", "gen": m.gen + 1, "rank": rank, "migration_id": mid}
-        assignment["attempt"] = attempt
+        assignment: P.Assignment = {
+            "mode": "replica",
+            "gen": m.gen + 1,
+            "rank": rank,
+            "migration_id": mid,
+            "attempt": attempt,
+        }
         P.put_json(self.kv, P.assign_key(spare.index), assignment)
         self.kv.set(P.MigrationKeys(mid).attempt(rank, attempt), str(spare.index))
         log.warning(
@@ -377,7 +401,7 @@ class Recovery:
             attempt,
         )
 
-    def _script_errors_of(self, ranks: list[int]) -> list[dict[str, Any]]:
+    def _script_errors_of(self, ranks: list[int]) -> list[P.ScriptError]:
         """The exceptions the scripts of these (dead) ranks reported before they exited."""
         out = []
         for rank in sorted(ranks):
@@ -386,7 +410,7 @@ class Recovery:
                 out.append(P.get_json(self.kv, key))
         return out
 
-    def _describe(self, info: dict[str, Any]) -> str:
+    def _describe(self, info: P.ScriptError) -> str:
         """What a rank's script raised, said once: its traceback (which ends with the type
         and message) when the ranks write to log files, else the type and message (the
         rank printed its traceback on the launcher's stderr itself)."""
@@ -395,7 +419,7 @@ class Recovery:
             return f"{head}; its traceback:\n{info['traceback'].rstrip()}"
         return f"{head}: {info['message']}"
 
-    def _nobody_left(self, dead: list[int], errors: list[dict[str, Any]]) -> str:
+    def _nobody_left(self, dead: list[int], errors: list[P.ScriptError]) -> str:
         """Why a job whose every rank died at once cannot go on (no replica is left)."""
         if errors:
             return f"every rank exited at once; {self._describe(errors[0])}"
@@ -443,7 +467,7 @@ class Recovery:
                 checkpoint=True,
             )
 
-    def _checkpoint_plan(self, reason: str) -> tuple[dict[str, Any] | None, str]:
+    def _checkpoint_plan(self, reason: str) -> tuple[P.CheckpointPlan | None, str]:
         """The stop checkpoint of the recovery in progress, or why there can be none.
 
         There can be one when every survivor stands at the boundary of the same failed step,
@@ -455,21 +479,21 @@ class Recovery:
         rec = self.current
         if self.cfg.checkpoint_dir is None:
             return None, ""
-        if rec is None or not rec.get("alive"):
+        if rec is None or not rec.alive:
             return None, "no rank survived"
-        alive: dict[int, dict[str, Any]] = rec["alive"]
+        alive = rec.alive
         steps = {a["step"] for a in alive.values()}
         if len(steps) != 1 or any(a["stepped"] for a in alive.values()):
             return None, "the survivors do not stand at one boundary with their optimizer unstepped"
         roster = self.table.roster
         if any(self.kv.check([P.unique_key(roster[r])]) for r in roster):
             return None, "the job registered rank-unique state, which no replica holds"
-        plan = {
-            "id": f"g{rec['gen']}",
+        plan: P.CheckpointPlan = {
+            "id": f"g{rec.gen}",
             "step": steps.pop(),
             "writer": min(alive),
             "live": sorted(alive),
-            "lost": sorted(rec.get("dead", [])),
+            "lost": sorted(rec.dead),
             "reason": reason,
         }
         return plan, ""
@@ -488,7 +512,7 @@ class Recovery:
         log.error("job %s failed: %s", self.cfg.job_id, (message.splitlines() or [""])[0])
         self.table.status, self.table.message = P.JobStatus.FAILED, message
         if self.current is not None:
-            decision: dict[str, Any] = {
+            decision: P.RecoveryDecision = {
                 "status": P.Decision.FAILED,
                 "code": code,
                 "message": message,
@@ -500,7 +524,7 @@ class Recovery:
                 elif why:
                     message += f"; no checkpoint: {why}"
                     decision["message"] = self.table.message = message
-            P.put_json(self.kv, P.recovery_key(self.current["gen"]), decision)
+            P.put_json(self.kv, P.recovery_key(self.current.gen), decision)
         if self.table.inflight is not None:
             P.put_json(
                 self.kv,

@@ -19,7 +19,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 from migrator import protocol as P
 from migrator.recovery import Recovery
@@ -72,6 +72,7 @@ class Stopper:
         boundary its survivors stand at. Returns what to add to the job's message."""
         if self.settings.checkpoint_dir is None:
             return ""
+        plan: P.CheckpointPlan | None
         with self.lock:
             table = self.table
             if table.status is P.JobStatus.PAUSED and self.recovery.current is not None:
@@ -87,10 +88,20 @@ class Stopper:
             else:
                 live = sorted(table.roster)
                 mid = f"stop-{uuid.uuid4().hex[:8]}"
-                plan = {"id": mid, "writer": live[0], "live": live, "lost": []}
-                plan["reason"] = "stopped"
-                command = {"migration_id": mid, "kind": "stop", "rank": -1, "replica": None}
-                command["checkpoint"] = plan
+                plan = {
+                    "id": mid,
+                    "writer": live[0],
+                    "live": live,
+                    "lost": [],
+                    "reason": "stopped",
+                }
+                command: P.Command = {
+                    "migration_id": mid,
+                    "kind": "stop",
+                    "rank": -1,
+                    "replica": None,
+                    "checkpoint": plan,
+                }
                 table.status = P.JobStatus.STOPPING  # no new command replaces this one
                 P.put_json(self.kv, P.cmd_key(table.gen), command)
         if plan is None:
@@ -103,7 +114,7 @@ class Stopper:
         )
         return self.await_checkpoint(plan)
 
-    def await_checkpoint(self, plan: dict[str, Any]) -> str:
+    def await_checkpoint(self, plan: P.CheckpointPlan) -> str:
         """Wait (bounded) for the stop checkpoint ``plan``; returns what to say about it."""
         keys = P.CheckpointKeys(plan["id"])
         with self.lock:
