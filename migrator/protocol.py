@@ -138,12 +138,12 @@ class KVStore(Protocol):
 
     At run time this is a c10d ``TCPStore`` (the agent's server, or a client of it), or a
     ``PrefixStore`` or ``HashStore`` in tests; :func:`as_kv_store` is where one enters. Each
-    call is one round trip to the store's server. Only :meth:`get` and :meth:`multi_get`
-    wait, for a missing key, and then only up to the timeout the client was built with
-    (the agent's: ``timeout_s + 30``): they are called once the key is known to exist or
-    behind a bounded :func:`first_present`, so that timeout is a backstop, not a wait the
-    protocol relies on. A server that is gone makes any call raise
-    ``torch.distributed.DistNetworkError`` (a ``RuntimeError``).
+    call on a TCPStore is one round trip to its server. Only :meth:`get` and
+    :meth:`multi_get` wait, for a missing key, and then only up to the timeout the client
+    was built with (``timeout_s + 30`` for the agent's and the ranks'): they are called
+    once the key is known to exist or behind a bounded :func:`first_present`, so that
+    timeout is a backstop, not a wait the protocol relies on. When the server is gone, any
+    call raises ``torch.distributed.DistNetworkError`` (a ``RuntimeError``).
 
     The keys are strings (a ``PrefixStore`` puts ``{prefix}/`` in front); the values are
     bytes, written as bytes or as str (stored UTF-8 encoded).
@@ -206,7 +206,7 @@ def as_kv_store(store: dist.Store) -> KVStore:
     (``torch/_C/_distributed_c10d.pyi``) types ``Store.set``'s value as ``str`` (the binding
     takes bytes too: the mirrors and the manifest are pickles) and declares no
     ``multi_set`` (the binding has it), so mypy cannot see a ``Store`` as a ``KVStore``.
-    This cast says so once, where the store is built, instead of at every call.
+    This cast says so once, where each store is built, instead of at every call.
     """
     return cast(KVStore, store)
 
