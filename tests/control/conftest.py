@@ -16,7 +16,7 @@ from api.control.policy import Policy
 from store import Store
 from store import control as db
 from tests.conftest import start_service
-from tests.control.scene import POLICY, Scene
+from tests.control.scene import POLICY, WEAR_PARAMS, Scene
 
 
 class FakeScorer:
@@ -141,7 +141,7 @@ def scene(
     monkeypatch.setenv("FOREWARN_RISK_HISTORY_INTERVAL_S", "1")
     service = start_service(database_url, tmp_path / "service.log", timeout_s=120)
     s = Scene(service, tmp_path)
-    s.simulate("--speed", "60")
+    s.simulate("--speed", "60", "--params", str(WEAR_PARAMS))
     try:
         yield s
     finally:

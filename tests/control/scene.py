@@ -19,10 +19,14 @@ ROOT = Path(__file__).resolve().parents[2]
 """The repository (what the processes run from)."""
 
 PACED = Path(__file__).with_name("train_paced.py")
-STEPS = 1500
-"""The job's steps: 150 s of paced runway (0.1 s a step) against the ~80 s the e2e's move
-needs; what is left runs unpaced once the test touches ``fast`` (3,000 cost ~10 s of CPU)."""
-WEAR_LEAD_S = 100
+STEPS = 1000
+"""The job's steps: 100 s of paced runway (0.1 s a step) against the ~20 s the e2e's move
+needs from the injection (60 s on a loaded machine); what is left runs unpaced once the test
+touches ``fast``."""
+WEAR_PARAMS = Path(__file__).with_name("wear.toml")
+"""The scene's fleet parameters: memory wear whose hard evidence shows within seconds."""
+WEAR_LEAD_S = 60
+"""The wear episode, s: the failure comes this long after the injection, the move's margin."""
 POLICY = '{"threshold": 0.02, "hysteresis": 2, "cooldown_s": 0, "stale_after_s": 60}'
 
 

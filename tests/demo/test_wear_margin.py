@@ -11,6 +11,7 @@ numbers to choose new thresholds by.
 from __future__ import annotations
 
 import json
+import tomllib
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -25,20 +26,22 @@ from sim.source import SimulatedSource
 from store import Store
 from store import control as db
 from store.writes import event_row, sample_row
-from tests.control.test_e2e import POLICY, WEAR_LEAD_S
+from tests.control.scene import POLICY, WEAR_LEAD_S, WEAR_PARAMS
 
 E2E_THRESHOLD = float(json.loads(POLICY)["threshold"])
 T0 = 1_800_000_000.0
 
 
 def replay(
-    tmp: Path, *, gpus: int, seed: int, lead_s: float, warm_s: int = 60
+    tmp: Path, *, gpus: int, seed: int, lead_s: float, warm_s: int = 60, params: Path | None = None
 ) -> tuple[list[tuple[int, float]], float]:
-    """Inject memory wear on sim-node-0000 GPU 1 after ``warm_s``; returns the worn GPU's risk
-    per second after the injection, and the highest risk of any other GPU throughout."""
+    """Inject memory wear on sim-node-0000 GPU 1 after ``warm_s`` into a fleet with ``params``
+    (a TOML file of overrides, as ``forewarn simulate --params`` takes); returns the worn GPU's
+    risk per second after the injection, and the highest risk of any other GPU throughout."""
     model = registry.load_latest(registry.SHIPPED_DIR)
     store = Store.open(f"sqlite:///{tmp / 'wear.db'}")
-    source = SimulatedSource(gpus, seed=seed, speed=60.0)
+    overrides = tomllib.loads(params.read_text()) if params else None
+    source = SimulatedSource(gpus, seed=seed, params=overrides, speed=60.0)
     scorer = Scorer(model)
     samples_at, events_at = 0, 0
     worn: list[tuple[int, float]] = []
@@ -70,16 +73,21 @@ def replay(
 
 
 @pytest.mark.parametrize(
-    ("gpus", "lead_s", "threshold", "ahead_s"),
+    ("gpus", "lead_s", "threshold", "ahead_s", "params"),
     [
-        pytest.param(64, 90.0, DEMO_THRESHOLD, 10.0, id="demo"),
-        pytest.param(16, float(WEAR_LEAD_S), E2E_THRESHOLD, 20.0, id="end-to-end"),
+        pytest.param(64, 90.0, DEMO_THRESHOLD, 10.0, None, id="demo"),
+        pytest.param(16, float(WEAR_LEAD_S), E2E_THRESHOLD, 40.0, WEAR_PARAMS, id="end-to-end"),
     ],
 )
 def test_the_worn_gpu_crosses_in_time_and_no_healthy_one_comes_near(
-    tmp_path: Path, gpus: int, lead_s: float, threshold: float, ahead_s: float
+    tmp_path: Path,
+    gpus: int,
+    lead_s: float,
+    threshold: float,
+    ahead_s: float,
+    params: Path | None,
 ) -> None:
-    worn, others = replay(tmp_path, gpus=gpus, seed=1, lead_s=lead_s)
+    worn, others = replay(tmp_path, gpus=gpus, seed=1, lead_s=lead_s, params=params)
     crossed = next((t for t, risk in worn if risk >= threshold), None)
     peak = max(risk for _, risk in worn)
     assert crossed is not None, f"the worn GPU peaked at {peak:.4f} < {threshold}"
