@@ -37,7 +37,10 @@ from tests.migrator.harness import Run, assert_same, launch
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-STEPS = 2000
+STEPS = 400
+"""The job's steps: the move comes ~15 steps after the slowness starts (step 44 of a run on a
+loaded machine), and the slowed pace (0.35 s a step) leaves ~130 s of runway for it; the test
+needs 40 steps after the move, and what is left runs unpaced once it touches ``fast``."""
 SLOW_FROM = 30
 DELAY_S = 0.3
 PACE_S = 0.05
