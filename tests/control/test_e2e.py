@@ -93,7 +93,7 @@ def test_dry_run_first_then_the_crossing_migrates_the_rank_and_the_job_ends_bitw
     assert (ranks[2]["role"], ranks[2]["rank"]) == ("active", 1)
     assert job.wait(timeout=180) == 0
     base = baseline.result(timeout=300)
-    assert_same(base, Run(0, out, [], base.agent))
+    assert_same(base, Run(out, 0, [], base.agent))
 
 
 @pytest.fixture

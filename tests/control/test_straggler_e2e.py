@@ -177,4 +177,4 @@ def test_a_straggler_is_named_moved_and_the_job_recovers_its_pace_bitwise(
     assert during < 0.5 * before, (before, during)
     assert after > 2 * during, (during, after)
     base = baseline.result(timeout=300)
-    assert_same(base, Run(0, out, [], base.agent))
+    assert_same(base, Run(out, 0, [], base.agent))

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
+import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from forewarn.wire import MigrationReport
@@ -19,11 +23,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass
-class Run:
-    code: int
+class Outcome:
+    """What a job left in its output directory: per-step logs and every rank's final state."""
+
     out: Path
-    reports: list[MigrationReport]
-    agent: Agent
 
     def steps(self) -> dict[tuple[int, int], dict[str, Any]]:
         """(rank, step) -> the logged row of the attempt that finished."""
@@ -41,6 +44,15 @@ class Run:
 
     def log(self, slot: int) -> str:
         return (self.out / "logs" / f"slot{slot}.log").read_text()
+
+
+@dataclass
+class Run(Outcome):
+    """A job this process launched under its own agent."""
+
+    code: int
+    reports: list[MigrationReport]
+    agent: Agent
 
 
 def launch(
@@ -69,11 +81,34 @@ def launch(
     )
     agent = Agent(cfg)
     code = agent.run()
-    return Run(code, out, list(agent.reports), agent)
+    return Run(out, code, list(agent.reports), agent)
+
+
+def reference(
+    factory: pytest.TempPathFactory, *, nproc: int = 2, steps: int, mode: str = "ddp"
+) -> Outcome:
+    """The run that nothing disturbs, of ``nproc`` ranks for ``steps`` steps in ``mode``:
+    launched once in a test session and shared by every test and every xdist worker that
+    asks for the same (it is bitwise reproducible, so one copy serves them all). It lives
+    beside the workers' temporary directories; a lock lets one worker launch it while the
+    others wait for it."""
+    root = factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the workers' base directories share it
+    out = root / f"reference-{mode}-{nproc}x{steps}"
+    with (root / f"{out.name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        done = out / "done"
+        if not done.exists():
+            shutil.rmtree(out, ignore_errors=True)
+            run = launch(out, nproc=nproc, spares=0, steps=steps, mode=mode)
+            assert run.code == 0 and run.reports == [], run.agent.message
+            done.touch()
+    return Outcome(out)
 
 
 def assert_same(
-    base: Run, run: Run, *, nproc: int = 2, unlogged: set[tuple[int, int]] = frozenset()
+    base: Outcome, run: Run, *, nproc: int = 2, unlogged: set[tuple[int, int]] = frozenset()
 ) -> None:
     """Final parameters and optimizer state torch.equal; per-step losses and samples equal.
 
@@ -91,7 +126,7 @@ def assert_same(
     assert_same_final(base, run, nproc=nproc)
 
 
-def assert_same_final(base: Run, run: Run, *, nproc: int = 2) -> None:
+def assert_same_final(base: Outcome, run: Outcome, *, nproc: int = 2) -> None:
     """Every rank's final parameters and optimizer state torch.equal, hyper-parameters and
     scheduler state equal."""
     for rank in range(nproc):

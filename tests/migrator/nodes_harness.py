@@ -93,4 +93,4 @@ def launch_nodes(
         ]
     codes = [p.returncode for p in procs]
     agent = SimpleNamespace(message=errs[0], codes=codes)
-    return Run(codes[0], out, reports, agent), errs  # type: ignore[arg-type]
+    return Run(out, codes[0], reports, agent), errs  # type: ignore[arg-type]

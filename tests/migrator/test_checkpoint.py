@@ -18,7 +18,7 @@ import pytest
 
 from migrator import checkpoint
 from migrator.faults import FaultPlan
-from tests.migrator.harness import Run, assert_same_final, launch
+from tests.migrator.harness import Outcome, Run, assert_same_final, launch
 from tests.migrator.nodes_harness import launch_nodes
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -36,7 +36,7 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Run:
 def assert_resumed_equal(base: Run, stopped: Path, resumed: Run, *, at: int) -> None:
     """The stopped run's rows (steps before ``at``) and the resumed run's (from ``at``) are
     the base run's, row for row; final parameters and optimizer state ``torch.equal``."""
-    first = Run(0, stopped, [], resumed.agent).steps()
+    first = Outcome(stopped).steps()
     assert {step for _, step in first} == set(range(at)), sorted(first)
     second = resumed.steps()
     assert {step for _, step in second} == set(range(at, STEPS)), sorted(second)

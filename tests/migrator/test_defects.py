@@ -27,19 +27,17 @@ import pytest
 from migrator import checkpoint
 from migrator.agent import Agent
 from migrator.faults import FaultPlan
-from tests.migrator.harness import Run, assert_same, launch
+from tests.migrator.harness import Outcome, Run, assert_same, launch, reference
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    run = launch(tmp_path_factory.mktemp("base"), spares=0, steps=16, mode="plain")
-    assert run.code == 0
-    return run
+def base(tmp_path_factory: pytest.TempPathFactory) -> Outcome:
+    return reference(tmp_path_factory, steps=16, mode="plain")
 
 
-def test_spare_killed_mid_receive_planned_then_unplanned(base: Run, tmp_path: Path) -> None:
+def test_spare_killed_mid_receive_planned_then_unplanned(base: Outcome, tmp_path: Path) -> None:
     """Planned move at 3: its spare dies mid-receive, the move is aborted and rank 0 trains
     on; a second move at 6 goes to another spare. Rank 1 is killed at 10: the spare taking
     it over dies mid-receive and the last spare takes it. Bitwise equal, one step lost."""
@@ -134,7 +132,7 @@ def _thaw_after(agent_run: Callable[[], Run], seconds: float) -> tuple[Run, list
 
 @pytest.mark.parametrize("factor", [1.5, 2.5])
 def test_a_rank_wedged_past_the_timeout_is_replaced_and_the_job_ends(
-    base: Run, tmp_path: Path, factor: float, caplog: pytest.LogCaptureFixture
+    base: Outcome, tmp_path: Path, factor: float, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Rank 1 SIGSTOPped at step 3 for 1.5x / 2.5x --timeout-s, then let go: whether it
     comes back before the bound or not, it is replaced by the spare, the launcher does not

@@ -11,7 +11,7 @@ import pytest
 from migrator import checkpoint
 from migrator.faults import FaultPlan
 from migrator.nodes import layout
-from tests.migrator.harness import assert_same, launch
+from tests.migrator.harness import assert_same, reference
 from tests.migrator.nodes_harness import launch_nodes
 
 
@@ -28,11 +28,13 @@ def test_layout_numbers_ranks_node_by_node_and_spares_after() -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_cross_node_preventive_move_and_spare_killed_mid_receive(tmp_path: Path) -> None:
+def test_cross_node_preventive_move_and_spare_killed_mid_receive(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
     """Node 0 runs rank 0, node 1 rank 1 and two spares. Rank 0 is moved to node 1; the
     first spare dies mid-receive (the move is aborted, rank 0 trains on), the second move
     lands on node 1. Bitwise equal to a one-host run without moves; no step lost."""
-    base = launch(tmp_path / "base", spares=0, steps=16, mode="plain")
+    base = reference(tmp_path_factory, steps=16, mode="plain")
     plan = (
         FaultPlan()
         .migrate_at(0, 3, reason="preventive")
@@ -51,11 +53,13 @@ def test_cross_node_preventive_move_and_spare_killed_mid_receive(tmp_path: Path)
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_whole_node_lost_two_ranks_at_once_spares_on_other_nodes(tmp_path: Path) -> None:
+def test_whole_node_lost_two_ranks_at_once_spares_on_other_nodes(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
     """Three launchers: node 1 runs ranks 1 and 2, nodes 0 and 2 one spare each. Node 1's
     launcher and all its processes are SIGKILLed at once in step 5: both spares, on two
     other nodes, take over from rank 0's replica; one step is lost, the result is equal."""
-    base = launch(tmp_path / "base", nproc=3, spares=0, steps=12, mode="plain")
+    base = reference(tmp_path_factory, nproc=3, steps=12, mode="plain")
     plan = FaultPlan().kill_node_at(1, 5)
     run, errs = launch_nodes(tmp_path / "run", [(1, 1), (2, 0), (0, 1)], plan=plan, steps=12)
     assert run.agent.codes[0] == 0 and run.agent.codes[2] == 0, errs

@@ -15,20 +15,18 @@ from pathlib import Path
 import pytest
 
 from migrator.faults import FaultPlan
-from tests.migrator.harness import Run, assert_same, launch
+from tests.migrator.harness import Outcome, assert_same, launch, reference
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    run = launch(tmp_path_factory.mktemp("base"), nproc=3, spares=0, steps=12, mode="plain")
-    assert run.code == 0
-    return run
+def base(tmp_path_factory: pytest.TempPathFactory) -> Outcome:
+    return reference(tmp_path_factory, nproc=3, steps=12, mode="plain")
 
 
 def test_preventive_move_switches_to_the_group_formed_ahead(
-    base: Run, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    base: Outcome, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """3 ranks + 1 spare, rank 1 moved preventively at 4: every rank switches to the group
     formed ahead under the migration's prefix; the launcher's report says so and how long
@@ -53,7 +51,7 @@ def test_preventive_move_switches_to_the_group_formed_ahead(
 
 
 def test_aborted_move_abandons_its_formed_group_and_a_later_move_forms_its_own(
-    base: Run, tmp_path: Path
+    base: Outcome, tmp_path: Path
 ) -> None:
     """The spare taking rank 0 at 4 dies mid-receive, after g+1 started forming: the move
     is aborted, the formation abandoned, training goes on on g; the move at 7 forms its own
@@ -77,7 +75,7 @@ def test_aborted_move_abandons_its_formed_group_and_a_later_move_forms_its_own(
 
 
 def test_source_lost_while_the_next_group_forms_is_recovered_on_a_group_built_anew(
-    base: Run, tmp_path: Path
+    base: Outcome, tmp_path: Path
 ) -> None:
     """Rank 0 asks to move itself at 3 and is SIGKILLed as it sees the command, while the
     spare and the survivors form g+1 for the move: the move becomes an unplanned recovery

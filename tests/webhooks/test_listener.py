@@ -211,6 +211,6 @@ def test_a_migration_fired_by_webhook_is_bitwise_equal(
         service.stop()
     assert listener.handled, "the command did not come by webhook"
     assert final["state"] == "completed", final
-    run = Run(result["code"], out, list(agent.reports), agent)
+    run = Run(out, result["code"], list(agent.reports), agent)
     assert len(run.reports) == 1 and run.reports[0].outcome == "completed"
     assert_same(base, run)
