@@ -45,18 +45,18 @@ LONGEST_FIRST = (
     "tests/migrator/test_peercopy.py",  # 77 s, plus its node-loss case (30 s)
     "tests/migrator/test_defects.py",  # 93-102 s
     "tests/docs/test_readme.py",  # 91-102 s
-    "tests/control/test_e2e.py",  # 91-97 s
     "tests/migrator/test_handover.py",  # 89-93 s
     "tests/migrator/test_nodes.py",  # 61-65 s
     "tests/migrator/test_cli.py",  # 56-57 s
     "tests/deploy/test_wheel.py",  # 50-60 s
     "tests/control/test_e2e_restart.py",  # 53-54 s
-    "tests/control/test_straggler_e2e.py",  # 52 s
+    "tests/control/test_straggler_e2e.py",  # 30-60 s
     "tests/migrator/test_fsdp_tp.py",  # 48-54 s
     "tests/migrator/test_hsdp.py",  # 50 s
     "tests/migrator/test_preform.py",  # 48-51 s
     "tests/migrator/test_checkpoint.py",  # 42-45 s
     "tests/migrator/test_fsdp.py",  # 30-36 s
+    "tests/control/test_e2e.py",  # 30-35 s (wear that shows at once, tests/control/wear.toml)
 )
 
 
