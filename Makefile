@@ -7,11 +7,9 @@ HOST ?= 127.0.0.1
 PORT ?= 8765
 PYTEST_ARGS ?=
 # Test workers (pytest-xdist; each test file stays on one worker, the longest files first:
-# tests/conftest.py). 3, the default, for two cores: the suite is bound by the CPU its real
-# processes use (each torch process ~3 s to start), and a third worker takes up what the
-# end-to-end cases leave idle while they wait on clocks (14:13 against 14:56 for two workers
-# on the same machine). 0: one process.
-PYTEST_WORKERS ?= 3
+# tests/conftest.py). 2, the default: the end-to-end cases mostly wait on real processes and
+# clocks, so two workers on two cores take about half the time of one process. 0: one process.
+PYTEST_WORKERS ?= 2
 
 .PHONY: run test lint typecheck pytest bench clean
 

@@ -3,7 +3,7 @@
 PostgreSQL: ``FOREWARN_TEST_POSTGRES_URL`` (``.ci/run`` creates a fresh database and sets it),
 else the local default ``postgresql+psycopg://postgres@127.0.0.1:5432/test``. When it cannot
 be reached the PostgreSQL tests skip — except under ``CI=true``, where they fail. Under
-pytest-xdist (``make test`` runs three workers) each worker gets a database of its own, named
+pytest-xdist (``make test`` runs two workers) each worker gets a database of its own, named
 after that one with the worker's id appended (``test_gw0``), created when missing: the tests
 empty their database at will.
 """
@@ -30,7 +30,7 @@ from store import Store
 DEFAULT_PG = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 # Job files of `forewarn launch` (found by `forewarn migrate --job`) stay within this test
-# process and its children: several workers may run jobs with the same id at once.
+# process and its children: two workers may run jobs with the same id at once.
 os.environ.setdefault("FOREWARN_RUN_DIR", tempfile.mkdtemp(prefix="forewarn-test-run-"))
 
 
