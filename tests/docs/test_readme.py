@@ -109,7 +109,10 @@ CASES: dict[str, Case] = {
     "forewarn demo --speed 60 --wear-lead-s 45": Case(
         "forewarn demo --help",
         expect=("--speed", "--wear-lead-s"),
-        why="the whole story at --speed 60 --wear-lead-s 45 is tests/demo/test_demo.py",
+        why=(
+            "the whole story at --speed 60 is tests/demo/test_demo.py, with --wear-lead-s 90: "
+            "45 (the default physics, twice as fast) left the move ~4 s on a loaded machine"
+        ),
     ),
     "forewarn serve": Case("exec forewarn serve --port @port@", mode="serve"),
     "forewarn token create --name rack-12-collectors --scope ingest": Case(
