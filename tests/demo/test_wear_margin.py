@@ -11,7 +11,6 @@ numbers to choose new thresholds by.
 from __future__ import annotations
 
 import json
-import tomllib
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from demo.cli import DEMO_THRESHOLD
 from forewarn.wire import Event, GpuSample
 from predictor import registry
 from predictor.scoring import Scorer
+from sim.config import load_params
 from sim.source import SimulatedSource
 from store import Store
 from store import control as db
@@ -40,8 +40,8 @@ def replay(
     risk per second after the injection, and the highest risk of any other GPU throughout."""
     model = registry.load_latest(registry.SHIPPED_DIR)
     store = Store.open(f"sqlite:///{tmp / 'wear.db'}")
-    overrides = tomllib.loads(params.read_text()) if params else None
-    source = SimulatedSource(gpus, seed=seed, params=overrides, speed=60.0)
+    fleet = load_params(params) if params else None  # as `forewarn simulate --params` reads it
+    source = SimulatedSource(gpus, seed=seed, params=fleet, speed=60.0)
     scorer = Scorer(model)
     samples_at, events_at = 0, 0
     worn: list[tuple[int, float]] = []

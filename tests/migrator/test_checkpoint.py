@@ -18,7 +18,7 @@ import pytest
 
 from migrator import checkpoint
 from migrator.faults import FaultPlan
-from tests.migrator.harness import Outcome, Run, assert_same_final, launch
+from tests.migrator.harness import Outcome, Run, assert_same_final, launch, reference
 from tests.migrator.nodes_harness import launch_nodes
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -27,13 +27,11 @@ STEPS = 8
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    run = launch(tmp_path_factory.mktemp("base"), spares=0, steps=STEPS, mode="plain")
-    assert run.code == 0
-    return run
+def base(tmp_path_factory: pytest.TempPathFactory) -> Outcome:
+    return reference(tmp_path_factory, steps=STEPS, mode="plain")
 
 
-def assert_resumed_equal(base: Run, stopped: Path, resumed: Run, *, at: int) -> None:
+def assert_resumed_equal(base: Outcome, stopped: Path, resumed: Run, *, at: int) -> None:
     """The stopped run's rows (steps before ``at``) and the resumed run's (from ``at``) are
     the base run's, row for row; final parameters and optimizer state ``torch.equal``."""
     first = Outcome(stopped).steps()
@@ -48,7 +46,7 @@ def assert_resumed_equal(base: Run, stopped: Path, resumed: Run, *, at: int) -> 
 
 
 def test_no_spare_left_stops_with_a_checkpoint_and_resumes_bitwise_equal(
-    base: Run, tmp_path: Path
+    base: Outcome, tmp_path: Path
 ) -> None:
     ckpt = tmp_path / "ckpt"
     plan = FaultPlan().fail_at(1, 3)
@@ -75,7 +73,7 @@ def test_no_spare_left_stops_with_a_checkpoint_and_resumes_bitwise_equal(
 
 
 def test_sigterm_stops_at_a_boundary_with_a_checkpoint_and_resumes_bitwise_equal(
-    base: Run, tmp_path: Path
+    base: Outcome, tmp_path: Path
 ) -> None:
     """Two launchers (rank 0 on node 0; rank 1 and a spare on node 1), both sent SIGTERM at
     once, as a scheduler stops a job: node 1's launcher asks the coordinator to stop and keeps

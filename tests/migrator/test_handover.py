@@ -11,26 +11,22 @@ from pathlib import Path
 import pytest
 
 from migrator.faults import FaultPlan
-from tests.migrator.harness import Run, assert_same, launch
+from tests.migrator.harness import Outcome, assert_same, launch, reference
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 @pytest.fixture(scope="module")
-def base_ddp(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    run = launch(tmp_path_factory.mktemp("base_ddp"), spares=0, steps=40)
-    assert run.code == 0 and run.reports == []
-    return run
+def base_ddp(tmp_path_factory: pytest.TempPathFactory) -> Outcome:
+    return reference(tmp_path_factory, steps=40)
 
 
 @pytest.fixture(scope="module")
-def base_plain(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    run = launch(tmp_path_factory.mktemp("base_plain"), spares=0, steps=20, mode="plain")
-    assert run.code == 0
-    return run
+def base_plain(tmp_path_factory: pytest.TempPathFactory) -> Outcome:
+    return reference(tmp_path_factory, steps=20, mode="plain")
 
 
-def test_preventive_then_planned_is_bitwise_identical(base_ddp: Run, tmp_path: Path) -> None:
+def test_preventive_then_planned_is_bitwise_identical(base_ddp: Outcome, tmp_path: Path) -> None:
     """(a) 2 active + 1 spare, preventive at step 10, planned at 25."""
     plan = FaultPlan().migrate_at(0, 10, reason="preventive").migrate_at(1, 25)
     run = launch(tmp_path, spares=1, plan=plan, refill_spares=True)
@@ -52,7 +48,7 @@ def test_preventive_then_planned_is_bitwise_identical(base_ddp: Run, tmp_path: P
 
 
 def test_source_killed_mid_transfer_then_rank_killed_mid_step(
-    base_ddp: Run, tmp_path: Path
+    base_ddp: Outcome, tmp_path: Path
 ) -> None:
     """(c) the source dies mid-transfer: replica fallback; (b) SIGKILL mid-collective."""
     plan = (
@@ -71,7 +67,7 @@ def test_source_killed_mid_transfer_then_rank_killed_mid_step(
 
 
 def test_rank0_migrated_twice_with_a_reused_spare_plain_loop(
-    base_plain: Run, tmp_path: Path
+    base_plain: Outcome, tmp_path: Path
 ) -> None:
     """(d) rank 0 moves twice; the second time onto the spare started in the freed slot."""
     plan = FaultPlan().migrate_at(0, 3).migrate_at(0, 8)
@@ -88,7 +84,7 @@ def test_rank0_migrated_twice_with_a_reused_spare_plain_loop(
 
 @pytest.mark.parametrize("mode", ["ddp", "plain"])
 def test_rank_killed_after_its_last_collective_is_rebuilt_at_the_next_step(
-    base_ddp: Run, base_plain: Run, mode: str, tmp_path: Path
+    base_ddp: Outcome, base_plain: Outcome, mode: str, tmp_path: Path
 ) -> None:
     """Rank 1 dies leaving ``with step:`` of step 7: its peers finished step 7 with it and
     fail in step 8. The spare takes rank 1's state as boundary 8 would have found it (the
@@ -102,7 +98,7 @@ def test_rank_killed_after_its_last_collective_is_rebuilt_at_the_next_step(
     assert (report.rank, report.outcome, report.step) == (1, "completed", 8)
 
 
-def test_wedged_peer_is_detected_within_the_bound(base_plain: Run, tmp_path: Path) -> None:
+def test_wedged_peer_is_detected_within_the_bound(base_plain: Outcome, tmp_path: Path) -> None:
     """(e) SIGSTOP: alive but silent. Survivors time out, the agent kills it, a spare runs on."""
     timeout_s = 2.0
     plan = FaultPlan().wedge_at(1, 6)
