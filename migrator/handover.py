@@ -398,7 +398,14 @@ class Handover:
         mid = decision["migration_id"]
         for lost in decision["replacements"]:
             sender = decision.get("senders", {}).get(str(lost), decision["replica"])
-            self._await_spare(mid, lost, step, sender=rank == sender, copy_of=rewind)
+            self._await_spare(
+                mid,
+                lost,
+                step,
+                sender=rank == sender,
+                copy_of=rewind,
+                from_move=bool(decision.get("from_move")),
+            )
         self._join(decision["gen"], rank, plans)
         self.rewind = rewind
         self.kv.set(P.MigrationKeys(mid).pause(rank), repr(time.perf_counter() - t0))
@@ -406,16 +413,37 @@ class Handover:
         return True
 
     def _await_spare(
-        self, mid: str, lost: int, step: int, *, sender: bool, copy_of: int | None = None
+        self,
+        mid: str,
+        lost: int,
+        step: int,
+        *,
+        sender: bool,
+        copy_of: int | None = None,
+        from_move: bool = False,
     ) -> None:
         """Wait until a spare holds rank ``lost``; the replica (``sender``) sends it the state
         (``copy_of``: the buddy sends its copy of that boundary instead, peer copies).
 
         A spare that dies while it receives is replaced by the agent with another one (a new
         attempt, announced under :meth:`protocol.MigrationKeys.attempt`); the replica sends again.
+        ``from_move``: the spare is a move's, which may still wait on the lost source for up
+        to the timeout; the replica sends once it has fallen back (``fallback``), so that its
+        own wait for the spare does not run out first.
         """
         m = P.MigrationKeys(mid)
         attempt = 0
+        if sender and from_move:
+            keys = [m.fallback(lost), m.received(lost), m.failed, m.attempt(lost, 1)]
+            got = P.first_present(
+                self.kv, keys, timeout_s=self._bound, what=f"the spare for {lost} to fall back"
+            )
+            if got == m.received(lost):
+                return
+            if got == m.failed:
+                _raise_failed(self.kv, got)
+            if got == m.attempt(lost, 1):  # that spare died: the next one
+                attempt = 1
         while True:
             if sender:
                 try:

@@ -345,6 +345,9 @@ class RecoveryDecision(TypedDict):
     rewind: NotRequired[int | None]
     """The boundary every rank goes back to (peer copies); None: the failed step's."""
     migration_id: NotRequired[str]
+    from_move: NotRequired[bool]
+    """The recovery took over a move whose source was lost (``PLAN``): the move's spare may
+    still wait on that source, up to the timeout, before it falls back to the replica."""
 
 
 @dataclass(frozen=True)

@@ -346,6 +346,7 @@ class Recovery:
             "senders": {str(r): sources.get(r, replica) for r in dead},
             "rewind": rewind,
             "migration_id": mid,
+            "from_move": planned is not None,
         }
         P.put_json(self.kv, P.recovery_key(g), decision)
         self.table.inflight = Migration(
