@@ -55,6 +55,7 @@ from migrator.nodes import (
     wait_for_nodes,
 )
 from migrator.peerplan import ring_of
+from migrator.preload import DEFAULT_PRELOAD, ForkServer, preloadable
 from migrator.recovery import Recovery
 from migrator.stopping import Stopper, StopRequested
 from migrator.table import JobTable, Migration, Slot
@@ -110,6 +111,10 @@ class AgentConfig:
     """A checkpoint (file, or directory: its latest) the active ranks start from."""
     timing_window: int = DEFAULT_WINDOW
     """Steps each rank's timing medians are taken over (:meth:`Agent.timings`)."""
+    preload: tuple[str, ...] = DEFAULT_PRELOAD
+    """What the job's fork server imports before it forks the processes of a Python command
+    (:mod:`migrator.preload`: a spare or a replacement starts with torch imported); empty:
+    every process starts on its own."""
 
 
 class Agent:
@@ -150,6 +155,7 @@ class Agent:
         self._aborted: list[tuple[Migration, float]] = []  # (move, report it by then)
         self._endpoint: Any = None
         self._outbox: Any = None  # migrator.service_link.Outbox, once something is posted
+        self._forks: ForkServer | None = None  # started with the first process (preload)
         self.monitor: NodeMonitor | None = None  # the other nodes (several launchers)
         self._slot_config: dict[str, Any] = {}
 
@@ -241,7 +247,11 @@ class Agent:
         env.update(self.cfg.env)
         local_world = self.cfg.nproc + self.cfg.spares
         env.update(slot_env(spec, self._slot_config, local_world=local_world, node_rank=0))
-        proc = spawn(self.cfg.command, env, log_dir=self.cfg.log_dir, index=index)
+        if self._forks is None and self.cfg.preload and preloadable(self.cfg.command):
+            self._forks = ForkServer({**os.environ, **self.cfg.env}, self.cfg.preload)
+        proc = spawn(
+            self.cfg.command, env, log_dir=self.cfg.log_dir, index=index, forks=self._forks
+        )
         slot = Slot(index, "active" if rank is not None else "spare", proc, rank, None, local)
         self.table.slots.append(slot)
         return slot
@@ -694,6 +704,8 @@ class Agent:
             self._endpoint.server_close()
         if self._outbox is not None:
             self._outbox.close()
+        if self._forks is not None:
+            self._forks.close()
 
 
 def _said(group: dict[str, Any] | None) -> str:

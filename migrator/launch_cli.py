@@ -21,6 +21,7 @@ from forewarn.errors import ForewarnError
 from migrator.endpoint import job_file, write_job_file
 from migrator.faults import FaultPlan
 from migrator.nodes import node_rank_from_env, run_node
+from migrator.preload import DEFAULT_PRELOAD
 
 __all__ = ["configure", "run"]
 
@@ -37,6 +38,15 @@ def _positive_seconds(text: str) -> float:
     if not 0 < value <= 3600:
         raise argparse.ArgumentTypeError(f"{text} is not a number of seconds in (0, 3600]")
     return value
+
+
+def _modules(text: str) -> tuple[str, ...]:
+    if text.strip().lower() == "none":
+        return ()
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    if not names or not all(n.replace(".", "_").isidentifier() for n in names):
+        raise argparse.ArgumentTypeError(f"not a list of module names: {text!r}")
+    return names
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -173,6 +183,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--http-port", type=int, default=0, help="0: any free port")
     parser.add_argument("--log-dir", type=Path, help="one log file per process (default: inherit)")
     parser.add_argument("--report", type=Path, help="append each MigrationReport (JSON lines)")
+    parser.add_argument(
+        "--preload",
+        type=_modules,
+        default=DEFAULT_PRELOAD,
+        metavar="MODULES",
+        help="comma-separated modules a fork server imports once per node before it forks "
+        "each process of a Python training command, so a spare or a replacement starts with "
+        f"them imported; 'none': every process starts on its own (default: "
+        f"{','.join(DEFAULT_PRELOAD)})",
+    )
     parser.add_argument("--faults", help=argparse.SUPPRESS)  # FaultPlan JSON, for drills
     parser.add_argument("-v", "--verbose", action="store_true")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- the training command")
@@ -257,6 +277,7 @@ def run(args: argparse.Namespace) -> int:
         checkpoint_dir=args.checkpoint_dir.resolve() if args.checkpoint_dir else None,
         resume_from=args.resume.resolve() if args.resume else None,
         timing_window=args.timing_window,
+        preload=args.preload,
     )
     if args.node_name:
         cfg.node = args.node_name

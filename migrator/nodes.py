@@ -44,10 +44,12 @@ from pathlib import Path
 from typing import Any
 
 from migrator import protocol as P
+from migrator.preload import DEFAULT_PRELOAD, ForkedProc, ForkServer, preloadable
 
 __all__ = [
     "NodeAgent",
     "NodeMonitor",
+    "Proc",
     "RemoteProc",
     "SlotSpec",
     "layout",
@@ -126,17 +128,35 @@ _IGNORE_SIGINT = (
 )
 
 
+Proc = subprocess.Popen[bytes] | ForkedProc
+"""A process of the job this launcher started: a child of its own, or of its fork server."""
+
+
 def spawn(
-    command: list[str], env: dict[str, str], *, log_dir: Path | None, index: int
-) -> subprocess.Popen[bytes]:
+    command: list[str],
+    env: dict[str, str],
+    *,
+    log_dir: Path | None,
+    index: int,
+    forks: ForkServer | None = None,
+) -> Proc:
     """Start one process of the job; its output goes to ``log_dir/slot<index>.log`` if given.
 
-    The process ignores SIGINT: a stopped launcher ends the job's processes with SIGTERM.
+    ``forks``: the job's fork server (:mod:`migrator.preload`), which forks the process with
+    torch already imported when ``command`` runs a Python script; else, or if it cannot, a
+    new process. Either way the process ignores SIGINT: a stopped launcher ends the job's
+    processes with SIGTERM.
     """
-    out: Any = None
+    log_path = None if log_dir is None else log_dir / f"slot{index}.log"
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)
-        out = open(log_dir / f"slot{index}.log", "ab")  # noqa: SIM115
+    if forks is not None and preloadable(command):
+        forked = forks.spawn(command, env, log_path=log_path)
+        if forked is not None:
+            return forked
+    out: Any = None
+    if log_path is not None:
+        out = open(log_path, "ab")  # noqa: SIM115
     try:
         return subprocess.Popen(
             [sys.executable, "-c", _IGNORE_SIGINT, *command],
@@ -257,6 +277,8 @@ class NodeConfig:
     join_timeout_s: float = 300.0
     log_dir: Path | None = None
     env: dict[str, str] | None = None
+    preload: tuple[str, ...] = DEFAULT_PRELOAD
+    """What this node's fork server imports (:mod:`migrator.preload`); empty: no server."""
 
 
 class NodeAgent:
@@ -286,9 +308,10 @@ class NodeAgent:
             self.node_rank = config.node_rank
         if self.node_rank < 1:
             raise ValueError("node rank 0 is the coordinator's (it hosts the key-value store)")
-        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        self.procs: dict[int, Proc] = {}
         self.exits: dict[int, int] = {}
         self.interrupted = False
+        self.forks: ForkServer | None = None
 
     def run(self) -> int:
         hello = {"name": self.cfg.node, "nproc": self.cfg.nproc, "spares": self.cfg.spares}
@@ -297,12 +320,14 @@ class NodeAgent:
             self.kv, P.JOB_CONFIG_KEY, timeout_s=self.cfg.join_timeout_s, what="the coordinator"
         )
         mine = [SlotSpec(**s) for s in config["slots"] if s["node_rank"] == self.node_rank]
+        common = {**os.environ, **(self.cfg.env or {})}
+        if self.cfg.preload and preloadable(self.cfg.command):
+            self.forks = ForkServer(common, self.cfg.preload)
         for spec in mine:
-            env = dict(os.environ)
-            env.update(self.cfg.env or {})
+            env = dict(common)
             env.update(slot_env(spec, config, local_world=len(mine), node_rank=self.node_rank))
             self.procs[spec.index] = spawn(
-                self.cfg.command, env, log_dir=self.cfg.log_dir, index=spec.index
+                self.cfg.command, env, log_dir=self.cfg.log_dir, index=spec.index, forks=self.forks
             )
         pids = {slot: proc.pid for slot, proc in self.procs.items()}
         P.put_json(self.kv, P.node_key(self.node_rank, "pids"), pids)
@@ -337,8 +362,9 @@ class NodeAgent:
             self.kv.add(P.node_key(self.node_rank, "beat"), 1)
             changed = False
             for slot, proc in self.procs.items():
-                if slot not in self.exits and proc.poll() is not None:
-                    self.exits[slot] = int(proc.returncode)
+                code = None if slot in self.exits else proc.poll()
+                if code is not None:
+                    self.exits[slot] = code
                     changed = True
                 elif slot not in self.exits and self.kv.check([P.kill_key(slot)]):
                     proc.send_signal(int(self.kv.get(P.kill_key(slot))))
@@ -357,11 +383,13 @@ class NodeAgent:
         deadline = time.monotonic() + 10
         for slot, proc in self.procs.items():
             try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                code = proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 proc.kill()
-                proc.wait(timeout=30)
-            self.exits.setdefault(slot, int(proc.returncode))
+                code = proc.wait(timeout=30)
+            self.exits.setdefault(slot, code)
+        if self.forks is not None:
+            self.forks.close()
         try:
             P.put_json(self.kv, P.node_key(self.node_rank, "exits"), self.exits)
             self.kv.set(P.node_key(self.node_rank, "bye"), "1")
@@ -436,6 +464,7 @@ def run_node(args: Any, command: list[str]) -> int | None:
             node=name,
             join_timeout_s=args.join_timeout_s,
             log_dir=args.log_dir,
+            preload=args.preload,
         )
     )
     code = agent.run()

@@ -1,0 +1,206 @@
+"""The fork server: a forked process of the job behaves as ``python script.py`` would."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from migrator import nodes
+from migrator.preload import ForkedProc, ForkServer, preloadable
+from tests.migrator.harness import assert_same, launch, reference
+
+PROBE = """\
+import atexit, json, os, signal, sys
+
+def bye():
+    print("atexit ran", flush=True)
+
+atexit.register(bye)
+print(json.dumps({
+    "name": __name__,
+    "file": __file__,
+    "argv": sys.argv,
+    "path0": sys.path[0],
+    "cwd": os.getcwd(),
+    "var": os.environ.get("PROBE_VAR"),
+    "sigint": signal.getsignal(signal.SIGINT) == signal.SIG_IGN,
+    "sigterm": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
+}), flush=True)
+what = sys.argv[1]
+if what == "raise":
+    def inner():
+        raise ValueError("the script's own error")
+    inner()
+if what == "hang":
+    import time
+    time.sleep(60)
+sys.exit(int(what))
+"""
+
+
+@pytest.fixture(scope="module")
+def server() -> ForkServer:
+    """One fork server for the module (light imports: the tests are about its semantics)."""
+    srv = ForkServer(dict(os.environ), ("json",))
+    yield srv
+    srv.close()
+
+
+def _probe(tmp_path: Path) -> Path:
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    return script
+
+
+def _run_both(
+    server: ForkServer, tmp_path: Path, arg: str
+) -> tuple[tuple[int, str], tuple[int, str]]:
+    """(code, output) of the probe forked by the server and run as a new process."""
+    script = _probe(tmp_path)
+    env = {**os.environ, "PROBE_VAR": "forked"}
+    command = [sys.executable, str(script), arg]
+    log = tmp_path / "forked.log"
+    proc = server.spawn(command, env, log_path=log)
+    assert isinstance(proc, ForkedProc)
+    forked = (proc.wait(timeout=60), log.read_text())
+    env["PROBE_VAR"] = "new"
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60)
+    return forked, (done.returncode, done.stdout + done.stderr)
+
+
+def test_a_forked_script_sees_what_a_new_process_would(server, tmp_path):
+    (code, out), (new_code, new_out) = _run_both(server, tmp_path, "3")
+    assert code == new_code == 3
+    seen, new_seen = json.loads(out.splitlines()[0]), json.loads(new_out.splitlines()[0])
+    assert seen.pop("var") == "forked" and new_seen.pop("var") == "new"
+    assert seen.pop("sigint") is True  # the job's processes ignore SIGINT (nodes.spawn)
+    new_seen.pop("sigint")
+    assert seen == new_seen
+    assert seen["name"] == "__main__" and seen["path0"] == str(tmp_path)
+    assert out.splitlines()[1:] == new_out.splitlines()[1:] == ["atexit ran"]
+
+
+def test_an_uncaught_error_exits_1_with_the_interpreters_traceback(server, tmp_path):
+    (code, out), (new_code, new_out) = _run_both(server, tmp_path, "raise")
+    assert code == new_code == 1
+    assert out.count("ValueError: the script's own error") == 1
+    # the same frames as a new process shows: none of the fork server's or runpy's
+    frames = [line for line in out.splitlines() if line.startswith('  File "')]
+    new_frames = [line for line in new_out.splitlines() if line.startswith('  File "')]
+    assert frames == new_frames and len(frames) == 2
+    assert "atexit ran" in out
+
+
+def test_a_module_runs_as_with_dash_m(server, tmp_path):
+    pkg = tmp_path / "probepkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "run.py").write_text(PROBE)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    log = tmp_path / "m.log"
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        proc = server.spawn([sys.executable, "-m", "probepkg.run", "0"], env, log_path=log)
+    finally:
+        os.chdir(cwd)
+    assert proc is not None and proc.wait(timeout=60) == 0
+    seen = json.loads(log.read_text().splitlines()[0])
+    assert seen["name"] == "__main__" and seen["argv"][1:] == ["0"]
+    assert seen["file"] == str(pkg / "run.py") and seen["path0"] == str(tmp_path)
+
+
+def test_signals_reach_the_forked_process_and_its_code_says_which(server, tmp_path):
+    script = _probe(tmp_path)
+    proc = server.spawn([sys.executable, str(script), "hang"], dict(os.environ), log_path=None)
+    assert proc is not None
+    with pytest.raises(subprocess.TimeoutExpired):
+        proc.wait(timeout=0.3)
+    proc.send_signal(signal.SIGINT)  # ignored, as by every process of the job
+    time.sleep(0.3)
+    assert proc.poll() is None
+    proc.terminate()
+    assert proc.wait(timeout=30) == -signal.SIGTERM
+    proc.kill()  # after the end: nothing, as Popen.kill
+
+
+def test_a_server_that_cannot_import_its_modules_leaves_spawn_to_new_processes(tmp_path):
+    script = _probe(tmp_path)
+    srv = ForkServer(dict(os.environ), ("no_such_module_here",))
+    try:
+        command = [sys.executable, str(script), "0"]
+        assert srv.spawn(command, dict(os.environ), log_path=None) is None
+        assert "no_such_module_here" in (srv.failed or "")
+        proc = nodes.spawn(command, dict(os.environ), log_dir=tmp_path, index=0, forks=srv)
+        assert isinstance(proc, subprocess.Popen) and proc.wait(timeout=60) == 0
+        assert "atexit ran" in (tmp_path / "slot0.log").read_text()
+    finally:
+        srv.close()
+
+
+def test_a_killed_server_leaves_its_children_to_end_and_be_counted_as_killed(tmp_path):
+    script = _probe(tmp_path)
+    srv = ForkServer(dict(os.environ), ("json",))
+    try:
+        proc = srv.spawn([sys.executable, str(script), "hang"], dict(os.environ), log_path=None)
+        assert proc is not None
+        srv._proc.kill()
+        srv._proc.wait()
+        deadline = time.monotonic() + 10
+        while not srv.lost and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert srv.lost and proc.poll() is None  # still running, now an orphan
+        os.kill(proc.pid, signal.SIGKILL)
+        assert proc.wait(timeout=30) == -signal.SIGKILL
+        assert (
+            srv.spawn([sys.executable, str(script), "0"], dict(os.environ), log_path=None) is None
+        )
+    finally:
+        srv.close()
+
+
+def test_only_this_interpreter_on_a_script_or_module_is_forked(tmp_path):
+    script = _probe(tmp_path)
+    assert preloadable([sys.executable, str(script)])
+    assert preloadable([sys.executable, "-m", "json.tool"])
+    assert not preloadable([sys.executable, "-u", str(script)])
+    assert not preloadable([sys.executable, str(tmp_path / "missing.py")])
+    assert not preloadable(["/bin/sh", "-c", "true"])
+    assert not preloadable([sys.executable])
+
+
+def test_a_job_forked_from_the_server_equals_one_of_new_processes(tmp_path_factory, tmp_path):
+    """The bitwise check of every migrator test, across the two ways of starting ranks."""
+    base = reference(tmp_path_factory, steps=20)
+    run = launch(tmp_path / "new", steps=20, spares=0, preload=())
+    assert all(isinstance(s.proc, subprocess.Popen) for s in run.agent.table.slots)
+    assert_same(base, run)
+    forked = launch(tmp_path / "forked", steps=20, spares=0)
+    assert all(isinstance(s.proc, ForkedProc) for s in forked.agent.table.slots)
+    assert_same(base, forked)
+
+
+def test_ps_shows_a_forked_process_with_its_own_command(server, tmp_path):
+    script = _probe(tmp_path)
+    command = [sys.executable, str(script), "hang"]
+    proc = server.spawn(command, dict(os.environ), log_path=None)
+    assert proc is not None
+    try:
+        deadline = time.monotonic() + 30
+        cmdline = b""
+        while time.monotonic() < deadline:
+            cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes()
+            if str(script).encode() in cmdline:
+                break
+            time.sleep(0.05)
+        assert str(script).encode() in cmdline and b"migrator.preload" not in cmdline, cmdline
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
