@@ -78,8 +78,9 @@ class AgentConfig:
     timeout_s: float = 30.0
     """Bound on every collective and transfer: a wedged peer is seen after it."""
     detect_grace_s: float | None = None
-    """After the first sign of a failure, how long survivors have to report (None: timeout_s).
-    A rank that neither reports nor exits by then is declared wedged and killed."""
+    """After the first sign of a failure, how long survivors have to report (None: timeout_s
+    and a margin, :func:`migrator.recovery.detect_grace`). A rank that neither reports nor
+    exits by then is declared wedged and killed."""
     pause_timeout_s: float = 600.0
     """How long a job waits, paused, for a spare before it fails."""
     refill_spares: bool = False

@@ -7,8 +7,9 @@ migration's end), and calls it on every tick of its watch loop. It handles what 
 asked for:
 
 - detection: once a rank exits or a survivor reports a failed collective, every rank of the
-  generation has ``detect_grace_s`` (default ``timeout_s``) to report its last completed
-  step; one that neither reports nor exits is declared wedged and killed. A rank's process
+  generation has ``detect_grace_s`` (default: ``timeout_s`` plus the smaller of 2 s and
+  ``timeout_s``) to report its last completed step; one that neither reports nor exits is
+  declared wedged and killed. A rank's process
   is looked at before its report (one that reported and exited since is lost); when every
   rank reported and none exited, the last to report (the one the others waited for, back
   from a wedge longer than their timeout) is declared lost too;
@@ -45,7 +46,7 @@ from migrator.layouts import read_layout, senders
 from migrator.peerplan import rewind_plan
 from migrator.table import JobTable, Migration, Slot
 
-__all__ = ["Recovery", "RecoverySettings", "RecoveryState", "Supervisor"]
+__all__ = ["Recovery", "RecoverySettings", "RecoveryState", "Supervisor", "detect_grace"]
 
 # The agent's own logger: its records read as one stream, whichever half wrote them.
 log = logging.getLogger("migrator.agent")
@@ -60,6 +61,17 @@ class RecoverySettings(Protocol):
     pause_timeout_s: float
     log_dir: Path | None
     checkpoint_dir: Path | None
+
+
+def detect_grace(cfg: RecoverySettings) -> float:
+    """How long the survivors of a failure have to report: their own collective's timeout,
+    and a margin. A survivor may enter its failing collective a little after the failure
+    the agent saw (its previous one, with a healthy peer, completed), and it reports only
+    when that collective's timeout runs out; with no margin such a rank would be declared
+    wedged the moment it reports."""
+    if cfg.detect_grace_s is not None:
+        return cfg.detect_grace_s
+    return cfg.timeout_s + min(2.0, cfg.timeout_s)
 
 
 class Supervisor(Protocol):
@@ -188,10 +200,7 @@ class Recovery:
             # only a newly lost rank or a new report does.
             if not lost and reported <= self._weighed.get(g, 0):
                 return
-            grace = self.cfg.detect_grace_s
-            self.current = RecoveryState(
-                gen=g, deadline=now + (self.cfg.timeout_s if grace is None else grace)
-            )
+            self.current = RecoveryState(gen=g, deadline=now + detect_grace(self.cfg))
             self.kv.set(P.suspect_key(g), "1")  # ranks waiting for S join the recovery
             log.warning(
                 "generation %d: failure suspected (%d lost, %d reports)", g, len(lost), reported

@@ -160,7 +160,7 @@ def test_metadata_keeps_the_base_lean(wheel: Path) -> None:
     base = _requires(wheel, None)
     assert base == {"pydantic", "httpx", "numpy"}
     assert {"fastapi", "sqlalchemy", "lightgbm", "pandas", "uvicorn"} <= _requires(wheel, "server")
-    assert _requires(wheel, "train") == {"torch"}
+    assert _requires(wheel, "train") == {"torch", "setproctitle"}
     assert 'Requires-Dist: torch<2.14,>=2.4; extra == "train"' in _metadata(wheel)
     assert _requires(wheel, "nvidia") == {"nvidia-ml-py"}
     assert _requires(wheel, "amd") == {"amdsmi"}
