@@ -14,8 +14,14 @@ pytestmark = [pytest.mark.browser, pytest.mark.timeout(180)]
 
 
 def wait_js(page: Any, condition: str, timeout_ms: float = 15_000) -> None:
-    """Wait until a JavaScript expression is true (as a function: the page's CSP forbids eval)."""
-    page.wait_for_function(f"() => {condition}", timeout=timeout_ms)
+    """Wait until a JavaScript expression is true (as a function: the page's CSP forbids eval).
+
+    An expression that throws counts as not yet true: the element it reads may not be on
+    the page yet (a GPU page still building its charts)."""
+    page.wait_for_function(
+        f"() => {{ try {{ return {condition}; }} catch (e) {{ return false; }} }}",
+        timeout=timeout_ms,
+    )
 
 
 def wait_cells(page: Any, n: int) -> None:
