@@ -80,8 +80,8 @@ class ForkedProc:
         self._ended.set()
 
     def poll(self) -> int | None:
-        if self.returncode is None and self._server.lost:
-            self._server.check_orphan(self)
+        if self.returncode is None:
+            self._server.peek(self)
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
@@ -113,9 +113,19 @@ class ForkServer:
         env: the environment of the job's processes, less what differs between them; the
             server runs with it, so what the preload modules read at import is the job's.
         modules: what the server imports before it forks.
+        answer_s: how long a request waits for its pid once the imports are done; a server
+            that does not answer in time (stopped, wedged) is used no more, and forks nothing
+            for that request later.
     """
 
-    def __init__(self, env: dict[str, str], modules: tuple[str, ...] = DEFAULT_PRELOAD) -> None:
+    def __init__(
+        self,
+        env: dict[str, str],
+        modules: tuple[str, ...] = DEFAULT_PRELOAD,
+        *,
+        answer_s: float = 20.0,
+    ) -> None:
+        self.answer_s = answer_s
         req_r, self._req_w = os.pipe()
         self._rep_r, rep_w = os.pipe()
         self._proc = subprocess.Popen(
@@ -153,13 +163,21 @@ class ForkServer:
                 "env": env,
                 "cwd": os.getcwd(),
                 "log": str(log_path) if log_path else None,
+                # A server stopped (SIGSTOP) past this forks nothing when it comes back:
+                # the launcher has started the process on its own by then.
+                "deadline": time.time() + self.answer_s,
             }
             try:
                 os.write(self._req_w, (json.dumps(request) + "\n").encode())
             except OSError:
                 return None
             with self._answered:
-                self._answered.wait_for(lambda: rid in self._pids or self.lost, 30.0)
+                answered = self._answered.wait_for(
+                    lambda: rid in self._pids or self.lost, self.answer_s + 1.0
+                )
+                if not answered:
+                    self.failed = f"no answer to a request in {self.answer_s + 1.0:.0f} s"
+                    log.warning("fork server: %s; the processes start on their own", self.failed)
                 pid = self._pids.pop(rid, None)
                 if pid is None:
                     return None
@@ -179,16 +197,20 @@ class ForkServer:
             self._proc.kill()
             self._proc.wait()
 
-    def check_orphan(self, proc: ForkedProc) -> None:
-        """The server is gone, so nobody reports ``proc``'s exit: once its pid is gone or
-        a zombie (its new parent has not reaped it) it counts as killed."""
+    def peek(self, proc: ForkedProc) -> None:
+        """``proc``'s exit as the kernel shows it, for when the server has not reported it:
+        a zombie's exit status (``/proc/<pid>/stat``, field 52), so that an exit is seen at
+        once even while the server is stopped or slow; once the server is gone (nobody will
+        report), a pid that is gone counts as killed."""
         try:
             stat = Path(f"/proc/{proc.pid}/stat").read_text()
         except OSError:
-            proc._exited(-signal.SIGKILL)
+            if self.lost:
+                proc._exited(-signal.SIGKILL)
             return
-        if stat.rpartition(")")[2].split()[:1] == ["Z"]:
-            proc._exited(-signal.SIGKILL)
+        fields = stat.rpartition(")")[2].split()
+        if fields[:1] == ["Z"] and len(fields) >= 50:
+            proc._exited(os.waitstatus_to_exitcode(int(fields[49])))
 
     def _read(self) -> None:
         buf = b""
@@ -278,6 +300,9 @@ def _serve(req_fd: int, rep_fd: int, modules: list[str]) -> dict[str, Any] | Non
             while b"\n" in buf:
                 line, buf = buf.split(b"\n", 1)
                 request = json.loads(line)
+                if time.time() > request["deadline"]:  # the launcher gave up on it
+                    reply({"id": request["id"], "pid": None})
+                    continue
                 pid = os.fork()
                 if pid == 0:
                     signal.set_wakeup_fd(-1)

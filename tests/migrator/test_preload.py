@@ -204,3 +204,38 @@ def test_ps_shows_a_forked_process_with_its_own_command(server, tmp_path):
     finally:
         proc.kill()
         proc.wait(timeout=30)
+
+
+def _children(pid: int) -> set[int]:
+    found: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found |= {int(c) for c in (task / "children").read_text().split()}
+    return found
+
+
+def test_a_stopped_server_neither_hides_an_exit_nor_forks_late(tmp_path):
+    """SIGSTOP the server: a child's exit is still seen at once (the kernel's zombie status),
+    a request it cannot answer in time falls back to a new process, and the server, let go,
+    forks nothing for that request."""
+    script = _probe(tmp_path)
+    srv = ForkServer(dict(os.environ), ("json",), answer_s=1.0)
+    try:
+        hang = srv.spawn([sys.executable, str(script), "hang"], dict(os.environ), log_path=None)
+        assert hang is not None
+        server = srv._proc.pid
+        os.kill(server, signal.SIGSTOP)
+        try:
+            hang.kill()
+            assert hang.wait(timeout=10) == -signal.SIGKILL  # unreaped: its zombie says so
+            late = [sys.executable, str(script), "hang"]  # a late fork would still run
+            assert srv.spawn(late, dict(os.environ), log_path=None) is None
+            assert srv.failed and "no answer" in srv.failed
+            quick = [sys.executable, str(script), "7"]
+            proc = nodes.spawn(quick, dict(os.environ), log_dir=tmp_path, index=1, forks=srv)
+            assert isinstance(proc, subprocess.Popen) and proc.wait(timeout=60) == 7
+        finally:
+            os.kill(server, signal.SIGCONT)
+        time.sleep(1.0)  # the server reads the stale request now
+        assert _children(server) == set()  # it forked nothing for it (and reaped the hang)
+    finally:
+        srv.close()
