@@ -126,6 +126,8 @@ class ForkServer:
         answer_s: float = 20.0,
     ) -> None:
         self.answer_s = answer_s
+        self._closed = False
+        _subreaper(+1)
         req_r, self._req_w = os.pipe()
         self._rep_r, rep_w = os.pipe()
         self._proc = subprocess.Popen(
@@ -189,6 +191,10 @@ class ForkServer:
 
     def close(self) -> None:
         """Stop the server (its children, if any still run, go on without it)."""
+        if self._closed:
+            return
+        self._closed = True
+        _subreaper(-1)
         with contextlib.suppress(OSError):
             os.close(self._req_w)
         try:
@@ -200,8 +206,18 @@ class ForkServer:
     def peek(self, proc: ForkedProc) -> None:
         """``proc``'s exit as the kernel shows it, for when the server has not reported it:
         a zombie's exit status (``/proc/<pid>/stat``, field 52), so that an exit is seen at
-        once even while the server is stopped or slow; once the server is gone (nobody will
-        report), a pid that is gone counts as killed."""
+        once even while the server is stopped or slow. Once the server is gone its children
+        are this process's (a subreaper), which reaps them itself; a pid gone elsewhere (no
+        subreaper here) counts as killed."""
+        if self.lost:
+            try:
+                pid, status = os.waitpid(proc.pid, os.WNOHANG)
+            except ChildProcessError:
+                pass  # not adopted: reaped by someone else, or still the server's
+            else:
+                if pid:
+                    proc._exited(os.waitstatus_to_exitcode(status))
+                return
         try:
             stat = Path(f"/proc/{proc.pid}/stat").read_text()
         except OSError:
@@ -253,6 +269,31 @@ class ForkServer:
                     self._early[msg["exit"]] = msg["code"]
                 else:
                     proc._exited(msg["code"])
+
+
+_servers_open = 0
+_servers_lock = threading.Lock()
+
+
+def _subreaper(servers: int) -> None:
+    """Count the fork servers open in this process (+1, -1): while any is open, adopt the
+    orphans among this process's descendants (Linux ``PR_SET_CHILD_SUBREAPER``). If a fork
+    server dies, the job's processes it forked become this launcher's children, whose exit
+    codes it then reads itself instead of losing them to init. An orphan that is not one of
+    the job's processes (a rank's own child left behind) stays a zombie until the launcher
+    exits; none is adopted once the last server closed."""
+    global _servers_open
+    with _servers_lock:
+        before, _servers_open = _servers_open, _servers_open + servers
+        if (before == 0) == (_servers_open == 0) or not sys.platform.startswith("linux"):
+            return
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(36, 1 if _servers_open else 0, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+        except (OSError, AttributeError) as exc:
+            log.debug("subreaper: %s", exc)
 
 
 # -- the server -----------------------------------------------------------------------------

@@ -7,14 +7,16 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from migrator import nodes
+from migrator.agent import Agent, AgentConfig
 from migrator.preload import ForkedProc, ForkServer, preloadable
-from tests.migrator.harness import assert_same, launch, reference
+from tests.migrator.harness import ROOT, SCRIPT, Run, assert_same, launch, reference
 
 PROBE = """\
 import atexit, json, os, signal, sys
@@ -41,6 +43,12 @@ if what == "raise":
 if what == "hang":
     import time
     time.sleep(60)
+if what.startswith("until:"):  # until:PATH:CODE
+    import time
+    _, path, code = what.split(":")
+    while not os.path.exists(path):
+        time.sleep(0.02)
+    sys.exit(int(code))
 sys.exit(int(what))
 """
 
@@ -145,20 +153,29 @@ def test_a_server_that_cannot_import_its_modules_leaves_spawn_to_new_processes(t
         srv.close()
 
 
-def test_a_killed_server_leaves_its_children_to_end_and_be_counted_as_killed(tmp_path):
+def test_a_killed_servers_children_run_on_and_their_exit_codes_still_come(tmp_path):
+    """SIGKILL the server: its children become the launcher's (a subreaper), which reads
+    their exit codes itself: a rank that ends normally is not taken for a killed one."""
     script = _probe(tmp_path)
     srv = ForkServer(dict(os.environ), ("json",))
+    go = tmp_path / "go"
     try:
-        proc = srv.spawn([sys.executable, str(script), "hang"], dict(os.environ), log_path=None)
-        assert proc is not None
+        ends = srv.spawn(
+            [sys.executable, str(script), f"until:{go}:0"], dict(os.environ), log_path=None
+        )
+        dies = srv.spawn([sys.executable, str(script), "hang"], dict(os.environ), log_path=None)
+        assert ends is not None and dies is not None
         srv._proc.kill()
         srv._proc.wait()
         deadline = time.monotonic() + 10
         while not srv.lost and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert srv.lost and proc.poll() is None  # still running, now an orphan
-        os.kill(proc.pid, signal.SIGKILL)
-        assert proc.wait(timeout=30) == -signal.SIGKILL
+        assert srv.lost and ends.poll() is None and dies.poll() is None  # orphans, running
+        assert {ends.pid, dies.pid} <= _children(os.getpid())  # adopted by this launcher
+        go.touch()
+        assert ends.wait(timeout=30) == 0
+        os.kill(dies.pid, signal.SIGKILL)
+        assert dies.wait(timeout=30) == -signal.SIGKILL
         assert (
             srv.spawn([sys.executable, str(script), "0"], dict(os.environ), log_path=None) is None
         )
@@ -239,3 +256,53 @@ def test_a_stopped_server_neither_hides_an_exit_nor_forks_late(tmp_path):
         assert _children(server) == set()  # it forked nothing for it (and reaped the hang)
     finally:
         srv.close()
+
+
+def test_a_job_whose_fork_server_is_killed_runs_on_and_recovers_a_rank_bitwise(
+    tmp_path_factory, tmp_path
+):
+    """SIGKILL the job's fork server mid-run, then a rank: the ranks and the spare it forked
+    run on (adopted by the launcher), the killed rank is rebuilt on the spare, the others'
+    normal ends are seen as such, and the job ends bitwise equal to the undisturbed run."""
+    base = reference(tmp_path_factory, steps=40)
+    out = tmp_path / "run"
+    cfg = AgentConfig(
+        command=[
+            *(sys.executable, str(SCRIPT), "--out", str(out), "--steps", "40"),
+            *("--step-sleep", "0.1"),  # the same steps, paced to leave room for the attack
+        ],
+        nproc=2,
+        spares=1,
+        timeout_s=10.0,
+        log_dir=out / "logs",
+        env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+    )
+    agent = Agent(cfg)
+    killed: list[int] = []
+
+    def attack() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            rows = out / "log.slot1.jsonl"
+            if (
+                agent._forks is not None
+                and rows.exists()
+                and len(rows.read_text().splitlines()) >= 5
+            ):
+                server = agent._forks._proc.pid
+                os.kill(server, signal.SIGKILL)
+                killed.append(server)
+                time.sleep(0.5)
+                os.kill(agent.table.slots[1].proc.pid, signal.SIGKILL)
+                return
+            time.sleep(0.02)
+
+    thread = threading.Thread(target=attack, daemon=True)
+    thread.start()
+    code = agent.run()
+    thread.join(timeout=10)
+    assert killed, "the job ended before the attack"
+    assert code == 0, agent.message
+    assert [(r.rank, r.outcome) for r in agent.reports] == [(1, "completed")]
+    run = Run(out, code, list(agent.reports), agent)
+    assert_same(base, run, unlogged={(1, s) for s in range(41)})
