@@ -311,12 +311,20 @@ def _serve(req_fd: int, rep_fd: int, modules: list[str]) -> dict[str, Any] | Non
     # closes its pipe (or dies). Children ignore SIGINT as every process of the job does.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # A module that asks torch whether CUDA is there must not initialise CUDA here: a child
+    # forked after that cannot use its GPU. torch's NVML-based check does not (the children
+    # get the job's own environment back).
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     for name in modules:
         try:
             importlib.import_module(name)
-        except Exception as exc:
+        except Exception as exc:  # any import failure: the launcher starts processes itself
             reply({"error": f"cannot import {name}: {exc!r}"})
             return None
+    cuda = getattr(sys.modules.get("torch"), "cuda", None)
+    if cuda is not None and cuda.is_initialized():
+        reply({"error": f"importing {', '.join(modules)} initialised CUDA, which no fork can use"})
+        return None
     gc.collect()
     gc.freeze()  # the children share these pages instead of touching them in collections
     wake_r, wake_w = os.pipe()

@@ -306,3 +306,18 @@ def test_a_job_whose_fork_server_is_killed_runs_on_and_recovers_a_rank_bitwise(
     assert [(r.rank, r.outcome) for r in agent.reports] == [(1, "completed")]
     run = Run(out, code, list(agent.reports), agent)
     assert_same(base, run, unlogged={(1, s) for s in range(41)})
+
+
+def test_a_preload_that_initialises_cuda_is_refused(tmp_path):
+    """A forked child cannot use CUDA initialised in its parent: a server whose imports did
+    so forks nothing (torch's own state says so; this machine has no GPU, so the module
+    sets that state as CUDA's lazy init would)."""
+    (tmp_path / "inits_cuda.py").write_text("import torch.cuda\ntorch.cuda._initialized = True\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    srv = ForkServer(env, ("torch", "inits_cuda"))
+    try:
+        script = _probe(tmp_path)
+        assert srv.spawn([sys.executable, str(script), "0"], env, log_path=None) is None
+        assert "CUDA" in (srv.failed or "")
+    finally:
+        srv.close()
