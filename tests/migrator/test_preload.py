@@ -321,3 +321,31 @@ def test_a_preload_that_initialises_cuda_is_refused(tmp_path):
         assert "CUDA" in (srv.failed or "")
     finally:
         srv.close()
+
+
+MP_SCRIPT = """\
+import multiprocessing as mp
+
+
+def square(x):
+    return x * x
+
+
+if __name__ == "__main__":
+    for method in ("spawn", "forkserver", "fork"):
+        with mp.get_context(method).Pool(2) as pool:
+            print(method, pool.map(square, range(4)), flush=True)
+"""
+
+
+def test_a_forked_script_starts_processes_of_its_own_every_way(server, tmp_path):
+    """multiprocessing in a forked rank (a data loader's workers): spawn and forkserver
+    children find the script's functions through its ``__main__`` as with a new process."""
+    script = tmp_path / "mp_script.py"
+    script.write_text(MP_SCRIPT)
+    log = tmp_path / "mp.log"
+    proc = server.spawn([sys.executable, str(script)], dict(os.environ), log_path=log)
+    assert proc is not None and proc.wait(timeout=120) == 0, log.read_text()
+    assert log.read_text().splitlines() == [
+        f"{method} [0, 1, 4, 9]" for method in ("spawn", "forkserver", "fork")
+    ]
