@@ -144,6 +144,11 @@ class ElasticDDP(torch.nn.Module):
         buffers as it always does.
         """
         cap = int(self._kwargs.get("bucket_cap_mb", 25) * 1024 * 1024)
+        if not initial and self._kwargs.get("gradient_as_bucket_view"):
+            # At a step boundary the gradients are spent. As views they hold the old
+            # buckets, which the new DDP would copy into buckets of its own.
+            for p in self.module.parameters():
+                p.grad = None
         with _adopt_bucket_plan(plan, cap):
             ddp = DDP(self.module, process_group=group, init_sync=initial, **self._kwargs)
         ddp.register_comm_hook(group, self._timed_allreduce)
