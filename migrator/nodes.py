@@ -38,6 +38,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -320,18 +321,8 @@ class NodeAgent:
             self.kv, P.JOB_CONFIG_KEY, timeout_s=self.cfg.join_timeout_s, what="the coordinator"
         )
         mine = [SlotSpec(**s) for s in config["slots"] if s["node_rank"] == self.node_rank]
-        common = {**os.environ, **(self.cfg.env or {})}
-        if self.cfg.preload and preloadable(self.cfg.command):
-            self.forks = ForkServer(common, self.cfg.preload)
-        for spec in mine:
-            env = dict(common)
-            env.update(slot_env(spec, config, local_world=len(mine), node_rank=self.node_rank))
-            self.procs[spec.index] = spawn(
-                self.cfg.command, env, log_dir=self.cfg.log_dir, index=spec.index, forks=self.forks
-            )
-        pids = {slot: proc.pid for slot, proc in self.procs.items()}
-        P.put_json(self.kv, P.node_key(self.node_rank, "pids"), pids)
         try:
+            self._start(mine, config)
             code = self._watch()
         except (
             RuntimeError,
@@ -345,6 +336,45 @@ class NodeAgent:
                 self._stop_with_the_job(float(config["timeout_s"]))
         self._end()
         return code
+
+    def _start(self, mine: list[SlotSpec], config: dict[str, Any]) -> None:
+        """Start this node's processes, beating meanwhile: the first waits for the fork
+        server's imports (seconds, more on a loaded node), which may be longer than the
+        coordinator waits for a node that is silent. An interrupt meanwhile lands once every
+        process is started (stopping them is then the launcher's usual way out)."""
+        common = {**os.environ, **(self.cfg.env or {})}
+        if self.cfg.preload and preloadable(self.cfg.command):
+            self.forks = ForkServer(common, self.cfg.preload)
+        failed: list[BaseException] = []
+
+        def start_all() -> None:
+            try:
+                for spec in mine:
+                    env = dict(common)
+                    local_world, rank = len(mine), self.node_rank
+                    env.update(slot_env(spec, config, local_world=local_world, node_rank=rank))
+                    self.procs[spec.index] = spawn(
+                        self.cfg.command,
+                        env,
+                        log_dir=self.cfg.log_dir,
+                        index=spec.index,
+                        forks=self.forks,
+                    )
+            except BaseException as exc:  # raised again in the launcher's thread
+                failed.append(exc)
+
+        starting = threading.Thread(target=start_all, name="forewarn-start", daemon=True)
+        starting.start()
+        try:
+            while starting.is_alive():
+                self.kv.add(P.node_key(self.node_rank, "beat"), 1)
+                starting.join(BEAT_S)
+        finally:
+            starting.join()
+            pids = {slot: proc.pid for slot, proc in self.procs.items()}
+            P.put_json(self.kv, P.node_key(self.node_rank, "pids"), pids)
+        if failed:
+            raise failed[0]
 
     def _stop_with_the_job(self, timeout_s: float) -> None:
         """Stopped, in a job with a checkpoint directory: ask the coordinator to stop the

@@ -86,3 +86,19 @@ def test_whole_node_lost_without_spares_stops_cleanly(tmp_path: Path) -> None:
     assert f"checkpoint of step 4 in {ckpt}" in errs[0], errs[0]
     payload = checkpoint.load(ckpt)
     assert (payload["step"], payload["info"]["lost"]) == (4, [1])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_node_whose_fork_server_imports_slowly_is_not_taken_for_lost(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Node 1's launcher beats while its fork server imports (8 s, on node 1 alone: past the
+    5 s the coordinator waits for a silent node), so the job runs, bitwise, nothing lost."""
+    base = reference(tmp_path_factory, steps=16, mode="plain")
+    monkeypatch.setenv("FOREWARN_TEST_SLOW_IMPORT_S", "8")
+    preload = ("--preload", "torch,torch.distributed,migrator,tests.migrator.slow_import")
+    run, errs = launch_nodes(tmp_path / "run", [(1, 0), (1, 1)], extra=preload)
+    assert run.agent.codes == [0, 0], errs
+    assert "no heartbeat" not in "".join(errs) and run.reports == []
+    assert_same(base, run)

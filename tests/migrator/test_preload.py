@@ -349,3 +349,19 @@ def test_a_forked_script_starts_processes_of_its_own_every_way(server, tmp_path)
     assert log.read_text().splitlines() == [
         f"{method} [0, 1, 4, 9]" for method in ("spawn", "forkserver", "fork")
     ]
+
+
+def test_the_launchers_preload_flag(tmp_path):
+    import argparse
+
+    from migrator.launch_cli import configure
+    from migrator.preload import DEFAULT_PRELOAD
+
+    parser = argparse.ArgumentParser()
+    configure(parser)
+    parse = parser.parse_args
+    assert parse(["--", "x"]).preload == DEFAULT_PRELOAD
+    assert parse(["--preload", "none", "--", "x"]).preload == ()
+    assert parse(["--preload", "torch, numpy", "--", "x"]).preload == ("torch", "numpy")
+    with pytest.raises(SystemExit):
+        parse(["--preload", "torch;rm -rf /", "--", "x"])
