@@ -55,7 +55,7 @@ from migrator.nodes import (
     wait_for_nodes,
 )
 from migrator.peerplan import ring_of
-from migrator.preload import DEFAULT_PRELOAD, ForkServer, preloadable
+from migrator.preload import DEFAULT_PRELOAD, ForkServer, fork_server
 from migrator.recovery import Recovery
 from migrator.stopping import Stopper, StopRequested
 from migrator.table import JobTable, Migration, Slot
@@ -244,12 +244,11 @@ class Agent:
         if local is None:
             local = sum(1 for s in self.table.slots if s.node is None)
         spec = SlotSpec(index, 0, local, rank)
-        env = dict(os.environ)
-        env.update(self.cfg.env)
+        common = {**os.environ, **self.cfg.env}
         local_world = self.cfg.nproc + self.cfg.spares
-        env.update(slot_env(spec, self._slot_config, local_world=local_world, node_rank=0))
-        if self._forks is None and self.cfg.preload and preloadable(self.cfg.command):
-            self._forks = ForkServer({**os.environ, **self.cfg.env}, self.cfg.preload)
+        env = {**common, **slot_env(spec, self._slot_config, local_world=local_world, node_rank=0)}
+        if self._forks is None:
+            self._forks = fork_server(self.cfg.command, common, self.cfg.preload)
         proc = spawn(
             self.cfg.command, env, log_dir=self.cfg.log_dir, index=index, forks=self._forks
         )

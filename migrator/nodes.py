@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from migrator import protocol as P
-from migrator.preload import DEFAULT_PRELOAD, ForkedProc, ForkServer, preloadable
+from migrator.preload import DEFAULT_PRELOAD, ForkedProc, ForkServer, fork_server, preloadable
 
 __all__ = [
     "NodeAgent",
@@ -343,8 +343,7 @@ class NodeAgent:
         coordinator waits for a node that is silent. An interrupt meanwhile lands once every
         process is started (stopping them is then the launcher's usual way out)."""
         common = {**os.environ, **(self.cfg.env or {})}
-        if self.cfg.preload and preloadable(self.cfg.command):
-            self.forks = ForkServer(common, self.cfg.preload)
+        self.forks = fork_server(self.cfg.command, common, self.cfg.preload)
         failed: list[BaseException] = []
 
         def start_all() -> None:

@@ -8,7 +8,8 @@ modules (by default torch, torch.distributed, torch._dynamo and the job wrapper)
 forks one child per process of the job. The child sets its own variables (rank, slot ...),
 its working directory and its log file, and runs the script as ``python script.py`` or
 ``python -m module`` would: ``__main__``, ``sys.argv``, ``sys.path[0]``, exit code, traceback
-and exit handlers as there. A spare or a replacement then starts in milliseconds.
+and exit handlers as there. A spare or a replacement then starts in a fraction of a second
+(``benchmarks/spawn.py``).
 
 Only commands that run this very interpreter (``sys.executable``) on a script or a ``-m``
 module are forked; any other command, and every command when the fork server cannot import
@@ -18,7 +19,8 @@ SIGINT as the job's processes do, reaps its children and reports their exit code
 launcher, and exits when the launcher closes its request pipe.
 
 Wire between a launcher and its server: JSON lines over two pipes. Requests:
-``{"id", "argv", "env", "cwd", "log"}``; replies: ``{"ready": true}`` or ``{"error": why}``
+``{"id", "argv", "env", "cwd", "log", "deadline"}`` (wall-clock seconds: a request read past
+it is answered with pid null, not forked); replies: ``{"ready": true}`` or ``{"error": why}``
 once, after the imports; ``{"id", "pid"}`` per request; ``{"exit": pid, "code": c}`` per child
 that ended (``c`` as :attr:`subprocess.Popen.returncode`: negative for a signal).
 """
@@ -44,7 +46,7 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_PRELOAD", "ForkServer", "ForkedProc", "preloadable"]
+__all__ = ["DEFAULT_PRELOAD", "ForkServer", "ForkedProc", "fork_server", "preloadable"]
 
 DEFAULT_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "migrator")
 """What a job's fork server imports before it forks the job's processes."""
@@ -63,6 +65,17 @@ def preloadable(command: list[str]) -> bool:
     if command[1] == "-m":
         return len(command) >= 3
     return not command[1].startswith("-") and os.path.isfile(command[1])
+
+
+def fork_server(
+    command: list[str], env: dict[str, str], modules: tuple[str, ...]
+) -> ForkServer | None:
+    """The fork server a launcher starts for a job running ``command`` with ``env`` (less each
+    process's own variables); None when there is nothing to preload or ``command`` cannot be
+    forked (:func:`preloadable`)."""
+    if not modules or not preloadable(command):
+        return None
+    return ForkServer(env, modules)
 
 
 class ForkedProc:
