@@ -23,8 +23,8 @@ In one run, on this machine (gloo, CPU, loopback):
     of the step-boundary check alone, per round (min-max of 5 rounds), step timing included
     (it is always on: the clock around the step and its first collective, the timing's
     encoding and its ride on the mirror's store write); once with ``job.all_reduce`` per
-    gradient, once with ``job.ddp`` (its timing comm hook) against plain DDP without a hook;
-    and the DDP timing hook alone (``ElasticDDP`` against DDP, no job around either);
+    gradient, once with ``job.ddp`` (its timing) against plain DDP without a hook; and
+    ``ElasticDDP`` alone against DDP, no job around either, on two shapes (2 and 16 buckets);
 (d) (``--parts d``) the per-step cost of in-memory peer copies against k: a 4-rank job
     with copies every k steps against the same job without, seconds per step over the whole
     loop, per round, and the host memory the copies take per process.
@@ -229,7 +229,7 @@ def overhead(
     timed step's clock work: it writes the step's timing with the mirror).
 
     ``ddp``: the plain loop runs DDP without a comm hook on a copy of the model, the wrapped
-    one ``job.ddp`` (the timing hook) on the model; else both ``job.all_reduce`` each
+    one ``job.ddp`` (its built-in hook and timing) on the model; else both ``job.all_reduce`` each
     gradient."""
     import copy
 
@@ -322,15 +322,18 @@ def overhead(
     return plain, wrapped, boundary, timed
 
 
-def hook_cost(steps: int = 100, rounds: int = 5) -> tuple[list[float], list[float], list[float]]:
+def hook_cost(
+    layers: int = 2, width: int = 1024, bucket_cap_mb: float = 25.0, steps: int = 100,
+    rounds: int = 10,
+) -> tuple[list[float], list[float], list[float]]:
     """Per round: median seconds per step of DDP without a comm hook (as DDP comes, and
-    with ``gradient_as_bucket_view=True``) and of ``ElasticDDP`` (its timing hook, no job
-    around it; gradients as bucket views, its default) on copies of the same model, step by
-    step in turn.
+    with ``gradient_as_bucket_view=True``) and of ``ElasticDDP`` (its built-in all-reduce
+    hook and its timing, gradients as bucket views, its default; the clock begun and ended
+    around each step as ``with step:`` does) on copies of the same MLP of ``layers`` layers
+    of ``width``, step by step in turn, each first in turn.
 
-    The hook is a Python call per bucket and the bucket's scaling, the one pass over the
-    gradients DDP makes with them as bucket views (DDP as it comes instead folds the scaling
-    into its copy of each gradient into the bucket)."""
+    ElasticDDP's timing is three or four Python calls a step whatever the number of buckets
+    (``bucket_cap_mb`` sets how many there are)."""
     import copy
 
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -343,41 +346,53 @@ def hook_cost(steps: int = 100, rounds: int = 5) -> tuple[list[float], list[floa
     )
     group = new_group(store, "hook", rank=0, size=1, backend="gloo", timeout_s=30)
     torch.manual_seed(0)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(1024, 1024), torch.nn.Tanh(), torch.nn.Linear(1024, 1024)
-    )
+    blocks: list[torch.nn.Module] = []
+    for _ in range(layers):
+        blocks += [torch.nn.Linear(width, width), torch.nn.Tanh()]
+    model = torch.nn.Sequential(*blocks[:-1])
     twin, triplet = copy.deepcopy(model), copy.deepcopy(model)
-    plain_net = DDP(twin, process_group=group)
-    viewed = DDP(triplet, process_group=group, gradient_as_bucket_view=True)
-    hooked = ElasticDDP(model)
+    plain_net = DDP(twin, process_group=group, bucket_cap_mb=bucket_cap_mb)
+    viewed = DDP(
+        triplet, process_group=group, gradient_as_bucket_view=True, bucket_cap_mb=bucket_cap_mb
+    )
+    hooked = ElasticDDP(model, bucket_cap_mb=bucket_cap_mb)
     hooked.rebuild(group, None, initial=True)
     opts = {id(plain_net): torch.optim.Adam(twin.parameters())}
     opts[id(viewed)] = torch.optim.Adam(triplet.parameters())
     opts[id(hooked)] = torch.optim.Adam(model.parameters())
-    x = torch.randn(64, 1024)
+    x = torch.randn(64, width)
+    clock = hooked.clock
 
-    def step(net: torch.nn.Module) -> float:
+    def step(net: torch.nn.Module, k: int) -> float:
         t = time.perf_counter()
+        if net is hooked:
+            clock.begin()
         opt = opts[id(net)]
         loss = net(x).square().mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        if net is hooked:
+            clock.end(k)
         return time.perf_counter() - t
 
     nets = (plain_net, viewed, hooked)
-    for _ in range(20):
+    for k in range(20):
         for net in nets:
-            step(net)
+            step(net, k)
+            if net is hooked:
+                hooked.settle()  # as the job does at each boundary
     per_round: list[list[float]] = [[], [], []]
     for _ in range(rounds):
         times: list[list[float]] = [[], [], []]
         for i in range(steps):
             order = [(i + k) % 3 for k in range(3)]  # each net first in turn
             for k in order:
-                times[k].append(step(nets[k]))
+                times[k].append(step(nets[k], i))
         for k in range(3):
             per_round[k].append(statistics.median(times[k]))
+    if len(clock.rows) != clock.window:
+        raise RuntimeError(f"ElasticDDP timed {len(clock.rows)} steps, not every step")
     return per_round[0], per_round[1], per_round[2]
 
 
@@ -921,18 +936,31 @@ def main() -> None:
             "boundary_s": boundary,
             "boundary_timed_s": timed,
         }
-    plain, viewed, hooked = hook_cost()
-    for name, base in (("DDP as it comes", plain), ("DDP, gradients as bucket views", viewed)):
-        extra = [100 * (h - p) / p for p, h in zip(base, hooked, strict=True)]
-        print(
-            f"    the DDP timing hook alone (ElasticDDP against {name}, no job): "
-            f"{min(base) * 1e3:.3f}-{max(base) * 1e3:.3f} against "
-            f"{min(hooked) * 1e3:.3f}-{max(hooked) * 1e3:.3f} ms/step: "
-            f"{min(extra):+.2f} to {max(extra):+.2f} % per round (medians)",
-            flush=True,
-        )
+    shapes: dict[str, dict] = {
+        # a step of ~0.5 ms, where a cost of a few microseconds shows above the noise
+        "2 x 64 MLP, 1 bucket, 1000 steps a round": {"layers": 2, "width": 64, "steps": 1000},
+        "2 x 1024 MLP, 2 buckets": {"layers": 2, "width": 1024},
+        "16 x 512 MLP, 1 MB buckets (16)": {"layers": 16, "width": 512, "bucket_cap_mb": 1.0},
+    }
+    for shape, kwargs in shapes.items():
+        plain, viewed, hooked = hook_cost(**kwargs)
+        for name, base in (("DDP as it comes", plain), ("DDP, gradients as bucket views", viewed)):
+            extra = [100 * (h - p) / p for p, h in zip(base, hooked, strict=True)]
+            diff = [(h - p) * 1e6 for p, h in zip(base, hooked, strict=True)]
+            print(
+                f"    ElasticDDP against {name} ({shape}, no job, 10 rounds): "
+                f"{statistics.median(base) * 1e3:.3f} against "
+                f"{statistics.median(hooked) * 1e3:.3f} ms/step (medians): "
+                f"{min(extra):+.2f} to {max(extra):+.2f} % per round, median "
+                f"{statistics.median(extra):+.2f} % ({statistics.median(diff):+.0f} us a step)",
+                flush=True,
+            )
+        figures["wrapper"].setdefault("ddp_hook", {})[shape] = {
+            "plain_s": plain,
+            "viewed_s": viewed,
+            "hooked_s": hooked,
+        }
     print()
-    figures["wrapper"]["ddp_hook"] = {"plain_s": plain, "viewed_s": viewed, "hooked_s": hooked}
     _write(args.json, figures)
 
 

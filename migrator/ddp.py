@@ -12,20 +12,30 @@ more ranks gloo's ring sums depend on that order, so bitwise equality does too).
 The rebuilt DDP skips its initial broadcast (``init_sync=False``): the parameters are
 already equal on every rank, bit for bit, by construction of the handover.
 
-Each DDP it builds gets a communication hook that times the step's first gradient bucket
-(:mod:`migrator.timing`: this rank's arrival and the bucket's completion) and otherwise does
-what DDP does without a hook, bit for bit: scale the bucket by ``1 / world_size`` (a
-multiplication, as DDP's reducer does; the stock ``allreduce_hook`` divides, which differs in
-the last bit for a world size that is not a power of two), then all-reduce it with a sum. A
-script therefore cannot register a comm hook of its own on ``ElasticDDP.ddp``.
+Each DDP it builds is DDP as it comes, without a comm hook (a hook a script registers on
+``ElasticDDP.ddp`` is not carried to the next generation's DDP). DDP scales a gradient in one
+of two ways: a gradient that is a view of its bucket already (kept from the step before and
+zeroed in place, ``zero_grad(set_to_none=False)``) is divided by the world size in place; a
+fresh one (set to None before the backward, ``zero_grad()``'s default) is multiplied by its
+inverse as it is copied into the bucket. The two differ in the last bit for a world size that
+is not a power of two, so a rebuild must leave the gradients as the undisturbed run would
+have them: views of the new buckets, zeroed (:meth:`ElasticDDP.rebuild`). A script that sets
+them to None then gets fresh ones either way. (A comm hook would scale every bucket the same
+way whatever the script does, at the price of one more pass over the gradients a step when
+they are fresh: DDP's built-in all-reduce hook cost +2-4 % of a small CPU step here.)
+
+The step's first collective is timed without a Python call per bucket (:mod:`migrator.timing`):
+a post-accumulate-grad hook on the parameter whose gradient completes DDP's first bucket notes
+when it is ready (the bucket's all-reduce starts right after, in DDP's own hook on the same
+gradient accumulator: this rank's arrival), and a callback at the end of the backward, queued
+behind DDP's own (which waits for every bucket's all-reduce), notes that the backward's
+collectives completed. That is three Python calls a step, whatever the number of buckets and
+parameters. The times are the host's: on a GPU they are when the work was queued.
 
 Gradients are views into DDP's buckets (``gradient_as_bucket_view=True`` unless the script
-says otherwise): with a comm hook, DDP no longer folds the scaling into its copy of each
-gradient into the bucket, so the hook's scaling would be one more pass over the gradients;
-with the gradients in the buckets there is no copy at all, and the hook's scaling is the one
-pass DDP itself makes in that mode (its own divides; this hook multiplies, as above). It
-also saves the memory of a second copy of the gradients. ``benchmarks/migration.py --parts
-c`` measures the step against plain DDP both ways.
+says otherwise): a gradient kept from step to step is reduced where it lies, and there is no
+second copy of the gradients in memory. ``benchmarks/migration.py --parts c`` measures the
+step against plain DDP.
 """
 
 from __future__ import annotations
@@ -36,7 +46,9 @@ from typing import Any, cast
 
 import torch
 import torch.distributed as dist
+from torch.autograd import Variable
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.hooks import RemovableHandle
 
 from migrator.timing import StepClock
 
@@ -62,18 +74,14 @@ def _adopt_bucket_plan(plan: list[list[int]] | None, cap_bytes: int) -> Iterator
         dist._compute_bucket_assignment_by_size = original  # type: ignore[attr-defined]
 
 
-def _reduced(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
-    """The all-reduced bucket (a Python comm hook's future must hold a tensor)."""
-    return fut.value()[0]
-
-
 class ElasticDDP(torch.nn.Module):
     """A DDP-wrapped module whose process group the job may replace between steps.
 
     Build it with ``job.ddp(module, **ddp_kwargs)``; call it like the module. ``module``
     stays the owner of the parameters (give ``module.parameters()`` to the optimizer).
     ``after_forward`` runs after each forward, before the backward's all-reduces (the job
-    mirrors the rank's state there). ``clock`` times the step's first gradient bucket.
+    mirrors the rank's state there). ``clock`` times the step's first gradient bucket and the
+    backward's collectives (see the module docstring).
     """
 
     def __init__(
@@ -94,6 +102,9 @@ class ElasticDDP(torch.nn.Module):
         self._kwargs = ddp_kwargs
         object.__setattr__(self, "_ddp", None)  # not a submodule: no duplicate state_dict
         self._plan: list[list[int]] | None = None  # kept once DDP settled it
+        self._timers: list[RemovableHandle] = []  # on the first bucket's parameters
+        self._ready_at = 0.0  # when the first bucket was complete, this step
+        self._queued_in = -1  # the clock's step whose backward end is queued
 
     @property
     def ddp(self) -> DDP:
@@ -118,6 +129,7 @@ class ElasticDDP(torch.nn.Module):
         """
         if self._ddp is not None and self._plan is None and self._settled():
             self._plan = self._read_plan()
+            self._time_first_bucket(self._plan[0] if self._plan else None)
 
     def _settled(self) -> bool:
         """Whether DDP will not change its bucket plan again: it rebuilt its buckets in
@@ -146,25 +158,54 @@ class ElasticDDP(torch.nn.Module):
         cap = int(self._kwargs.get("bucket_cap_mb", 25) * 1024 * 1024)
         if not initial and self._kwargs.get("gradient_as_bucket_view"):
             # At a step boundary the gradients are spent. As views they hold the old
-            # buckets, which the new DDP would copy into buckets of its own.
+            # buckets (a spare has none). DDP's constructor copies each gradient it finds
+            # into its new bucket and makes it a view of it: a zero broadcast to the
+            # gradient's shape costs one write of the bucket and no allocation, and leaves
+            # the gradients as the undisturbed run has them (see the module docstring).
             for p in self.module.parameters():
-                p.grad = None
+                if p.requires_grad:
+                    p.grad = torch.zeros((), dtype=p.dtype, device=p.device).expand_as(p)
         with _adopt_bucket_plan(plan, cap):
             ddp = DDP(self.module, process_group=group, init_sync=initial, **self._kwargs)
-        ddp.register_comm_hook(group, self._timed_allreduce)
         object.__setattr__(self, "_ddp", ddp)
         self._plan = None
+        self._time_first_bucket(plan[0] if plan else None)
 
-    # No annotations: DDP compares them with its own classes, and postponed annotations are
-    # strings. ``group``: the generation's process group; ``bucket``: a dist.GradBucket.
-    def _timed_allreduce(self, group, bucket):  # type: ignore[no-untyped-def]
-        """DDP's own all-reduce of ``bucket`` (see the module docstring), its first of the
-        step timed: the future handed back completes after the clock noted the end."""
-        first = self.clock.arrive()
-        buf = bucket.buffer()
-        buf.mul_(1.0 / group.size())  # the reducer's own scaling: grad * (1.0 / world_size)
-        fut = group.allreduce([buf]).get_future()
-        return fut.then(self.clock.completed_value if first else _reduced)
+    # -- timing: the step's arrival at its first collective, and the collectives' end ---------
+
+    def _time_first_bucket(self, bucket: list[int] | None) -> None:
+        """Hook the parameter whose gradient completes DDP's first bucket: the last of
+        ``bucket`` (their indices in the order their gradients were ready when DDP rebuilt
+        its buckets); None: the last parameter, which DDP's first plan puts in its first
+        bucket, until DDP settles its own. One hook: a bucket of small parameters (biases,
+        norms) would otherwise cost a Python call each."""
+        for handle in self._timers:
+            handle.remove()
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        if not params:
+            self._timers = []
+            return
+        last = params[bucket[-1]] if bucket else params[-1]
+        self._timers = [last.register_post_accumulate_grad_hook(self._grad_ready)]
+
+    def _grad_ready(self, _param: torch.Tensor) -> None:
+        ddp: Any = self._ddp
+        if ddp is None or not ddp.require_backward_grad_sync:  # no_sync(): no collective
+            return
+        if self._queued_in != self.clock.begun:  # a second backward in the step: untimed
+            self._queued_in = self.clock.begun
+            self._ready_at = self.clock.clock()
+            Variable._execution_engine.queue_callback(self._behind_ddp)
+
+    def _behind_ddp(self) -> None:
+        # The engine runs its final callbacks in the order they were queued, and one queued
+        # while they run after all of them: this one runs after DDP's own, which DDP queued
+        # when its last bucket was ready and which waits for every bucket's all-reduce.
+        Variable._execution_engine.queue_callback(self._collectives_done)
+
+    def _collectives_done(self) -> None:
+        if self.clock.arrive(at=self._ready_at):
+            self.clock.completed()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         out = self.ddp(*args, **kwargs)

@@ -7,6 +7,7 @@ wrapper measures around the step's first collective:
 - ``compute_s``: from the step's start (``with step:`` entering) to this rank's arrival at the
   step's first collective (DDP's first gradient bucket, or the first :meth:`Job.all_reduce`);
 - ``wait_s``: from that arrival until that collective completed (the slowest rank's lateness);
+  under DDP until the backward's collectives completed (every bucket's all-reduce);
 - ``step_s``: the step's wall time.
 
 The slow rank has the largest ``compute_s`` and the smallest ``wait_s``; its peers wait for it.
@@ -48,8 +49,9 @@ class StepClock:
 
     The step calls :meth:`begin` and :meth:`end`; the first collective of the step calls
     :meth:`arrive` (True for the first of the step) and, for that one, :meth:`completed` when
-    it finished (a DDP comm hook's future callback, in the backend's thread). A step with no
-    collective (FSDP's own all-gathers are not timed) leaves no row.
+    it finished (under DDP both at the end of the backward, the arrival with the time noted
+    when the first bucket was ready). A step with no collective (FSDP's own all-gathers are
+    not timed) leaves no row.
 
     Args:
         window: how many steps to keep.
@@ -66,30 +68,28 @@ class StepClock:
         self._rows: deque[bytes] = deque(maxlen=window)  # each row packed once, when taken
         self.total: int | None = None  # steps the job runs in all (Job.steps)
         self.fresh = False  # a row was added since the last take()
+        self.begun = 0  # steps begun: tells one step's callbacks from the next's
         self._start = 0.0
         self._arrived: float | None = None
         self._done: float | None = None
 
     def begin(self) -> None:
+        self.begun += 1
         self._start = self.clock()
         self._arrived = self._done = None
 
-    def arrive(self) -> bool:
-        """This rank reached a collective; True when it is the step's first."""
+    def arrive(self, at: float | None = None) -> bool:
+        """This rank reached a collective (now, or ``at``, a reading of :attr:`clock`); True
+        when it is the step's first."""
         if self._arrived is not None:
             return False
-        self._arrived = self.clock()
+        self._arrived = self.clock() if at is None else at
         return True
 
     def completed(self) -> None:
         """The step's first collective finished."""
         if self._done is None:
             self._done = self.clock()
-
-    def completed_value(self, fut: Any) -> Any:
-        """A future's ``then`` callback: :meth:`completed`, then the all-reduced tensor."""
-        self.completed()
-        return fut.value()[0]
 
     def end(self, step: int) -> None:
         """The step's body finished: keep its row (if a collective was timed)."""

@@ -119,3 +119,18 @@ def test_rank_unique_state_moves_planned_and_is_refused_from_a_replica(tmp_path:
     assert run.agent.status == "failed" and "rank-unique" in run.agent.message
     # The spare the move went to is the first warm one: slot 2, or 3 if 2 was still starting.
     assert "StateNotReplicated" in "".join(run.log(s.index) for s in run.agent.slots)
+
+
+def test_gradients_kept_in_place_at_three_ranks_stay_bitwise_through_a_move_and_a_kill(
+    tmp_path: Path,
+) -> None:
+    """DDP divides a gradient kept as a view of its bucket and multiplies a fresh one, which
+    differ in the last bit at 3 ranks: a script that zeroes its gradients in place must find
+    them views of the new buckets after every rebuild, on the survivors and on the spares."""
+    args = ("--keep-grads",)
+    base = launch(tmp_path / "base", nproc=3, spares=0, steps=14, script_args=args)
+    assert base.code == 0, base.agent.message
+    plan = FaultPlan().migrate_at(0, 4, reason="preventive").fail_at(2, 9, where="backward")
+    run = launch(tmp_path / "run", nproc=3, spares=2, plan=plan, steps=14, script_args=args)
+    assert [(r.rank, r.outcome) for r in run.reports] == [(0, "completed"), (2, "completed")]
+    assert_same(base, run, nproc=3)

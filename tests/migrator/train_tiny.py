@@ -38,6 +38,9 @@ def main() -> None:
     ap.add_argument("--cuda", action="store_true", help="train on the job's GPU (NCCL)")
     ap.add_argument("--crash-all-at", type=int, help="ValueError on every rank at this step")
     ap.add_argument("--step-sleep", type=float, default=0.0, help="seconds per step, slept")
+    ap.add_argument(
+        "--keep-grads", action="store_true", help="zero the gradients in place, not to None"
+    )
     args = ap.parse_args()
     raise_at = tuple(int(v) for v in args.raise_at.split(":")) if args.raise_at else None
     oom_at = tuple(int(v) for v in args.oom_at.split(":")) if args.oom_at else None
@@ -93,7 +96,7 @@ def main() -> None:
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
             if args.crash_all_at == step.index:
                 raise ValueError("a typo on every rank")
-            opt.zero_grad(set_to_none=True)
+            opt.zero_grad(set_to_none=not args.keep_grads)
             loss.backward()
             if args.mode == "plain":
                 for p in model.parameters():
