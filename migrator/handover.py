@@ -354,6 +354,7 @@ class Handover:
             return False
         t0 = time.perf_counter()
         gen, rank = member.gen, member.rank
+        member.sever()  # the peers still waiting on this rank learn of the failure now
         report: P.SurvivorReport = {
             "step": step,
             "stepped": stepped,

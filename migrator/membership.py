@@ -34,7 +34,7 @@ from migrator import protocol as P
 from migrator.commands import CommandWatcher
 from migrator.ddp import ElasticDDP
 from migrator.fsdp import ElasticFSDP
-from migrator.groups import Graveyard, new_group
+from migrator.groups import Graveyard, new_group, sever
 
 __all__ = ["Formation", "Membership"]
 
@@ -209,6 +209,7 @@ class Membership:
                     backend=self.backend,
                     timeout_s=self.timeout_s,
                     device=self.device,
+                    severable=True,
                 )
                 mesh = [
                     sharded.mesh_groups(group, self._sub_group(formation.prefix, formation, kv))
@@ -313,6 +314,7 @@ class Membership:
                 backend=self.backend,
                 timeout_s=self.timeout_s,
                 device=self.device,
+                severable=True,
             )
             into: list[dist.ProcessGroup] = []
             mesh = [
@@ -341,11 +343,19 @@ class Membership:
                 backend=self.backend,
                 timeout_s=self.timeout_s,
                 device=self.device,
+                severable=True,
             )
             (into if isinstance(into, list) else into.subgroups).append(sub)
             return sub
 
         return build
+
+    def sever(self) -> None:
+        """The current generation failed on this rank: shut down its groups' connections, so
+        that the peers still waiting in one of its collectives fail now, not at the timeout
+        (:func:`migrator.groups.sever`)."""
+        cut = sum(sever(g) for g in [self.group, *self.subgroups])
+        log.info("generation %d: shut down %d connection(s) to its peers", self.gen, cut)
 
     def leave(self, *, broken: bool) -> None:
         """Leave the current group (kept referenced; NCCL aborted when ``broken``). A
