@@ -23,8 +23,8 @@ In one run, on this machine (gloo, CPU, loopback):
     of the step-boundary check alone, per round (min-max of 5 rounds), step timing included
     (it is always on: the clock around the step and its first collective, the timing's
     encoding and its ride on the mirror's store write); once with ``job.all_reduce`` per
-    gradient, once with ``job.ddp`` (its timing) against plain DDP without a hook; and
-    ``ElasticDDP`` alone against DDP, no job around either, on two shapes (2 and 16 buckets);
+    gradient, once with ``job.ddp`` against plain DDP with gradients as bucket views; and
+    ``ElasticDDP`` alone against DDP, no job around either, on three shapes (1, 2, 16 buckets);
 (d) (``--parts d``) the per-step cost of in-memory peer copies against k: a 4-rank job
     with copies every k steps against the same job without, seconds per step over the whole
     loop, per round, and the host memory the copies take per process.
@@ -228,9 +228,9 @@ def overhead(
     the boundary check alone (1000 calls) and the same with step timing (each call after a
     timed step's clock work: it writes the step's timing with the mirror).
 
-    ``ddp``: the plain loop runs DDP without a comm hook on a copy of the model, the wrapped
-    one ``job.ddp`` (its built-in hook and timing) on the model; else both ``job.all_reduce`` each
-    gradient."""
+    ``ddp``: the plain loop runs DDP with gradients as bucket views on a copy of the model,
+    the wrapped one ``job.ddp`` (the same, and its timing) on the model; else both
+    ``job.all_reduce`` each gradient."""
     import copy
 
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -252,7 +252,7 @@ def overhead(
     job.start()
     x = torch.randn(64, 1024)
     if ddp:
-        plain_net = DDP(twin, process_group=job.group)
+        plain_net = DDP(twin, process_group=job.group, gradient_as_bucket_view=True)
         net = job.ddp(model)
 
         def body() -> None:
@@ -836,9 +836,9 @@ def main() -> None:
             own = copies["boundary_percent"][k]
             at = f"{min(own):.2f}-{max(own):.2f} %" if own else "-"
             print(
-                f"    k = {k:>3}: {spread} per step over the loop; the round's time on the "
-                f"training thread (copy + two pair groups) / k steps: {at}; held per "
-                f"process {mem:.0f} MB"
+                f"    k = {k:>3}: {spread} per step over the loop; a round's time on the "
+                f"training thread (the copy; the first also builds the pair groups) / k steps: "
+                f"{at}; held per process {mem:.0f} MB"
             )
         print(flush=True)
     if "f" in args.parts.split(","):
@@ -915,7 +915,7 @@ def main() -> None:
         extra = [100 * (w - p) / p for p, w in zip(plain, wrapped, strict=True)]
         share = [100 * b / p for p, b in zip(plain, timed, strict=True)]
         timing = [100 * (t - b) / p for p, b, t in zip(plain, boundary, timed, strict=True)]
-        what = "job.ddp against DDP without a hook" if ddp else "job.all_reduce per gradient"
+        what = "job.ddp against DDP (bucket views)" if ddp else "job.all_reduce per gradient"
         print(
             f"    {what}: plain loop {min(plain) * 1e3:.3f}-{max(plain) * 1e3:.3f} ms/step, "
             f"wrapped {min(wrapped) * 1e3:.3f}-{max(wrapped) * 1e3:.3f} ms/step: "

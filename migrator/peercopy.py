@@ -29,9 +29,13 @@ lost ranks' held copies; every survivor puts its own copy of ``c`` back in place
 (``2k`` when the last round had not landed) replayed, deterministically. A rank lost together
 with its buddy has no copy left: the job stops, naming both.
 
-The copies travel point to point over gloo, not through the key-value store: a two-rank group per
-copy (prefix ``pc/g{gen}/{rank}/{step}``), built at the boundary, used by the round's
-threads, then left in the job's graveyard (:mod:`migrator.groups`).
+The copies travel point to point over gloo, not through the key-value store: two two-rank
+groups per process and generation, one to the buddy and one from the ward (prefix
+``pc/g{gen}/{rank}/{step}``, ``step`` the round that built it), built at the generation's
+first round and used by every round after it; a group whose transfer failed is left in the
+job's graveyard (:mod:`migrator.groups`) and built anew at the next round, by both of its
+ends (a round ends on both before either starts the next one). Building the two groups cost
+a rendezvous each per round; their transfers are what a round costs now.
 """
 
 from __future__ import annotations
@@ -143,6 +147,11 @@ class PeerCopies:
         self.held: dict[int, Copy] = {}
         self._threads: list[threading.Thread] = []
         self.copy_s = 0.0  # the last round's time at the boundary (copy and groups)
+        # This generation's pair groups, by direction (True: to the buddy), kept from round
+        # to round; a direction whose transfer failed is in _broken until it is built anew.
+        self._pairs: dict[bool, Any] = {}
+        self._pairs_of: tuple[int, int] | None = None  # the (generation, rank) they serve
+        self._broken: set[bool] = set()
 
     def ring(self) -> list[int]:
         """The job's ring (:func:`read_ring`), read once."""
@@ -186,8 +195,8 @@ class PeerCopies:
 
     def at_boundary(self, step: int, rank_state: bytes) -> None:
         """At boundary ``step``: when a copy is due, take this rank's own copy, build the
-        round's two pair groups (to the buddy, from the ward) and run the send and the
-        receive in the background.
+        generation's two pair groups (to the buddy, from the ward) unless they are built,
+        and run the send and the receive in the background.
 
         The groups are built here, on the training thread: building a gloo group blocks
         with the interpreter lock held, so two built at once by threads of one process wait
@@ -214,21 +223,30 @@ class PeerCopies:
             True: P.peer_copy_prefix(gen, rank, step),
             False: P.peer_copy_prefix(gen, ward, step),
         }
-        groups = {}
+        if self._pairs_of != (gen, rank):  # a new generation: new peers, new groups
+            for group in self._pairs.values():
+                self.graveyard.bury(group, broken=False)
+            self._pairs, self._broken, self._pairs_of = {}, set(), (gen, rank)
+        for sender in self._broken:
+            self.graveyard.bury(self._pairs.pop(sender, None), broken=True)
+        self._broken = set()
         try:
             for sender in (True, False) if ring.index(rank) % 2 == 0 else (False, True):
-                groups[sender] = pair_group(
-                    self.kv,
-                    prefixes[sender],
-                    sender=sender,
-                    backend=self.backend,
-                    timeout_s=self.timeout_s,
-                )
+                if sender not in self._pairs:
+                    self._pairs[sender] = pair_group(
+                        self.kv,
+                        prefixes[sender],
+                        sender=sender,
+                        backend=self.backend,
+                        timeout_s=self.timeout_s,
+                    )
         except (RuntimeError, OSError) as exc:  # a peer is gone: the agent handles it
             log.warning("peer copy round of step %d not started: %s", step, exc)
-            for group in groups.values():
+            for group in self._pairs.values():
                 self.graveyard.bury(group, broken=True)
+            self._pairs = {}
             return
+        groups = self._pairs
         self.copy_s = time.perf_counter() - t0
         self._threads = [
             threading.Thread(target=self._send, args=(groups[True], mine), daemon=True),
@@ -248,8 +266,7 @@ class PeerCopies:
             PGTransport(group).send(copy.meta, copy.tensors, timeout_s=self.timeout_s)
         except (RuntimeError, OSError) as exc:  # the buddy is gone: the agent handles it
             log.warning("peer copy of step %d not sent: %s", copy.step, exc)
-        finally:
-            self.graveyard.bury(group, broken=False)
+            self._broken.add(True)
 
     def _receive(self, group: Any, ward: int, step: int) -> None:
         got: dict[str, Any] = {}
@@ -265,9 +282,8 @@ class PeerCopies:
             meta, stats = PGTransport(group).recv(prepare, timeout_s=self.timeout_s)
         except (RuntimeError, OSError) as exc:  # the ward is gone: its last copy stays
             log.warning("peer copy of rank %d at step %d not received: %s", ward, step, exc)
+            self._broken.add(False)
             return
-        finally:
-            self.graveyard.bury(group, broken=True)
         self.held[step] = Copy(step, meta, got["tensors"], meta["rank_state"], stats.bytes)
         for old in sorted(self.held)[:-2]:
             del self.held[old]
