@@ -261,6 +261,8 @@ class Graveyard:
     def bury(self, group: dist.ProcessGroup | None, *, broken: bool) -> None:
         if group is None:
             return
+        with _severable_lock:  # left whole or severed already: nothing more to cut
+            _severable.pop(id(group), None)
         if broken and group._get_backend_name() == "nccl":
             try:
                 group.abort()
