@@ -167,7 +167,15 @@ class ForkServer:
     ) -> ForkedProc | None:
         """Fork one process running ``command`` (see :func:`preloadable`) with ``env``;
         None if the server cannot (its imports failed, or it is gone)."""
-        if not self._ready.wait(_SPAWN_TIMEOUT_S) or self.failed or self.lost:
+        if self.failed or self.lost:
+            return None
+        if not self._ready.wait(_SPAWN_TIMEOUT_S):
+            # Imports that never end: given up once, not waited for again by every request.
+            self.failed = f"its imports did not finish in {_SPAWN_TIMEOUT_S:.0f} s"
+            log.warning("fork server: %s; the processes start on their own", self.failed)
+            self._proc.kill()  # it has forked nothing yet
+            return None
+        if self.failed or self.lost:
             return None
         with self._lock:
             self._next_id += 1

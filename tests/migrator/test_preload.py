@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from migrator import nodes
+from migrator import nodes, preload
 from migrator.agent import Agent, AgentConfig
 from migrator.preload import ForkedProc, ForkServer, preloadable
 from tests.migrator.harness import ROOT, SCRIPT, Run, assert_same, launch, reference
@@ -365,3 +365,22 @@ def test_the_launchers_preload_flag(tmp_path):
     assert parse(["--preload", "torch, numpy", "--", "x"]).preload == ("torch", "numpy")
     with pytest.raises(SystemExit):
         parse(["--preload", "torch;rm -rf /", "--", "x"])
+
+
+def test_a_server_whose_imports_never_end_is_given_up_once(tmp_path, monkeypatch):
+    """Imports still running when the first request has waited its bound: that request and
+    every later one start their processes on their own, without waiting again."""
+    (tmp_path / "sleepy.py").write_text("import time\ntime.sleep(60)\n")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", "")])
+    monkeypatch.setattr(preload, "_SPAWN_TIMEOUT_S", 1.0)
+    srv = ForkServer(env, ("sleepy",))
+    try:
+        command = [sys.executable, "-c", "pass"]
+        assert srv.spawn(command, env, log_path=None) is None
+        assert srv.failed and "did not finish in 1 s" in srv.failed
+        t0 = time.monotonic()
+        assert srv.spawn(command, env, log_path=None) is None
+        assert time.monotonic() - t0 < 0.5  # not another wait for the imports
+    finally:
+        srv.close()
