@@ -102,7 +102,7 @@ class ElasticDDP(torch.nn.Module):
         self._kwargs = ddp_kwargs
         object.__setattr__(self, "_ddp", None)  # not a submodule: no duplicate state_dict
         self._plan: list[list[int]] | None = None  # kept once DDP settled it
-        self._timers: list[RemovableHandle] = []  # on the first bucket's parameters
+        self._timer: RemovableHandle | None = None  # on the parameter completing bucket 0
         self._ready_at = 0.0  # when the first bucket was complete, this step
         self._queued_in = -1  # the clock's step whose backward end is queued
 
@@ -179,14 +179,13 @@ class ElasticDDP(torch.nn.Module):
         its buckets); None: the last parameter, which DDP's first plan puts in its first
         bucket, until DDP settles its own. One hook: a bucket of small parameters (biases,
         norms) would otherwise cost a Python call each."""
-        for handle in self._timers:
-            handle.remove()
+        if self._timer is not None:
+            self._timer.remove()
+            self._timer = None
         params = [p for p in self.module.parameters() if p.requires_grad]
-        if not params:
-            self._timers = []
-            return
-        last = params[bucket[-1]] if bucket else params[-1]
-        self._timers = [last.register_post_accumulate_grad_hook(self._grad_ready)]
+        if params:
+            last = params[bucket[-1]] if bucket else params[-1]
+            self._timer = last.register_post_accumulate_grad_hook(self._grad_ready)
 
     def _grad_ready(self, _param: torch.Tensor) -> None:
         ddp: Any = self._ddp
