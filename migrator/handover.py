@@ -485,9 +485,9 @@ class Handover:
         )
 
     def mirror_at(self, rank: int, step: int) -> bytes:
-        """Rank ``rank``'s mirrored state at boundary ``step``: the boundary's own mirror, or
-        the one written inside the step before (the rank died after that step's last
-        collective, before it reached the boundary)."""
+        """Rank ``rank``'s mirrored state at boundary ``step``: written at that boundary or
+        inside the step before it (the rank may have died after that step's last collective,
+        before it reached the boundary)."""
         return mirror_at(self.kv, rank, step)
 
     def serve_as_spare(self) -> int:
@@ -573,15 +573,13 @@ def mirror_at(kv: P.KVStore, rank: int, step: int) -> bytes:
     """Rank ``rank``'s mirrored state at boundary ``step`` (see :meth:`Handover.mirror_at`).
 
     Raises:
-        MigrationError: neither mirror is at ``step`` (or none was written).
+        MigrationError: the mirror is not at ``step`` (or none was written).
     """
-    seen = []
-    for key in (P.mirror_key(rank), P.mirror_ahead_key(rank)):
-        if not kv.check([key]):
-            continue
-        blob: bytes = kv.get(key)
-        at = peek_step(blob)
-        if at == step:
-            return blob
-        seen.append(at)
-    raise MigrationError(f"rank {rank}'s mirrors are at steps {seen}, not {step}")
+    key = P.mirror_key(rank, step)
+    if not kv.check([key]):
+        raise MigrationError(f"rank {rank} mirrored no state for step {step}")
+    blob: bytes = kv.get(key)
+    at = peek_step(blob)
+    if at != step:
+        raise MigrationError(f"rank {rank}'s mirror for step {step} is at step {at}")
+    return blob

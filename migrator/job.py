@@ -26,16 +26,20 @@ and train. Spares build their model and optimizer, then wait inside ``job.steps(
 agent gives them a rank; they receive its state in place and continue at the step where it
 stopped. A source whose rank moved to a spare leaves the loop with ``SystemExit(0)``.
 
-At each step boundary the job snapshots this rank's own state (RNG, data position), mirrors it
-to the agent's key-value store and checks for a migration command: one local pickle and two
-round trips (tens of microseconds; ``benchmarks/migration.py`` measures it against a plain loop).
-The mirror's round trip also carries this rank's step timing (:mod:`migrator.timing`: the
-compute before the step's first collective and the wait in it, over the last
-``timing_window`` steps), which the agent sends to the service with its heartbeat.
-Inside the step, before its collectives (after each forward of :meth:`ddp`'s module, before
-each :meth:`all_reduce`), the rank mirrors its state once more as the next boundary will find
-it: a rank that dies after its last collective of step k, before boundary k+1, leaves the
-survivors at k+1, and the spare that replaces it needs the rank's state at k+1, not at k.
+The job mirrors this rank's own state (RNG, data position) to the agent's key-value store
+for every step boundary, so that a spare can rebuild the rank without it. Inside step k,
+before its collectives (after each forward of :meth:`ddp`'s module, before each
+:meth:`all_reduce`), the rank writes its state as boundary k+1 will find it: a rank that dies
+after its last collective of step k leaves the survivors at k+1, and its spare needs the
+rank's state at k+1, not at k. The two last boundaries' states are kept (a key per step
+parity, :func:`migrator.protocol.mirror_key`): one that dies before its collectives leaves
+the survivors at k. At boundary k+1 the rank captures its state again (a local read,
+:class:`~migrator.state.RankStateCapture`) and writes it only if it changed since (random
+numbers drawn after the collectives), then checks for a migration command (a local flag):
+one key-value store round trip a step, which also carries this rank's step timing
+(:mod:`migrator.timing`: the compute before the step's first collective and the wait in it,
+over the last ``timing_window`` steps) for the agent's heartbeat. ``benchmarks/migration.py``
+measures it against a plain loop.
 
 If a collective fails inside ``with step:`` because a peer died or wedged, the step's context
 manager reports to the agent, waits for its decision, puts back this rank's state as it was
@@ -81,6 +85,7 @@ from migrator.state import (
     LAYOUTS,
     DataPosition,
     Layout,
+    RankStateCapture,
     Registry,
     capture_rank_state,
     refuse_bound_sharding,
@@ -321,7 +326,10 @@ class Job:
         self._next = 0
         self._current = 0
         self._snapshot: bytes | None = None
-        self._ahead: bytes | None = None
+        self._capture = RankStateCapture()
+        # What this process wrote to each mirror key in generation _mirrored_gen.
+        self._mirrored: dict[str, bytes] = {}
+        self._mirrored_gen = -1
         self._stepped = False
         self._started = False
         self._published = False  # the manifest, for the spares (see _publish_manifest)
@@ -665,15 +673,12 @@ class Job:
         assert self.rank is not None
         self.commands.passed = k  # before the flag is read (see migrator.commands)
         self._boundary_t = time.perf_counter()
-        snapshot = self._snapshot = capture_rank_state(k, self.registry.data)
-        # The last step's timing rides the mirror's round trip (without the mirror, its own
-        # write every TIMING_EVERY steps).
-        timing = self.clock.take(self.slot) if self.mirror or k % TIMING_EVERY == 0 else None
-        if self.mirror and timing is not None:
-            self.kv.multi_set([P.mirror_key(self.rank), timing_key(self.rank)], [snapshot, timing])
-        elif self.mirror:
-            self.kv.set(P.mirror_key(self.rank), snapshot)
-        elif timing is not None:
+        snapshot = self._snapshot = self._capture.capture(k, self.registry.data)
+        if self.mirror:
+            # Written inside the last step already, unless random numbers were drawn after its
+            # collectives or none ran (see _mirror_ahead).
+            self._mirror(k, snapshot)
+        elif k % TIMING_EVERY == 0 and (timing := self.clock.take(self.slot)) is not None:
             self.kv.set(timing_key(self.rank), timing)
         if self.handover.peers is not None:
             self.handover.peers.at_boundary(k, snapshot)
@@ -713,10 +718,24 @@ class Job:
         """
         if not self.mirror or self.rank is None:
             return
-        blob = capture_rank_state(self._current + 1, self.registry.data)
-        if blob != self._ahead:
-            self.kv.set(P.mirror_ahead_key(self.rank), blob)
-            self._ahead = blob
+        k = self._current + 1
+        self._mirror(k, self._capture.capture(k, self.registry.data))
+
+    def _mirror(self, k: int, blob: bytes) -> None:
+        """Write ``blob``, the state at boundary ``k``, to its mirror key unless it is there
+        already; the last steps' timing rides along when it has news."""
+        assert self.rank is not None
+        if self._mirrored_gen != self.gen:  # written again once in each generation
+            self._mirrored, self._mirrored_gen = {}, self.gen
+        key = P.mirror_key(self.rank, k)
+        if self._mirrored.get(key) == blob:
+            return
+        timing = self.clock.take(self.slot)
+        if timing is None:
+            self.kv.set(key, blob)
+        else:
+            self.kv.multi_set([key, timing_key(self.rank)], [blob, timing])
+        self._mirrored[key] = blob
 
     def bucket_plans(self) -> list[Any]:
         """Each DDP wrapper's bucket plan."""

@@ -22,16 +22,19 @@ Key map (``g`` is a process-group generation, ``r`` a rank, ``s`` a process slot
     slot{s}/ready            the spare of slot ``s`` is up and waits for an assignment
     err/{s}                  the exception the script of slot ``s`` raised (JSON: rank, step,
                              type, message, traceback), written before the process exits
-    rs/{r}                   mirror of rank r's own state (RNG, data position) at its last
-                             step boundary, for rebuilding it from a replica
+    rs/{r}/{k % 2}           mirror of rank r's own state (RNG, data position) at step
+                             boundary k, for rebuilding it from a replica; two keys by the
+                             step's parity, so the last two boundaries' states are kept. The
+                             state at k+1 is written inside step k, before its collectives
+                             (a rank that dies after its last collective of step k leaves
+                             the survivors at boundary k+1); boundary k+1 writes it again
+                             only if it changed since (random numbers drawn after the
+                             collectives)
     manifest                 the replica state's manifest (pickled), published by rank 0
                              once its optimizer state exists: a waiting spare allocates that
                              state ahead of its assignment (see Registry.preallocate)
-    rs/{r}/ahead             the same state as the next boundary will find it, written
-                             before the step's collectives (a rank that dies after its last
-                             collective of step k leaves the survivors at boundary k+1)
     t/{r}                    rank r's step timing over its last steps and the slot that
-                             measured it (migrator.timing), written with rs/{r}
+                             measured it (migrator.timing), written with rs/{r}/...
     ckpt/{id}/rs/{r}         rank r's state at the boundary of a stop checkpoint ``id``
     ckpt/{id}/done           the checkpoint's path, once written (its writer)
     ckpt/{id}/failed         why no checkpoint was written (its writer)
@@ -106,7 +109,6 @@ __all__ = [
     "get_json",
     "held_key",
     "kill_key",
-    "mirror_ahead_key",
     "mirror_key",
     "node_key",
     "peer_copy_prefix",
@@ -562,12 +564,9 @@ def assign_key(slot: int) -> str:
 MANIFEST_KEY = "manifest"
 
 
-def mirror_key(rank: int) -> str:
-    return f"rs/{rank}"
-
-
-def mirror_ahead_key(rank: int) -> str:
-    return f"rs/{rank}/ahead"
+def mirror_key(rank: int, step: int) -> str:
+    """Where rank ``rank``'s state at boundary ``step`` is mirrored (one of two keys)."""
+    return f"rs/{rank}/{step % 2}"
 
 
 def put_json(kv: KVStore, key: str, value: Any) -> None:

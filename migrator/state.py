@@ -23,8 +23,10 @@ travels in one pickled *meta* blob.
 from __future__ import annotations
 
 import array
+import ctypes
 import pickle
 import random
+import struct
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -39,6 +41,7 @@ __all__ = [
     "LAYOUTS",
     "DataPosition",
     "Layout",
+    "RankStateCapture",
     "Registry",
     "capture_rank_state",
     "peek_step",
@@ -356,23 +359,126 @@ class Registry:
             opt.zero_grad(set_to_none=True)
 
 
+_HEAD = struct.Struct("<Bq")
+"""A rank state's head: the format (1) and the step, ahead of the pickled parts. A blob that
+starts with pickle's protocol byte (0x80) is the format before it, a pickled dict with the
+step inside: checkpoints written by earlier versions hold those."""
+
+_FORMAT = 1
+
+_MT_BYTES = 624 * 4 + 4
+"""NumPy's ``mt19937_state``: ``uint32_t key[624]; int pos``."""
+
+
+class RankStateCapture:
+    """Captures this rank's own state (:func:`capture_rank_state`) at a cost of a few
+    microseconds when little changed since the last capture, which between two step
+    boundaries is the rule: the job captures twice a step.
+
+    Each part is read cheaply and compared with the last capture's; only a part that changed
+    is encoded again. NumPy's ``get_state`` (34 us: it copies the key word by word) is
+    called only when the Mersenne Twister's raw state (its key and position, read in place
+    through the bit generator's ``ctypes.state_address``) differs from the last capture's,
+    or when that capture held a cached Gaussian: using a cached Gaussian draws no number,
+    so only ``get_state`` shows it. One case is not seen: a script that puts back with
+    ``np.random.set_state`` a state equal to the current one but for a Gaussian cached in
+    it; the capture then misses that cached value.
+    """
+
+    def __init__(self) -> None:
+        self._random = _PyRandomView()
+        self._py: Any = None  # Python's random state at the last capture (read or getstate)
+        self._py_part = b""
+        self._mt = _MTView()
+        self._np_raw = b""  # the Mersenne Twister's raw state at the last get_state
+        self._np_gauss = True  # the last get_state held a cached Gaussian (or none was made)
+        self._np_part = b""
+        self._body: tuple[Any, ...] | None = None
+        self._pickled = b""
+
+    def capture(self, step: int, data: DataPosition | None) -> bytes:
+        """This rank's state at boundary ``step``, as :func:`restore_rank_state` takes it."""
+        py = self._random.read() or random.getstate()
+        if py != self._py:
+            self._py = py
+            version, mt, gauss = random.getstate()
+            # Flat byte strings pickle as one copy; a 625-int tuple pickles int by int.
+            self._py_part = pickle.dumps(
+                (version, array.array("Q", mt).tobytes(), gauss), pickle.HIGHEST_PROTOCOL
+            )
+        raw = self._mt.read()
+        if raw is None or raw != self._np_raw or self._np_gauss:
+            # The dict form skips the legacy tuple's conversions (a third of the cost).
+            state: Any = np.random.get_state(legacy=False)
+            self._np_raw = raw or b""
+            self._np_gauss = raw is None or bool(state.get("has_gauss"))
+            self._np_part = pickle.dumps(state, pickle.HIGHEST_PROTOCOL)
+        cuda = None
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            cuda = torch.cuda.get_rng_state().numpy().tobytes()
+        body = (
+            self._py_part,
+            self._np_part,
+            torch.get_rng_state().numpy().tobytes(),
+            cuda,
+            None if data is None else data.state_dict(),
+        )
+        if body != self._body:
+            self._body, self._pickled = body, pickle.dumps(body, pickle.HIGHEST_PROTOCOL)
+        return _HEAD.pack(_FORMAT, step) + self._pickled
+
+
+class _PyRandomView:
+    """Python's global ``random`` generator's raw state (its index and 624 words) and its
+    cached Gaussian, read in place: ``random.getstate()`` builds 625 ints for it. The view
+    assumes CPython's ``RandomObject`` layout (``PyObject_HEAD; int index; uint32_t
+    state[624]``) and is checked once against ``getstate()``; where that check fails
+    (another interpreter or layout) :meth:`read` gives None and the caller uses
+    ``getstate()``."""
+
+    def __init__(self) -> None:
+        self._view: np.ndarray | None = None
+        inst = getattr(random, "_inst", None)
+        if type(inst) is not random.Random or sys.implementation.name != "cpython":
+            return
+        base = id(inst) + object.__basicsize__
+        view = np.ctypeslib.as_array((ctypes.c_uint8 * _MT_BYTES).from_address(base))
+        index = int.from_bytes(view[:4].tobytes(), sys.byteorder, signed=True)
+        words = view[4:].view(np.uint32)
+        _, state, _ = inst.getstate()
+        if index == state[-1] and tuple(words.tolist()) == state[:-1]:
+            self._inst, self._view = inst, view
+
+    def read(self) -> tuple[bytes, Any] | None:
+        if self._view is None:
+            return None
+        return self._view.tobytes(), self._inst.gauss_next  # type: ignore[attr-defined]
+
+
+class _MTView:
+    """NumPy's global Mersenne Twister's raw state (2,500 bytes), read in place through a
+    view made once per bit generator (its ``ctypes.state_address``); None where the global
+    generator is not one (``np.random.set_bit_generator``)."""
+
+    def __init__(self) -> None:
+        self._bit_generator: Any = None  # kept referenced: the view points into it
+        self._view: np.ndarray | None = None
+
+    def read(self) -> bytes | None:
+        bit_generator = np.random.mtrand._rand._bit_generator
+        if bit_generator is not self._bit_generator:
+            self._bit_generator, self._view = bit_generator, None
+            if type(bit_generator) is np.random.MT19937:
+                raw = (ctypes.c_uint8 * _MT_BYTES).from_address(bit_generator.ctypes.state_address)
+                self._view = np.ctypeslib.as_array(raw)
+        return None if self._view is None else self._view.tobytes()
+
+
 def capture_rank_state(step: int, data: DataPosition | None) -> bytes:
-    """This rank's own state at a step boundary, pickled (a few KB)."""
-    version, mt, gauss = random.getstate()
-    # The dict form skips the legacy tuple's conversions (a third of the cost).
-    np_state: Any = np.random.get_state(legacy=False)
-    state: dict[str, Any] = {
-        "step": step,
-        # Flat byte strings pickle as one copy; a 625-int tuple pickles int by int.
-        "python": (version, array.array("Q", mt).tobytes(), gauss),
-        "numpy": np_state,
-        "torch": torch.get_rng_state().numpy().tobytes(),
-        "cuda": None,
-        "data": None if data is None else data.state_dict(),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state().numpy().tobytes()
-    return pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
+    """This rank's own state at a step boundary (a few KB): the RNGs' and the data position.
+    A job captures through its own :class:`RankStateCapture`, which re-uses what did not
+    change."""
+    return RankStateCapture().capture(step, data)
 
 
 def restore_rank_state(blob: bytes, data: DataPosition | None) -> int:
@@ -381,7 +487,7 @@ def restore_rank_state(blob: bytes, data: DataPosition | None) -> int:
     The CUDA state goes to this process's current device: a spare on another GPU continues
     the source's random stream.
     """
-    state = pickle.loads(blob)
+    step, state = _decode(blob)
     version, mt, gauss = state["python"]
     random.setstate((version, tuple(array.array("Q", mt)), gauss))
     np.random.set_state(state["numpy"])
@@ -390,12 +496,31 @@ def restore_rank_state(blob: bytes, data: DataPosition | None) -> int:
         torch.cuda.set_rng_state(torch.frombuffer(bytearray(state["cuda"]), dtype=torch.uint8))
     if data is not None and state["data"] is not None:
         data.load_state_dict(state["data"])
-    return int(state["step"])
+    return step
 
 
 def peek_step(blob: bytes) -> int:
     """The step of a state from :func:`capture_rank_state`, without restoring it."""
-    return int(pickle.loads(blob)["step"])
+    if blob[:1] == b"\x80":  # the format before the head (see _HEAD)
+        return int(pickle.loads(blob)["step"])
+    return _HEAD.unpack_from(blob)[1]
+
+
+def _decode(blob: bytes) -> tuple[int, dict[str, Any]]:
+    if blob[:1] == b"\x80":
+        state = pickle.loads(blob)
+        return int(state["step"]), state
+    version, step = _HEAD.unpack_from(blob)
+    if version != _FORMAT:
+        raise MigrationError(f"a rank state of format {version}: this version reads {_FORMAT}")
+    py, numpy_state, cpu, cuda, data = pickle.loads(blob[_HEAD.size :])
+    return step, {
+        "python": pickle.loads(py),
+        "numpy": pickle.loads(numpy_state),
+        "torch": cpu,
+        "cuda": cuda,
+        "data": data,
+    }
 
 
 def tensors_nbytes(tensors: Sequence[torch.Tensor]) -> int:

@@ -324,3 +324,131 @@ def test_modules_sharded_on_their_group_are_refused_at_registration() -> None:
         assert "tensor parallelism is not supported" in str(err.value)
     finally:
         dist.destroy_process_group()
+
+
+def test_a_capture_reusing_what_did_not_change_equals_a_full_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The job's capture reads each generator in place and encodes again only what changed;
+    after every kind of draw it must equal a capture made from scratch, byte for byte. The
+    draws that change no raw state are the traps: NumPy and Python hand out a cached
+    Gaussian without drawing."""
+    import random
+
+    import numpy as np
+
+    from migrator.state import RankStateCapture, peek_step
+
+    data = ShardedIndices(100, 4, rank=0, world_size=1)
+    draws = [
+        lambda: None,
+        random.random,
+        lambda: random.gauss(0, 1),  # caches its pair's second value
+        lambda: random.gauss(0, 1),  # hands the cached one out: Python's raw state unchanged
+        np.random.rand,
+        np.random.randn,  # caches a Gaussian
+        np.random.randn,  # hands it out: the Mersenne Twister's raw state unchanged
+        lambda: None,
+        lambda: torch.rand(1),
+        data.next,
+        lambda: np.random.seed(5),
+        lambda: random.seed(5),
+    ]
+    for fallback in (False, True):
+        if fallback:  # an interpreter whose random generator cannot be read in place
+            monkeypatch.setattr("migrator.state._PyRandomView.read", lambda self: None)
+        capture = RankStateCapture()
+        for k, draw in enumerate(draws * 2):
+            draw()
+            blob = capture.capture(k, data)
+            assert blob == capture_rank_state(k, data), f"after draw {k % len(draws)}"
+            assert peek_step(blob) == k
+    try:  # a global NumPy generator that is not a Mersenne Twister: read through get_state
+        np.random.set_bit_generator(np.random.PCG64(3))
+        capture = RankStateCapture()
+        for k in range(3):
+            np.random.rand()
+            assert capture.capture(k, None) == capture_rank_state(k, None)
+    finally:
+        np.random.set_bit_generator(np.random.MT19937(0))
+    expect = np.random.rand()
+    np.random.set_bit_generator(np.random.MT19937(0))
+    blob = RankStateCapture().capture(1, None)
+    np.random.rand()
+    assert restore_rank_state(blob, None) == 1 and np.random.rand() == expect
+
+
+def test_a_rank_state_in_the_format_before_the_head_is_read() -> None:
+    """Checkpoints written before the head held each rank's state as one pickled dict."""
+    import random
+
+    import numpy as np
+
+    from migrator.state import peek_step
+
+    version, mt, gauss = random.getstate()
+    import array
+
+    old = pickle.dumps(
+        {
+            "step": 9,
+            "python": (version, array.array("Q", mt).tobytes(), gauss),
+            "numpy": np.random.get_state(legacy=False),
+            "torch": torch.get_rng_state().numpy().tobytes(),
+            "cuda": None,
+            "data": None,
+        }
+    )
+    expect = (random.random(), np.random.rand(), torch.rand(1))
+    assert peek_step(old) == 9 and restore_rank_state(old, None) == 9
+    assert (random.random(), np.random.rand()) == expect[:2]
+    assert torch.equal(torch.rand(1), expect[2])
+
+
+@pytest.mark.parametrize("draw_after", [False, True])
+def test_the_state_mirror_is_one_write_a_step_unless_the_script_draws_after_its_collectives(
+    draw_after: bool,
+) -> None:
+    """The state at boundary k+1 is mirrored inside step k, before its collectives; the
+    boundary writes it again only if random numbers were drawn after them. Either way the
+    mirror read for every boundary is that boundary's state."""
+    from migrator import Job
+    from migrator.handover import mirror_at
+
+    store = _master()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    job = Job(kv=store, slot=0, world_size=1, initial_rank=0, timeout_s=10)
+    job.register(model=model, optimizer=opt)
+    net = job.ddp(model)
+    writes: list[str] = []
+    real = job.kv
+
+    class Counting:
+        def __getattr__(self, name: str) -> object:
+            return getattr(real, name)
+
+        def set(self, key: str, value: bytes) -> None:
+            writes.append(key)
+            real.set(key, value)
+
+        def multi_set(self, keys: list[str], values: list[bytes]) -> None:
+            writes.extend(keys)
+            real.multi_set(keys, values)
+
+    job.kv = Counting()  # type: ignore[assignment]
+    boundaries: dict[int, bytes] = {}
+    for step in job.steps(6):
+        with step:
+            boundaries[step.index] = job._snapshot  # type: ignore[assignment]
+            if step.index > 0:
+                assert mirror_at(real, 0, step.index) == boundaries[step.index]
+            net(torch.randn(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            if draw_after:
+                torch.rand(1)
+    mirrors = [k for k in writes if k.startswith("rs/")]
+    # Step 0's boundary has nothing written ahead; then one write a step (two with draws).
+    assert len(mirrors) == (1 + 6 + 5 if draw_after else 1 + 6), mirrors
