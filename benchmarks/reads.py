@@ -16,7 +16,8 @@ same run:
 
 Then one GPU's last 7 days through ``GET /v1/gpus/{node}/{gpu}/samples`` as the GPU page asks
 (its 18 fields, ``limit=100000``, resolution ``auto``: per minute, from the rollups of the
-closed hours and the newest hour rolled up on the fly), and the same for one field: the GPU
+closed hours and the newest hour rolled up on the fly; ``shape=columns&stats=false``, each
+field's value a minute; and the same as rows with every statistic), and one field: the GPU
 wrote 1 Hz for 7 days and the tiering task ran, as in a service. Timed until the whole answer
 arrived (the client's parse not counted). Goal: under 200 ms.
 
@@ -219,13 +220,27 @@ def measure(store: Store, client: httpx.Client, gpus: int) -> dict[str, float]:
     return out
 
 
-def week_read(client: httpx.Client, node: str, now_ms: int, fields: str) -> tuple[float, int]:
+WEEK_READS: dict[tuple[str, str], dict[str, str]] = {
+    (PAGE_FIELDS, "rows with statistics"): {},
+    (PAGE_FIELDS, "as the page asks (columns, no statistics)"): {
+        "shape": "columns",
+        "stats": "false",
+    },
+    ("temp_gpu_c", "rows with statistics"): {},
+}
+"""The week's reads: (fields, how) -> the query's other parameters."""
+
+
+def week_read(
+    client: httpx.Client, node: str, now_ms: int, fields: str, extra: dict[str, str]
+) -> tuple[float, int]:
     """Seconds until the whole answer arrived (the client's parse not counted), and its rows."""
     params: dict[str, Any] = {
         "since": (now_ms - 7 * DAY) / 1000,
         "until": now_ms / 1000,
         "fields": fields,
         "limit": 100_000,
+        **extra,
     }
     path = f"/v1/gpus/{node}/0/samples"
     begin = time.perf_counter()
@@ -268,7 +283,7 @@ def main() -> None:
         env={"FOREWARN_CONTROL_ENABLED": "false", "FOREWARN_CONTROL_TICK_S": "3600"},
     )
     results: dict[int, list[dict[str, float]]] = {}
-    weeks: dict[str, list[float]] = {PAGE_FIELDS: [], "temp_gpu_c": []}
+    weeks: dict[tuple[str, str], list[float]] = {week: [] for week in WEEK_READS}
     week_rows = 0
     have = 0
     headers = {"Authorization": f"Bearer {service.token}"}
@@ -280,8 +295,10 @@ def main() -> None:
                 results[gpus] = [measure(store, client, gpus) for _ in range(args.runs)]
                 if gpus == sizes[0]:
                     for _ in range(args.runs):
-                        for fields, times in weeks.items():
-                            elapsed, week_rows = week_read(client, "week-node", now_ms, fields)
+                        for (fields, shape), times in weeks.items():
+                            elapsed, week_rows = week_read(
+                                client, "week-node", now_ms, fields, WEEK_READS[fields, shape]
+                            )
                             times.append(elapsed)
     finally:
         service.stop()
@@ -313,8 +330,9 @@ def main() -> None:
             print(f"  ratio {label:52s} {spread(ratios, 1.0)}")
     healthz = statistics.median(r["healthz"] for r in results[sizes[0]])
     print(f"\n7-day samples of one GPU ({week_rows:,} rows a minute), ms; ratio to /healthz")
-    for fields, times in weeks.items():
+    for (fields, shape), times in weeks.items():
         label = "the GPU page's 18 fields" if fields == PAGE_FIELDS else fields
+        label = f"{label}, {shape}"
         print(f"  {label:58s} {spread(times)}; {statistics.median(times) / healthz:.0f}")
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 

@@ -110,11 +110,15 @@ class GpusPublic(BaseModel):
 
 
 class SamplesPublic(BaseModel):
-    data: list[dict[str, Any]]
+    data: list[dict[str, Any]] | None = None
     """Raw: rows of :class:`forewarn.wire.GpuSample` (the fields asked for). Per minute: ``ts``
     (the minute's start), ``node``, ``gpu``, each field's mean (gauges) or last value
     (counters), its ``<field>_min``/``_max``/``_mean``/``_last`` (counters ``_delta``,
-    ``_last``) and ``n``, the samples the minute held."""
+    ``_last``; not with ``stats=false``) and ``n``, the samples the minute held. Absent with
+    ``shape=columns``."""
+    columns: dict[str, list[Any]] | None = None
+    """With ``shape=columns``, in place of ``data``: each name of a row (``node`` and ``gpu``
+    left out: they are the path's) to its values in row order."""
     count: int
     resolution: Literal["raw", "1m"]
 
@@ -159,22 +163,33 @@ def _values(column: pd.Series) -> list[Any]:
     return column.tolist()
 
 
-def frame_records(frame: pd.DataFrame) -> list[dict[str, Any]]:
-    """Sample frame -> wire-shaped dicts (``ts`` ISO 8601, nulls as None), column by column
-    (a week of one GPU per minute is 10,080 rows of up to 80 columns)."""
-    if frame.empty:
-        return []
+def frame_columns(frame: pd.DataFrame, *, arrays: bool = False) -> tuple[list[str], list[Any]]:
+    """Sample frame -> its wire names (``ts_ms`` as ``ts``) and each column's values (``ts``
+    ISO 8601, nulls as None; with ``arrays`` float columns stay numpy arrays, whose NaNs
+    orjson writes as null)."""
     names: list[str] = []
-    columns: list[list[Any]] = []
+    columns: list[Any] = []
     for i, name in enumerate(frame.columns):
         column = frame.iloc[:, i]
         if name == "ts_ms":
             stamps = column.to_numpy(dtype="int64").astype("datetime64[ms]")
             names.append("ts")
             columns.append([t + "+00:00" for t in np.datetime_as_string(stamps, unit="ms")])
+        elif arrays and column.dtype.kind == "f":
+            names.append(str(name))
+            columns.append(column.to_numpy())
         else:
             names.append(str(name))
             columns.append(_values(column))
+    return names, columns
+
+
+def frame_records(frame: pd.DataFrame) -> list[dict[str, Any]]:
+    """Sample frame -> wire-shaped dicts (``ts`` ISO 8601, nulls as None), column by column
+    (a week of one GPU per minute is 10,080 rows of up to 80 columns)."""
+    if frame.empty:
+        return []
+    names, columns = frame_columns(frame)
     return [dict(zip(names, row, strict=True)) for row in zip(*columns, strict=True)]
 
 
@@ -359,6 +374,17 @@ async def gpu_samples(
             "last 24 h), one row a minute with min/max/mean/last (counters: delta/last) beyond."
         ),
     ] = "auto",
+    shape: Annotated[
+        Literal["rows", "columns"],
+        Query(description="rows: ``data``, a list of rows; columns: ``columns``, name -> values."),
+    ] = "rows",
+    stats: Annotated[
+        bool,
+        Query(
+            description="false: per-minute rows without each field's min/max/mean/last "
+            "(counters delta/last): the field's value and n only."
+        ),
+    ] = True,
 ) -> Response:
     since_ms, until_ms = _window(since, until)
     wanted = [f.strip() for f in fields.split(",") if f.strip()] if fields else None
@@ -380,6 +406,14 @@ async def gpu_samples(
     frame, served = await to_thread.run_sync(read)
     if frame.empty and not await to_thread.run_sync(lambda: store.has_gpu(node=node, gpu=gpu)):
         raise NotFound(f"no GPU {gpu} on node '{node}'")
+    if not stats and served == "1m":  # the statistics' columns are named after their field
+        named = {"ts_ms", "node", "gpu", "n", *(wanted or FRAME_COLUMNS)}
+        frame = frame[[c for c in frame.columns if c in named]]
+    if shape == "columns":
+        frame = frame.drop(columns=[c for c in ("node", "gpu") if c in frame.columns])
+        names, columns = frame_columns(frame, arrays=True)
+        body = {"columns": dict(zip(names, columns, strict=True)), "count": len(frame)}
+        return json_response({**body, "resolution": served})
     records = frame_records(frame)
     return json_response({"data": records, "count": len(records), "resolution": served})
 

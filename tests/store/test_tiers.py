@@ -340,6 +340,72 @@ def test_the_samples_route_says_which_resolution_it_served(store: Store, tmp_pat
         assert raw_body["resolution"] == "raw" and raw_body["count"] == 50
 
 
+def test_the_samples_route_gives_columns_and_leaves_the_statistics_out_when_asked(
+    store: Store, tmp_path: Path
+) -> None:
+    """The GPU page's week: ``shape=columns`` gives each name's values in row order (NaN as
+    null, as the rows give it), ``stats=false`` only each field's value and ``n``."""
+    import math
+
+    from fastapi.testclient import TestClient
+
+    from api.app import create_app
+    from api.settings import Settings
+
+    raw = raw_frame(gpus=1, hours=3, step_s=10)
+    raw.loc[raw.index[:30], "power_w"] = math.nan  # the first five minutes without power
+    store.write(samples=rows_of(raw))
+    store.maintain_tiers(POLICY, now_ms=START + 4 * HOUR)
+    settings = Settings(
+        database_url="unused://",
+        data_dir=tmp_path,
+        read_token="read-token-0123456789",
+        history_url="none",
+        raw_window_h=24 * 3650,
+        rollup_days=3650,
+    )
+    headers = {"Authorization": "Bearer read-token-0123456789"}
+    with TestClient(create_app(settings, store=store)) as client:
+        url = "/v1/gpus/node-a/0/samples"
+        window = {"since": START / 1000, "until": (START + 3 * HOUR) / 1000}
+        fields = "temp_gpu_c,power_w,ecc_sbe_volatile"
+        rows = client.get(url, params={**window, "fields": fields}, headers=headers).json()
+        cols = client.get(
+            url, params={**window, "fields": fields, "shape": "columns"}, headers=headers
+        ).json()
+        assert "data" not in cols and cols["count"] == rows["count"] == 180
+        assert cols["resolution"] == "1m"
+        names = set(rows["data"][0]) - {"node", "gpu"}
+        assert set(cols["columns"]) == names
+        for name in names:
+            assert cols["columns"][name] == [r[name] for r in rows["data"]], name
+        assert cols["columns"]["power_w"][0] is None and cols["columns"]["power_w"][5] is not None
+        bare = client.get(
+            url,
+            params={**window, "fields": fields, "shape": "columns", "stats": "false"},
+            headers=headers,
+        ).json()
+        assert set(bare["columns"]) == {"ts", "temp_gpu_c", "power_w", "ecc_sbe_volatile", "n"}
+        for name in bare["columns"]:
+            assert bare["columns"][name] == cols["columns"][name], name
+        lean = client.get(
+            url, params={**window, "fields": fields, "stats": "false"}, headers=headers
+        )
+        assert set(lean.json()["data"][0]) == {"ts", "node", "gpu", *fields.split(","), "n"}
+        raw_cols = client.get(
+            url,
+            params={
+                **window,
+                "resolution": "raw",
+                "limit": 50,
+                "shape": "columns",
+                "stats": "false",
+            },
+            headers=headers,
+        ).json()
+        assert raw_cols["resolution"] == "raw" and len(raw_cols["columns"]["ts"]) == 50
+
+
 def test_rows_a_spool_replays_after_the_roll_up_reach_the_rollups_when_archived(
     store: Store,
 ) -> None:

@@ -152,7 +152,9 @@ export async function refresh() {
   const riskFrom = risk.t.length ? risk.t[risk.t.length - 1] * 1000 + 1 : since;
   const [items, rows, events, riskRows, migrations, policy] = await Promise.all([
     getAll(withQuery("/v1/gpus", { node: p.node })),
-    get(withQuery(`${base}/samples`, { since: iso(from), fields: FIELDS.join(","), limit: ROW_LIMIT })),
+    get(withQuery(`${base}/samples`, {
+      since: iso(from), fields: FIELDS.join(","), limit: ROW_LIMIT, shape: "columns", stats: "false",
+    })),
     get(withQuery("/v1/events", { node: p.node, gpu: p.gpu, since: iso(since), limit: 500 })),
     has("GET /v1/gpus/{node}/{gpu}/risk") ? get(withQuery(`${base}/risk`, { since: iso(riskFrom) })).catch(() => null) : null,
     has("GET /v1/migrations") ? get("/v1/migrations?limit=500").then((b) => b.data).catch(() => null) : null,
@@ -161,7 +163,7 @@ export async function refresh() {
   if (!root || p !== params) return;
   if (policy) threshold = thresholdOf(policy);
   const item = items.find((it) => it.gpu === p.gpu) || null;
-  appendSamples(rows.data || [], since);
+  appendSamples(rows.columns || { ts: [] }, since);
   appendRisk(riskRows, since);
   const mine = Array.isArray(migrations)
     ? migrations.filter((m) => {
@@ -188,15 +190,18 @@ export async function refresh() {
   drawCharts(since);
 }
 
-function appendSamples(rows, since) {
+// `got`: the samples route's columns (shape=columns), each name's values in row order.
+function appendSamples(got, since) {
   if (!cols) {
     cols = { ts: [] };
     for (const f of FIELDS) cols[f] = [];
   }
-  for (const r of rows) {
-    cols.ts.push(parseTs(r.ts));
-    for (const f of FIELDS) {
-      const v = r[f];
+  const n = got.ts ? got.ts.length : 0;
+  for (const t of got.ts || []) cols.ts.push(parseTs(t));
+  for (const f of FIELDS) {
+    const values = got[f] || [];
+    for (let i = 0; i < n; i++) {
+      const v = values[i];
       cols[f].push(v === true ? 1 : v === false ? 0 : v ?? null);
     }
   }
@@ -204,7 +209,7 @@ function appendSamples(rows, since) {
   while (drop < cols.ts.length && cols.ts[drop] < since) drop++;
   if (drop) for (const k of Object.keys(cols)) cols[k].splice(0, drop);
   root.querySelector("#gpu-rows").textContent =
-    `${cols.ts.length.toLocaleString("en")} samples${rows.length >= ROW_LIMIT ? " (first 100,000 of the window)" : ""}`;
+    `${cols.ts.length.toLocaleString("en")} samples${n >= ROW_LIMIT ? " (first 100,000 of the window)" : ""}`;
 }
 
 function appendRisk(body, since) {
