@@ -18,7 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from api import dashboard, ingest, tokens
-from api.control.service import install_control, start_control
+from api.control_service import install_control, start_control
 from api.deps import TOKEN_CACHE_S, authorize
 from api.docs import install_docs
 from api.errors import CatchAll, document_errors, error_body, install_error_handlers
@@ -28,9 +28,9 @@ from api.retraining import retrain_on_schedule
 from api.routes import fleet
 from api.settings import DEV_TOKEN, Settings
 from api.state import AppState, TokenCache
-from api.threads import to_thread_to_end
 from api.webhooks import guard_for, install_webhooks, webhook_dispatcher
 from forewarn import __version__
+from forewarn.threads import to_thread_to_end
 from store import Store
 
 __all__ = ["create_app"]

@@ -8,7 +8,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from api.control.policy import Policy
+from control.policy import Policy
 from store.engine import default_data_dir, default_database_url
 from store.tiers import TierPolicy
 

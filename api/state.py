@@ -18,8 +18,8 @@ from api.tickcache import TickCache
 from store import Store
 
 if TYPE_CHECKING:  # both import the routes' dependencies, which import this module
-    from api.control.loop import ControlLoop
     from api.webhooks.guard import TargetGuard
+    from control.loop import ControlLoop
 
 __all__ = ["AppState", "RetrainJob", "TokenCache", "app_state"]
 

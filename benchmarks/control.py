@@ -38,8 +38,8 @@ import httpx
 import orjson
 from _common import ROOT, free_port
 
-from api.control.loop import ControlLoop
-from api.control.policy import Policy
+from control.loop import ControlLoop
+from control.policy import Policy
 from forewarn.wire import Event, GpuSample, JobRegistration, Placement
 from predictor import registry
 from sim.source import SimulatedSource

@@ -323,7 +323,10 @@ def overhead(
 
 
 def hook_cost(
-    layers: int = 2, width: int = 1024, bucket_cap_mb: float = 25.0, steps: int = 100,
+    layers: int = 2,
+    width: int = 1024,
+    bucket_cap_mb: float = 25.0,
+    steps: int = 100,
     rounds: int = 10,
 ) -> tuple[list[float], list[float], list[float]]:
     """Per round: median seconds per step of DDP without a comm hook (as DDP comes, and

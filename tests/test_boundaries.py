@@ -55,6 +55,7 @@ FORBIDDEN = {
         "numpy",
     },
     "api": {"torch"},
+    "control": {"api", "migrator", "collector", "sim", "torch", "fastapi", "starlette", "uvicorn"},
     "goodput": {
         "api",
         "store",

@@ -162,7 +162,7 @@ def last_failures(
     connection: Any, *, since_ms: int, node: str | None = None
 ) -> dict[tuple[str, int], tuple[int, str]]:
     """(node, gpu) -> (time, cause) of each GPU's newest fatal event since ``since_ms``."""
-    from api.control.loop import FATAL_EVENT_KINDS
+    from control.loop import FATAL_EVENT_KINDS
     from predictor.catalog import GPU_DOWN_XIDS
 
     ev = events_table

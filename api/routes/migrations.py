@@ -12,10 +12,10 @@ from anyio import to_thread
 from fastapi import APIRouter, Query
 from pydantic import BaseModel, ConfigDict, Field
 
-from api.control import orchestrator
-from api.control.policy import Policy, Situation, free_spare
 from api.deps import SettingsDep, StoreDep, require
 from api.routes._common import iso, now_ms, stamp
+from control import orchestrator
+from control.policy import Policy, Situation, free_spare
 from forewarn.errors import Conflict, InvalidInput, NoSpareAvailable, NotFound
 from forewarn.wire import MAX_RANK, MigrationProgress, MigrationReport
 from store import control as db

@@ -8,10 +8,10 @@ from anyio import to_thread
 from fastapi import APIRouter, Request
 from pydantic import BaseModel
 
-from api.control.policy import Policy
 from api.deps import SettingsDep, StoreDep, require
 from api.routes._common import iso, now_ms
 from api.state import app_state
+from control.policy import Policy
 from store import control as db
 
 __all__ = ["PolicyPublic", "router"]

@@ -37,9 +37,9 @@ from typing import Any
 import orjson
 from sqlalchemy import Engine
 
-from api.threads import to_thread_to_end
 from api.webhooks.sender import AttemptResult, Sender
 from api.webhooks.signing import signature_headers
+from forewarn.threads import to_thread_to_end
 from store import webhooks as wstore
 from store.outbox import event_payload
 

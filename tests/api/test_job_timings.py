@@ -10,8 +10,8 @@ from pathlib import Path
 from fastapi.testclient import TestClient
 
 from api.app import create_app
-from api.control.loop import ControlLoop
-from api.control.policy import Policy
+from control.loop import ControlLoop
+from control.policy import Policy
 from store import Store
 from tests.api.conftest import INGEST, READ, make_settings
 

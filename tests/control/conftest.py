@@ -10,9 +10,9 @@ from typing import Any
 import pandas as pd
 import pytest
 
-from api.control import orchestrator
-from api.control.loop import ControlLoop
-from api.control.policy import Policy
+from control import orchestrator
+from control.loop import ControlLoop
+from control.policy import Policy
 from store import Store
 from store import control as db
 from tests.conftest import start_service

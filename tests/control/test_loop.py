@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import time
 
-from api.control.loop import ControlLoop
-from api.control.policy import Policy
+from control.loop import ControlLoop
+from control.policy import Policy
 from store import Store
 from store import control as db
 from store.outbox import events_after

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from api.control.loop import ArrivalCursor
-from api.control.policy import Policy, Situation, breaker_should_trip, decide
+from control.loop import ArrivalCursor
+from control.policy import Policy, Situation, breaker_should_trip, decide
 
 SPARE = {"job_id": "j", "slot": 2, "rank": 2, "node": "n1", "gpu": 0, "role": "spare"}
 

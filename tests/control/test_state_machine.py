@@ -7,7 +7,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from api.control import orchestrator
+from control import orchestrator
 from forewarn.errors import Conflict, NotFound
 from forewarn.wire import MigrationReport, Placement
 from store import Store

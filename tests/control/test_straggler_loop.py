@@ -7,9 +7,9 @@ from __future__ import annotations
 import time
 from datetime import UTC, datetime
 
-from api.control import orchestrator
-from api.control.loop import ControlLoop
 from api.routes.jobs import command_of
+from control import orchestrator
+from control.loop import ControlLoop
 from forewarn.wire import MigrationReport, Placement, RankTimings
 from store import Store
 from store import control as db

@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from api.control.policy import (
+from control.policy import (
     Policy,
     Situation,
     StragglerCase,
     decide,
     stragglers_should_trip,
 )
-from api.control.stragglers import (
+from control.stragglers import (
     RankState,
     judge,
     move_cost,
@@ -204,7 +204,7 @@ def test_peer_medians_equal_the_median_of_the_others() -> None:
     import random
     import statistics
 
-    from api.control.stragglers import peer_medians
+    from control.stragglers import peer_medians
 
     rng = random.Random(3)
     for n in (2, 3, 4, 7, 10):

@@ -13,8 +13,8 @@ import pytest
 from sqlalchemy import Connection, insert
 from sqlalchemy.exc import IntegrityError
 
-from api.control import orchestrator
-from api.control.leader import Leadership
+from control import orchestrator
+from control.leader import Leadership
 from forewarn.errors import Conflict
 from store import Store
 from store import control as db

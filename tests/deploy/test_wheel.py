@@ -208,7 +208,7 @@ def test_node_install_then_server(wheel: Path, venv: Venv) -> None:
     assert not venv.has("torch")
     # The service scores with the model shipped in the wheel when ./models holds none.
     probe = (
-        "from api.settings import Settings; from api.control.service import load_model; "
+        "from api.settings import Settings; from api.control_service import load_model; "
         "m = load_model(Settings()); print('MODEL', m.card['booster_file'] if m else None)"
     )
     result = subprocess.run(

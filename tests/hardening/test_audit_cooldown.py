@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 
-from api.control import orchestrator
+from control import orchestrator
 from store import Store
 from store import control as db
 from tests.control.conftest import make_loop, register, registered  # noqa: F401 (fixture)

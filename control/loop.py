@@ -1,6 +1,6 @@
 """The control loop: telemetry -> risk -> policy -> migration, once per tick, on the leader.
 
-Every ``control_tick_s`` the replica that holds the leadership (:mod:`api.control.leader`)
+Every ``control_tick_s`` the replica that holds the leadership (:mod:`control.leader`)
 
 1. reads the samples and events the store received since the last tick, by arrival order
    (:class:`ArrivalCursor`), folds them into the :class:`predictor.scoring.Scorer` and scores
@@ -10,11 +10,11 @@ Every ``control_tick_s`` the replica that holds the leadership (:mod:`api.contro
    failed flags, writes the latest risk and a bounded history, and announces changes
    (``risk.threshold_crossed``, ``risk.cleared``, ``gpu.stale``, ``gpu.failed``);
 3. judges every running job's ranks from the step timings its heartbeats stored
-   (:mod:`api.control.stragglers`): a rank whose compute stayed above its peers' for the
+   (:mod:`control.stragglers`): a rank whose compute stayed above its peers' for the
    policy's window becomes a straggler, named from its GPU's newest samples
    (``rank.straggling``);
 4. for every crossed or failed GPU under an active rank, every active rank on a drained
-   node and every straggler, asks the policy (:func:`api.control.policy.decide`) and records
+   node and every straggler, asks the policy (:func:`control.policy.decide`) and records
    the decision in the audit log (once per episode and outcome, not once per tick); a
    ``request`` becomes a ``requested`` migration that the job agent long-polls;
 5. fails in-flight migrations that can no longer finish (:func:`orchestrator.reconcile`).
@@ -56,10 +56,10 @@ import pandas as pd
 from prometheus_client import Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
-from api.control import orchestrator
-from api.control import straggler_watch as watch
-from api.control.leader import Leadership
-from api.control.policy import (
+from control import orchestrator
+from control import straggler_watch as watch
+from control.leader import Leadership
+from control.policy import (
     Decision,
     Policy,
     Situation,
@@ -67,8 +67,8 @@ from api.control.policy import (
     decide,
     stragglers_should_trip,
 )
-from api.threads import to_thread_to_end
 from forewarn.errors import Conflict
+from forewarn.threads import to_thread_to_end
 from predictor.budget import AlarmBudget
 from predictor.floor import FLOOR_SCORE, floored
 from store import Store

@@ -1,7 +1,7 @@
 """The control loop's side of stragglers: judge the timings the heartbeats stored, name each
 straggler's GPU from its samples, and weigh a move's gain against its cost.
 
-:mod:`api.control.stragglers` holds the pure rules; this module reads and writes the store on
+:mod:`control.stragglers` holds the pure rules; this module reads and writes the store on
 the loop's connection (inside its tick's transaction), so a straggler's state, its
 ``rank.straggling`` event and the decision about it commit together.
 """
@@ -14,8 +14,8 @@ from typing import Any
 
 from sqlalchemy import Connection
 
-from api.control import stragglers as strag
-from api.control.policy import Policy, StragglerCase
+from control import stragglers as strag
+from control.policy import Policy, StragglerCase
 from store import control as db
 from store import reads
 from store.outbox import emit_event

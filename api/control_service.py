@@ -3,8 +3,8 @@
 ``install_control(app, settings)`` includes the routes (risk, jobs, migrations, policy, audit,
 drain); ``start_control(app)``, called from the app's lifespan, loads the model
 (``FOREWARN_MODEL``, or the newest in ``models_dir``, else the model shipped in
-``predictor/shipped/``) and starts :class:`api.control.loop.ControlLoop` as a task.
-Every replica runs the task; only the leader acts (``api.control.leader``).
+``predictor/shipped/``) and starts :class:`control.loop.ControlLoop` as a task.
+Every replica runs the task; only the leader acts (``control.leader``).
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from api.control.loop import ControlLoop
 from api.routes import audit, drain, failures, jobs, migrations, models, policy, risk
 from api.settings import Settings
 from api.state import AppState
+from control.loop import ControlLoop
 
 __all__ = ["install_control", "load_model", "model_lifecycle", "start_control"]
 

@@ -93,7 +93,7 @@ def judge(
     """Judge every rank of one job from its ``compute_s`` (seconds, by rank).
 
     Args:
-        policy: a :class:`api.control.policy.Policy` (its ``straggler_*`` fields).
+        policy: a :class:`control.policy.Policy` (its ``straggler_*`` fields).
         compute_s: the job's active ranks' compute times, one median each.
         states: each rank's state from the last judgement (missing: a fresh state).
         now_ms: the time of this judgement.

@@ -18,7 +18,7 @@ Guards, in the order they are checked:
    is not itself alarmed or failed;
 5. dry-run: everything passed, the decision is recorded and nothing is done.
 
-A straggler (trigger ``straggler``, :mod:`api.control.stragglers`) passes the same guards,
+A straggler (trigger ``straggler``, :mod:`control.stragglers`) passes the same guards,
 and two of its own before the in-flight limits: the straggler breaker (more than
 ``straggler_breaker_pct`` % of the judged ranks, and at least ``straggler_breaker_min``,
 straggle at once: a shared cause, not a slow GPU) and the gain (the seconds a move would save
@@ -83,7 +83,7 @@ class Policy(BaseModel):
     stale_after_s: float = Field(default=30.0, gt=0, le=_WEEK_S)
     """A GPU with no sample for this long is flagged stale (its risk is unknown)."""
 
-    # Stragglers (api.control.stragglers): a rank whose compute keeps its peers waiting.
+    # Stragglers (control.stragglers): a rank whose compute keeps its peers waiting.
     straggler_margin: float = Field(default=0.2, gt=0, le=10)
     """A rank is above when its compute_s exceeds its peers' median by this share (0.2: 20 %)…"""
     straggler_min_s: float = Field(default=0.02, ge=0, le=3600)
