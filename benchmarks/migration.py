@@ -322,6 +322,88 @@ def overhead(
     return plain, wrapped, boundary, timed
 
 
+D_MODEL, LAYERS, SEQ = 128, 4, 128
+"""The GPT of --parts c's last line: a step of ~50 ms on one CPU thread pair."""
+
+
+def gpt_overhead(steps: int = 30, rounds: int = 5) -> tuple[list[float], list[float]]:
+    """Per round: median seconds per step of the demo's GPT (``LAYERS`` layers of
+    ``D_MODEL``, sequences of ``SEQ``, batch 8, dropout 0.1, AdamW) under DDP with gradients
+    as bucket views, and the same under the whole job wrapper with its data position
+    registered (``job.steps()``, ``with step:``, ``job.ddp``), step by step in turn, each
+    first in turn.
+
+    Both loops draw dropout from torch's global generator: the plain turn's draws are put
+    back after it (outside the timed step), so that the wrapped loop's state changes only
+    by its own steps, as in a job that runs one loop."""
+    import copy
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from demo.gpt import GPT, corpus
+    from migrator import Job, ShardedIndices
+
+    store = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
+    )
+    text = corpus(200_000)
+    chars = sorted(set(text))
+    data = torch.tensor([chars.index(c) for c in text], dtype=torch.long)
+    seq, batch = SEQ, 8
+    torch.manual_seed(0)
+    model = GPT(len(chars), D_MODEL, LAYERS, 4, seq, 0.1)
+    twin = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    twin_opt = torch.optim.AdamW(twin.parameters(), lr=3e-4)
+    batches = ShardedIndices(len(data) - seq - 1, batch, rank=0, world_size=1, seed=1)
+    twin_batches = ShardedIndices(len(data) - seq - 1, batch, rank=0, world_size=1, seed=1)
+    job = Job(kv=store, slot=0, world_size=1, initial_rank=0, timeout_s=30)
+    job.register(model=model, optimizer=opt, data=batches)
+    job.start()
+    net = job.ddp(model)
+    plain_net = DDP(twin, process_group=job.group, gradient_as_bucket_view=True)
+
+    def body(net: torch.nn.Module, opt: torch.optim.Optimizer, at: torch.Tensor) -> None:
+        x = torch.stack([data[i : i + seq] for i in at.tolist()])
+        y = torch.stack([data[i + 1 : i + 1 + seq] for i in at.tolist()])
+        loss = torch.nn.functional.cross_entropy(net(x).flatten(0, 1), y.flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    loop = job.steps(10**9)
+
+    def wrapped_step() -> float:
+        t = time.perf_counter()
+        with next(loop):
+            body(net, opt, batches.next())
+        return time.perf_counter() - t
+
+    def plain_step() -> float:
+        saved = torch.get_rng_state()
+        t = time.perf_counter()
+        body(plain_net, twin_opt, twin_batches.next())
+        elapsed = time.perf_counter() - t
+        torch.set_rng_state(saved)
+        return elapsed
+
+    for _ in range(5):
+        wrapped_step()
+        plain_step()
+    plain, wrapped = [], []
+    for _ in range(rounds):
+        plain_s, wrapped_s = [], []
+        for i in range(steps):
+            for plain_turn in (False, True) if i % 2 == 0 else (True, False):
+                if plain_turn:
+                    plain_s.append(plain_step())
+                else:
+                    wrapped_s.append(wrapped_step())
+        plain.append(statistics.median(plain_s))
+        wrapped.append(statistics.median(wrapped_s))
+    return plain, wrapped
+
+
 def hook_cost(
     layers: int = 2,
     width: int = 1024,
@@ -939,6 +1021,19 @@ def main() -> None:
             "boundary_s": boundary,
             "boundary_timed_s": timed,
         }
+    plain, wrapped = gpt_overhead()
+    extra = [100 * (w - p) / p for p, w in zip(plain, wrapped, strict=True)]
+    diff = [(w - p) * 1e6 for p, w in zip(plain, wrapped, strict=True)]
+    print(
+        f"    the whole wrapper on the demo's GPT ({LAYERS} x {D_MODEL}, sequences of {SEQ}, "
+        "batch 8, dropout, "
+        f"data position registered) against DDP (bucket views), 5 rounds: "
+        f"{statistics.median(plain) * 1e3:.1f} against {statistics.median(wrapped) * 1e3:.1f} "
+        f"ms/step (medians): {min(extra):+.2f} to {max(extra):+.2f} % per round, median "
+        f"{statistics.median(extra):+.2f} % ({statistics.median(diff):+.0f} us a step)",
+        flush=True,
+    )
+    figures["wrapper"]["gpt"] = {"plain_s": plain, "wrapped_s": wrapped}
     shapes: dict[str, dict] = {
         # a step of ~0.5 ms, where a cost of a few microseconds shows above the noise
         "2 x 64 MLP, 1 bucket, 1000 steps a round": {"layers": 2, "width": 64, "steps": 1000},

@@ -363,19 +363,21 @@ def test_a_capture_reusing_what_did_not_change_equals_a_full_one(
             blob = capture.capture(k, data)
             assert blob == capture_rank_state(k, data), f"after draw {k % len(draws)}"
             assert peek_step(blob) == k
+    original = np.random.get_bit_generator()
     try:  # a global NumPy generator that is not a Mersenne Twister: read through get_state
         np.random.set_bit_generator(np.random.PCG64(3))
         capture = RankStateCapture()
         for k in range(3):
             np.random.rand()
             assert capture.capture(k, None) == capture_rank_state(k, None)
-    finally:
+        # a new Mersenne Twister in its place: read in place again, through the new one
         np.random.set_bit_generator(np.random.MT19937(0))
-    expect = np.random.rand()
-    np.random.set_bit_generator(np.random.MT19937(0))
-    blob = RankStateCapture().capture(1, None)
-    np.random.rand()
-    assert restore_rank_state(blob, None) == 1 and np.random.rand() == expect
+        blob = capture.capture(3, None)
+        assert blob == capture_rank_state(3, None)
+        expect = np.random.rand()
+        assert restore_rank_state(blob, None) == 3 and np.random.rand() == expect
+    finally:
+        np.random.set_bit_generator(original)
 
 
 def test_a_rank_state_in_the_format_before_the_head_is_read() -> None:
