@@ -414,7 +414,8 @@ class RankStateCapture:
             self._np_gauss = raw is None or bool(state.get("has_gauss"))
             self._np_part = pickle.dumps(state, pickle.HIGHEST_PROTOCOL)
         cuda = None
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
+        # Initialized implies available; is_available() asks the driver each call (15 us).
+        if torch.cuda.is_initialized():
             cuda = torch.cuda.get_rng_state().numpy().tobytes()
         body = (
             self._py_part,
