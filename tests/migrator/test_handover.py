@@ -121,6 +121,23 @@ def test_rank_unique_state_moves_planned_and_is_refused_from_a_replica(tmp_path:
     assert "StateNotReplicated" in "".join(run.log(s.index) for s in run.agent.slots)
 
 
+def test_a_script_drawing_after_its_collectives_is_rebuilt_bitwise_from_the_boundary_mirror(
+    tmp_path: Path,
+) -> None:
+    """The state at boundary k is mirrored inside step k-1, before its collectives; a script
+    that draws random numbers after them changes it, and the boundary writes it again. Rank 1
+    dies in step 9's backward, its peers fail in step 9: the spare must take the boundary's
+    mirror of 9, not the one written ahead in step 8 (which misses step 8's late draws)."""
+    args = ("--draw-after",)
+    base = launch(tmp_path / "base", spares=0, steps=14, script_args=args)
+    assert base.code == 0, base.agent.message
+    plan = FaultPlan().fail_at(1, 9, where="backward")
+    run = launch(tmp_path / "run", spares=1, plan=plan, steps=14, script_args=args)
+    (report,) = run.reports
+    assert (report.rank, report.outcome, report.step) == (1, "completed", 9)
+    assert_same(base, run)
+
+
 def test_gradients_kept_in_place_at_three_ranks_stay_bitwise_through_a_move_and_a_kill(
     tmp_path: Path,
 ) -> None:

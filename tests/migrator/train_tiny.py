@@ -41,6 +41,11 @@ def main() -> None:
     ap.add_argument(
         "--keep-grads", action="store_true", help="zero the gradients in place, not to None"
     )
+    ap.add_argument(
+        "--draw-after",
+        action="store_true",
+        help="draw from every generator after the optimizer step (after the collectives)",
+    )
     args = ap.parse_args()
     raise_at = tuple(int(v) for v in args.raise_at.split(":")) if args.raise_at else None
     oom_at = tuple(int(v) for v in args.oom_at.split(":")) if args.oom_at else None
@@ -104,6 +109,8 @@ def main() -> None:
                     p.grad.div_(job.world_size)
             opt.step()
             sched.step()
+            if args.draw_after:  # changes the streams the next step draws from
+                torch.rand(1), np.random.rand(), random.random()
         if args.step_sleep:
             time.sleep(args.step_sleep)
         if step.ok:
