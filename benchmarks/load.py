@@ -1,12 +1,12 @@
 """Load: a fleet's collectors and some readers against one service (or two replicas) at once.
 
 Every node (8 GPUs) posts what a collector sends by default (``forewarn collect``:
-``BatchingPusher`` with ``--batch-max-delay-s 1``, ``IngestClient`` rows, gzip level 5): one
-batch a second of its GPUs' samples, on its own keep-alive connection, waiting for each
-answer before the next batch (a node that falls behind sends its next batch at once, as a
-collector drains its buffer). ``--batch-s N`` sends N seconds of samples every N seconds
-instead (a collector with a longer ``--batch-max-delay-s``); ``--shape columns`` sends
-``sample_columns`` (``IngestClient(columns=True)``).
+``BatchingPusher`` with ``--batch-max-delay-s 10``, ``IngestClient`` with ``sample_columns``,
+gzip level 5): one batch of its GPUs' last 10 s every 10 s, on its own keep-alive connection,
+waiting for each answer before the next batch (a node that falls behind sends its next batch
+at once, as a collector drains its buffer). ``--batch-s N`` sends N seconds of samples every
+N seconds instead (a collector with another ``--batch-max-delay-s``); ``--shape rows`` sends
+one object a sample (``forewarn collect --rows``).
 
 The collectors are ``--generators`` processes of their own. Each encodes and gzips every
 request it will send before the clock starts, and sends them with a thin HTTP/1.1 client, so
@@ -363,8 +363,9 @@ def main() -> None:
     parser.add_argument("--replicas", type=int, default=1)
     parser.add_argument("--gpus", type=int, default=16384)
     parser.add_argument("--duration", type=float, default=60.0)
-    parser.add_argument("--batch-s", type=int, default=1, help="seconds of samples per batch")
-    parser.add_argument("--shape", choices=["rows", "columns"], default="rows")
+    # The defaults are the collector's (forewarn collect).
+    parser.add_argument("--batch-s", type=int, default=10, help="seconds of samples per batch")
+    parser.add_argument("--shape", choices=["rows", "columns"], default="columns")
     parser.add_argument("--readers", type=int, default=4)
     parser.add_argument("--read-interval", type=float, default=1.0, help="seconds between reads")
     parser.add_argument("--generators", type=int, default=2, help="collector processes")
