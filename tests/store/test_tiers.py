@@ -4,7 +4,10 @@ serves the same window, and the migration from the flat table keeps its rows."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -307,13 +310,14 @@ def test_rows_without_a_partition_land_in_the_default_and_move_on_creation(
         assert stray == 0
 
 
-def test_the_samples_route_says_which_resolution_it_served(store: Store, tmp_path: Path) -> None:
+@contextmanager
+def _three_rolled_hours(store: Store, tmp_path: Path, raw: pd.DataFrame) -> Iterator[Any]:
+    """A service (TestClient) over ``raw`` written and rolled up to per-minute rows."""
     from fastapi.testclient import TestClient
 
     from api.app import create_app
     from api.settings import Settings
 
-    raw = raw_frame(gpus=1, hours=3, step_s=10)
     store.write(samples=rows_of(raw))
     store.maintain_tiers(POLICY, now_ms=START + 4 * HOUR)
     settings = Settings(
@@ -325,8 +329,17 @@ def test_the_samples_route_says_which_resolution_it_served(store: Store, tmp_pat
         raw_window_h=24 * 3650,
         rollup_days=3650,
     )
-    headers = {"Authorization": "Bearer read-token-0123456789"}
     with TestClient(create_app(settings, store=store)) as client:
+        yield client
+
+
+SAMPLES_HEADERS = {"Authorization": "Bearer read-token-0123456789"}
+
+
+def test_the_samples_route_says_which_resolution_it_served(store: Store, tmp_path: Path) -> None:
+    headers = SAMPLES_HEADERS
+    raw = raw_frame(gpus=1, hours=3, step_s=10)
+    with _three_rolled_hours(store, tmp_path, raw) as client:
         url = "/v1/gpus/node-a/0/samples"
         window = {"since": START / 1000, "until": (START + 3 * HOUR) / 1000}
         body = client.get(url, params={**window, "fields": "temp_gpu_c"}, headers=headers).json()
@@ -347,25 +360,10 @@ def test_the_samples_route_gives_columns_and_leaves_the_statistics_out_when_aske
     null, as the rows give it), ``stats=false`` only each field's value and ``n``."""
     import math
 
-    from fastapi.testclient import TestClient
-
-    from api.app import create_app
-    from api.settings import Settings
-
+    headers = SAMPLES_HEADERS
     raw = raw_frame(gpus=1, hours=3, step_s=10)
     raw.loc[raw.index[:30], "power_w"] = math.nan  # the first five minutes without power
-    store.write(samples=rows_of(raw))
-    store.maintain_tiers(POLICY, now_ms=START + 4 * HOUR)
-    settings = Settings(
-        database_url="unused://",
-        data_dir=tmp_path,
-        read_token="read-token-0123456789",
-        history_url="none",
-        raw_window_h=24 * 3650,
-        rollup_days=3650,
-    )
-    headers = {"Authorization": "Bearer read-token-0123456789"}
-    with TestClient(create_app(settings, store=store)) as client:
+    with _three_rolled_hours(store, tmp_path, raw) as client:
         url = "/v1/gpus/node-a/0/samples"
         window = {"since": START / 1000, "until": (START + 3 * HOUR) / 1000}
         fields = "temp_gpu_c,power_w,ecc_sbe_volatile"
