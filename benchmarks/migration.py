@@ -58,9 +58,10 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -221,6 +222,19 @@ def bandwidth(nbytes: int = 256 * 2**20, reps: int = 3) -> float:
 # -- (c) wrapper overhead ---------------------------------------------------------------------
 
 
+def medians_in_turn(
+    first: Callable[[], float], second: Callable[[], float], steps: int
+) -> tuple[float, float]:
+    """Median seconds of ``first`` and ``second`` (each call times itself and returns it),
+    called step by step in turn, which goes first alternating: the two medians share the
+    machine's noise."""
+    times: tuple[list[float], list[float]] = ([], [])
+    for i in range(steps):
+        for turn in (0, 1) if i % 2 == 0 else (1, 0):
+            times[turn].append((first, second)[turn]())
+    return statistics.median(times[0]), statistics.median(times[1])
+
+
 def overhead(
     steps: int = 100, rounds: int = 5, *, ddp: bool = False
 ) -> tuple[list[float], list[float], list[float], list[float]]:
@@ -283,27 +297,27 @@ def overhead(
     for _ in range(20):
         body()
         plain_body()
+
+    def plain_step() -> float:
+        t = time.perf_counter()
+        plain_body()
+        return time.perf_counter() - t
+
     plain, wrapped, boundary, timed = [], [], [], []
-    for _ in range(rounds):  # interleave to share the machine's noise
-        # Step by step, plain and wrapped (the boundary included) in turn, which first
-        # alternating: the medians share the machine's noise.
-        plain_s, wrapped_s = [], []
+    for _ in range(rounds):
         loop = job.steps(steps)
 
-        for i in range(steps):
-            for plain_turn in (False, True) if i % 2 == 0 else (True, False):
-                t = time.perf_counter()
-                if plain_turn:
-                    plain_body()
-                    plain_s.append(time.perf_counter() - t)
-                else:
-                    with next(loop):
-                        body()
-                    wrapped_s.append(time.perf_counter() - t)
+        def wrapped_step(loop: Iterator[Any] = loop) -> float:  # the boundary included
+            t = time.perf_counter()
+            with next(loop):
+                body()
+            return time.perf_counter() - t
+
+        wrapped_median, plain_median = medians_in_turn(wrapped_step, plain_step, steps)
         for _ in loop:  # the loop's end (never a step: all ran)
             pass
-        plain.append(statistics.median(plain_s))
-        wrapped.append(statistics.median(wrapped_s))
+        plain.append(plain_median)
+        wrapped.append(wrapped_median)
         job._next = 0
         t = time.perf_counter()
         for k in range(1000):
@@ -392,15 +406,9 @@ def gpt_overhead(steps: int = 30, rounds: int = 5) -> tuple[list[float], list[fl
         plain_step()
     plain, wrapped = [], []
     for _ in range(rounds):
-        plain_s, wrapped_s = [], []
-        for i in range(steps):
-            for plain_turn in (False, True) if i % 2 == 0 else (True, False):
-                if plain_turn:
-                    plain_s.append(plain_step())
-                else:
-                    wrapped_s.append(wrapped_step())
-        plain.append(statistics.median(plain_s))
-        wrapped.append(statistics.median(wrapped_s))
+        wrapped_median, plain_median = medians_in_turn(wrapped_step, plain_step, steps)
+        plain.append(plain_median)
+        wrapped.append(wrapped_median)
     return plain, wrapped
 
 

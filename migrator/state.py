@@ -398,10 +398,11 @@ class RankStateCapture:
 
     def capture(self, step: int, data: DataPosition | None) -> bytes:
         """This rank's state at boundary ``step``, as :func:`restore_rank_state` takes it."""
-        py = self._random.read() or random.getstate()
+        read = self._random.read()
+        py = read if read is not None else random.getstate()
         if py != self._py:
             self._py = py
-            version, mt, gauss = random.getstate()
+            version, mt, gauss = random.getstate() if read is not None else py
             # Flat byte strings pickle as one copy; a 625-int tuple pickles int by int.
             self._py_part = pickle.dumps(
                 (version, array.array("Q", mt).tobytes(), gauss), pickle.HIGHEST_PROTOCOL
@@ -429,6 +430,12 @@ class RankStateCapture:
         return _HEAD.pack(_FORMAT, step) + self._pickled
 
 
+def _bytes_at(address: int) -> np.ndarray:
+    """The ``_MT_BYTES`` bytes at ``address``, viewed in place (no copy): the caller keeps
+    the object that owns them referenced as long as the view is read."""
+    return np.ctypeslib.as_array((ctypes.c_uint8 * _MT_BYTES).from_address(address))
+
+
 class _PyRandomView:
     """Python's global ``random`` generator's raw state (its index and 624 words) and its
     cached Gaussian, read in place: ``random.getstate()`` builds 625 ints for it. The view
@@ -442,8 +449,7 @@ class _PyRandomView:
         inst = getattr(random, "_inst", None)
         if type(inst) is not random.Random or sys.implementation.name != "cpython":
             return
-        base = id(inst) + object.__basicsize__
-        view = np.ctypeslib.as_array((ctypes.c_uint8 * _MT_BYTES).from_address(base))
+        view = _bytes_at(id(inst) + object.__basicsize__)
         index = int.from_bytes(view[:4].tobytes(), sys.byteorder, signed=True)
         words = view[4:].view(np.uint32)
         _, state, _ = inst.getstate()
@@ -470,8 +476,7 @@ class _MTView:
         if bit_generator is not self._bit_generator:
             self._bit_generator, self._view = bit_generator, None
             if type(bit_generator) is np.random.MT19937:
-                raw = (ctypes.c_uint8 * _MT_BYTES).from_address(bit_generator.ctypes.state_address)
-                self._view = np.ctypeslib.as_array(raw)
+                self._view = _bytes_at(bit_generator.ctypes.state_address)
         return None if self._view is None else self._view.tobytes()
 
 

@@ -412,8 +412,8 @@ async def gpu_samples(
     if shape == "columns":
         frame = frame.drop(columns=[c for c in ("node", "gpu") if c in frame.columns])
         names, columns = frame_columns(frame, arrays=True)
-        body = {"columns": dict(zip(names, columns, strict=True)), "count": len(frame)}
-        return json_response({**body, "resolution": served})
+        by_name = dict(zip(names, columns, strict=True))
+        return json_response({"columns": by_name, "count": len(frame), "resolution": served})
     records = frame_records(frame)
     return json_response({"data": records, "count": len(records), "resolution": served})
 
