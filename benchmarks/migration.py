@@ -29,8 +29,9 @@ In one run, on this machine (gloo, CPU, loopback):
     with copies every k steps against the same job without, seconds per step over the whole
     loop, per round, and the host memory the copies take per process.
 
-(e) (``--parts e``) per layout (replicated DDP, HSDP 2 x 2, FSDP2, FSDP2 with peer copies
-    every 2 steps), 4 ranks + 1 spare, ``--layout-size`` of state (default 10MB): the
+(e) (``--parts e``) per layout (replicated DDP, HSDP 2 x 2, HSDP + TP 2 x 1 x 2, FSDP2,
+    FSDP2 with peer copies every 2 steps), 4 ranks + 1 spare, ``--layout-size`` of state
+    (default 10MB; HSDP + TP rounds the MLP up to an even number of layers): the
     preventive pause, the stall from the source's last completed step to the new rank's
     first (that step's compute included) beside bytes / loopback bandwidth, and a SIGKILL's
     kill-to-done (or the refusal), against checkpoint-restart of the same state.
@@ -76,10 +77,31 @@ from migrator.groups import pair_group  # noqa: E402
 BYTES_PER_PARAM = 12  # fp32 parameter + two Adam moments
 
 
-def model_for(state_bytes: int) -> torch.nn.Module:
+def model_for(state_bytes: int, *, pairs: bool = False) -> torch.nn.Module:
+    """An MLP of 1024-wide layers holding about ``state_bytes`` with Adam; ``pairs``: an even
+    number of layers (tensor parallelism's column-then-row pairs)."""
     width = 1024
     layers = max(1, round(state_bytes / BYTES_PER_PARAM / (width * width)))
+    if pairs:
+        layers += layers % 2
     return torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+
+
+def tensor_parallel(model: torch.nn.Module, tp_mesh: Any) -> None:
+    """The Megatron pairing on the benchmark's MLP (:func:`model_for` with ``pairs``): even
+    layers column-wise, odd ones row-wise, whose all-reduce ties the tensor-parallel ranks
+    together every forward, as in a transformer block."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    plan: dict[str, Any] = {
+        str(i): ColwiseParallel() if i % 2 == 0 else RowwiseParallel()
+        for i in range(len(model))  # type: ignore[arg-type]
+    }
+    parallelize_module(model, tp_mesh, plan, src_data_rank=None)
 
 
 # -- worker (run by the agent) --------------------------------------------------------------
@@ -92,7 +114,7 @@ def worker(args: argparse.Namespace) -> None:
     job = Job.from_env()
     job.member.form_ahead = not args.form_at_switch
     torch.manual_seed(0)
-    model = model_for(args.state_bytes)
+    model = model_for(args.state_bytes, pairs=args.layout == "hsdp_tp")
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
     start = 0
     if args.resume and Path(args.resume).exists():
@@ -103,8 +125,10 @@ def worker(args: argparse.Namespace) -> None:
         start = saved["step"] + 1
         print(json.dumps({"loaded_s": time.perf_counter() - t, "from": start}), flush=True)
     layout = args.layout
-    if layout in ("fsdp2", "hsdp", "peer_copy"):  # sharded before the optimizer is built
-        job.fsdp(model, layers=list(model.children()), replicate=2 if layout == "hsdp" else 1)
+    if layout in ("fsdp2", "hsdp", "peer_copy", "hsdp_tp"):  # sharded before the optimizer
+        tp: dict[str, Any] = {"tp": 2, "tp_plan": tensor_parallel} if layout == "hsdp_tp" else {}
+        replicate = 2 if layout in ("hsdp", "hsdp_tp") else 1
+        job.fsdp(model, layers=list(model.children()), replicate=replicate, **tp)
         opt = torch.optim.Adam(model.parameters(), lr=1e-4)
     every = args.peer_copy or (2 if layout == "peer_copy" else 0)
     if every:
@@ -530,7 +554,7 @@ def peer_copies(tmp: Path, size: int, ks: Sequence[int], rounds: int, steps: int
 
 # -- (e) per layout, 4 ranks ---------------------------------------------------------------
 
-LAYOUT_NAMES = ("replicated", "hsdp", "fsdp2", "peer_copy")
+LAYOUT_NAMES = ("replicated", "hsdp", "hsdp_tp", "fsdp2", "peer_copy")
 
 
 def layout_cases(tmp: Path, size: int, layout: str) -> dict:

@@ -1,7 +1,9 @@
-"""A small llama-like model trained with FSDP2 + tensor parallelism, as TorchTitan composes
-them, under Forewarn's migrator.
+"""A small llama-like model trained with FSDP2 (or HSDP) + tensor parallelism, as TorchTitan
+composes them, under Forewarn's migrator.
 
     forewarn launch --nproc 4 --spares 1 -- python examples/llama_tp.py --tp 2 --out OUT
+    forewarn launch --nproc 8 --spares 1 -- \
+        python examples/llama_tp.py --tp 2 --replicate 2 --out OUT
 
 The parallelisms are applied in one place, from the job's mesh, the way TorchTitan's
 ``parallelize_llama`` applies them: :func:`apply_tp` (a ``parallelize_module`` plan per
@@ -12,6 +14,11 @@ Ranks ``d * T .. d * T + T - 1`` form a tensor-parallel group and read the same 
 (data-parallel index ``d``). With ``--peer-copy K`` each rank's shards are also copied to a
 buddy every K steps, so a rank lost without warning is rebuilt (the layout has no replica
 dimension).
+
+With ``--replicate R`` (HSDP + TP, TorchTitan's ``dp_replicate`` x ``dp_shard`` x ``tp``)
+``fully_shard`` runs on the ``("dp_replicate", "dp_shard")`` sub-mesh: each replica group
+holds the whole model, so a rank lost without warning is rebuilt from the rank in its place
+in another replica group. The data-parallel index is still ``rank // T``.
 
 Writes one JSON line per finished step to ``OUT/log.slot<slot>.jsonl`` and each rank's local
 shards to ``OUT/final.rank<r>.pt`` at the end.
@@ -143,6 +150,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--replicate", type=int, default=1, help="replica groups (HSDP)")
     ap.add_argument("--peer-copy", type=int, metavar="K", help="copy to a buddy every K steps")
     args = ap.parse_args()
 
@@ -150,7 +158,9 @@ def main() -> None:
     job = Job.from_env()
     torch.manual_seed(0)  # the same weights on every rank, spares included
     model = Llama()
-    job.fsdp(model, layers=list(model.layers), tp=args.tp, tp_plan=apply_tp)
+    job.fsdp(
+        model, layers=list(model.layers), replicate=args.replicate, tp=args.tp, tp_plan=apply_tp
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     rank = job.rank if job.rank is not None else 0
     dp, dp_rank = job.world_size // args.tp, rank // args.tp

@@ -18,12 +18,17 @@ at the new generation's groups (:func:`rebind`).
 - FSDP2 + tensor parallel (``tp=T``, TorchTitan's composition): a ``(world/T, T)`` mesh
   named ``("dp_shard", "tp")``; the script's plan is applied on the ``tp`` sub-mesh, then
   ``fully_shard`` on ``dp_shard``; both dimensions' groups are re-pointed the same way.
+- HSDP + tensor parallel (``replicate=R, tp=T``, TorchTitan's three dimensions): a
+  ``(R, world/(R*T), T)`` mesh named ``("dp_replicate", "dp_shard", "tp")``; the plan on
+  ``tp``, then ``fully_shard`` on the ``("dp_replicate", "dp_shard")`` sub-mesh (HSDP);
+  three sub-groups a generation, re-pointed the same way.
 
 A rank's shards are its own within its replica group: a planned or preventive move carries
 them to the spare (the source sends each parameter's and optimizer state's local tensor,
 ``DTensor.to_local()``). A rank lost without warning is rebuilt, under HSDP, from the rank
-with the same shard index in another replica group; under FSDP2 no other rank holds them
-and it is refused (docs/migration.md, "What each layout is guaranteed").
+with the same shard index (and tensor-parallel index) in another replica group; under FSDP2
+(with or without tensor parallelism) no other rank holds them and it is refused unless the
+job keeps peer copies (docs/migration.md, "What each layout is guaranteed").
 
 A spare does not know which rank it will take, and a rank's shard depends on it (uneven
 chunks), so a spare's module is sharded when it is assigned its rank, before it receives the
@@ -37,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -86,24 +92,48 @@ HSDP_NAMES: tuple[Any, Any] = ("forewarn:hsdp:replicate", "forewarn:hsdp:shard")
 """The c10d names of an HSDP mesh's replicate and shard dimensions' groups."""
 TP_NAMES: tuple[Any, Any] = ("forewarn:fsdp_tp:dp_shard", "forewarn:fsdp_tp:tp")
 """The c10d names of an FSDP2 + tensor-parallel mesh's dp_shard and tp dimensions' groups."""
-DIMS = {"fsdp2": ("shard",), "hsdp": ("replicate", "shard"), "fsdp2_tp": ("dp_shard", "tp")}
-"""Each layout's mesh dimension names, outer first (rank ``o * inner + i``)."""
+HSDP_TP_NAMES: tuple[Any, Any, Any] = (
+    "forewarn:hsdp_tp:dp_replicate",
+    "forewarn:hsdp_tp:dp_shard",
+    "forewarn:hsdp_tp:tp",
+)
+"""The c10d names of an HSDP + tensor-parallel mesh's three dimensions' groups."""
+DIMS = {
+    "fsdp2": ("shard",),
+    "hsdp": ("replicate", "shard"),
+    "fsdp2_tp": ("dp_shard", "tp"),
+    "hsdp_tp": ("dp_replicate", "dp_shard", "tp"),
+}
+"""Each layout's mesh dimension names, outer first (a rank's coordinates are its index in
+the mesh's shape, row-major: on a ``(R, S)`` mesh ``(o, i)`` is rank ``o * S + i``)."""
 
 
 def group_names(kind: str) -> tuple[Any, ...]:
     """The c10d names of the mesh dimensions' groups of a layout ``kind`` (:data:`DIMS`)."""
-    return {"fsdp2": (GROUP_NAME,), "hsdp": HSDP_NAMES, "fsdp2_tp": TP_NAMES}[kind]
+    return {
+        "fsdp2": (GROUP_NAME,),
+        "hsdp": HSDP_NAMES,
+        "fsdp2_tp": TP_NAMES,
+        "hsdp_tp": HSDP_TP_NAMES,
+    }[kind]
 
 
-def dim_ranks(rank: int, size: int, inner: int) -> list[list[int]]:
-    """The job ranks of each of ``rank``'s mesh-dimension groups, outer first: every rank
-    (a 1-D mesh, ``inner == size``), or on a 2-D mesh ``(size / inner, inner)`` the ranks
-    of its outer dimension (its inner index in every outer group) and of its inner one."""
-    if inner == size:
-        return [list(range(size))]
-    outer = size // inner
-    o, i = divmod(rank, inner)
-    return [[j * inner + i for j in range(outer)], [o * inner + j for j in range(inner)]]
+def coords(rank: int, shape: Sequence[int]) -> list[int]:
+    """``rank``'s index along each dimension of a mesh of ``shape`` (row-major)."""
+    out = []
+    for n in reversed(shape):
+        rank, c = divmod(rank, n)
+        out.append(c)
+    return out[::-1]
+
+
+def dim_ranks(rank: int, shape: Sequence[int]) -> list[list[int]]:
+    """The job ranks of each of ``rank``'s mesh-dimension groups, outer first: along each
+    dimension of a mesh of ``shape``, the ranks whose other coordinates are ``rank``'s
+    (one dimension: every rank)."""
+    at = coords(rank, shape)
+    strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
+    return [[rank + (j - at[d]) * strides[d] for j in range(n)] for d, n in enumerate(shape)]
 
 
 _REGISTERED: dict[Any, dist.ProcessGroup] = {}  # name -> the group c10d's maps hold for it
@@ -136,8 +166,8 @@ def rebind(
     names: Sequence[Any] | None = None,
 ) -> None:
     """Make ``groups`` (one per mesh dimension, named ``names``, :func:`group_names`;
-    default: FSDP2's one, or HSDP's two) the ones every FSDP unit of ``modules`` (and
-    every DTensor on the mesh, tensor-parallel ones included) use.
+    default: FSDP2's one, HSDP's two, or HSDP + TP's three) the ones every FSDP unit of
+    ``modules`` (and every DTensor on the mesh, tensor-parallel ones included) use.
 
     The private torch internals the migrator's FSDP support uses are all in this function
     and :func:`_mesh` (checked on torch 2.13; :func:`_internals_missing` looks for them):
@@ -160,7 +190,7 @@ def rebind(
     """
     _require_internals()
     if names is None:
-        names = group_names("fsdp2" if len(groups) == 1 else "hsdp")
+        names = group_names({1: "fsdp2", 2: "hsdp", 3: "hsdp_tp"}[len(groups)])
     if ranks is None:
         ranks = [list(range(g.size())) for g in groups]
     for name, group, spans in zip(names, groups, ranks, strict=True):
@@ -191,16 +221,14 @@ def rebind(
         info.__post_init__()  # re-reads the groups (and their ranks and sizes) from the mesh
 
 
-def _mesh(rank: int, size: int, device_type: str, kind: str = "fsdp2", inner: int = 0) -> Any:
-    """The job's mesh: one dimension over its ``size`` ranks (its group named
-    :data:`GROUP_NAME`), or two, ``(size / inner, inner)``, named by ``kind``
-    (:data:`DIMS`, :func:`group_names`). Built directly (``DeviceMesh.from_group`` asks the
-    default group for this process's rank, and a job has no default group)."""
+def _mesh(rank: int, shape: Sequence[int], device_type: str, kind: str = "fsdp2") -> Any:
+    """The job's mesh of ``shape``: one dimension over its ranks (its group named
+    :data:`GROUP_NAME`), or two or three, named by ``kind`` (:data:`DIMS`,
+    :func:`group_names`). Built directly (``DeviceMesh.from_group`` asks the default group
+    for this process's rank, and a job has no default group)."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    ranks = torch.arange(size)
-    if kind != "fsdp2":
-        ranks = ranks.view(size // inner, inner)
+    ranks = torch.arange(math.prod(shape)).view(*shape)
     mesh = DeviceMesh(
         device_type, ranks, mesh_dim_names=DIMS[kind], _init_backend=False, _rank=rank
     )
@@ -238,13 +266,13 @@ def name_world(rank: int, size: int) -> None:
     c10d._update_default_pg(world)
 
 
-def placeholders(rank: int, size: int, inner: int) -> list[dist.ProcessGroup]:
+def placeholders(rank: int, shape: Sequence[int]) -> list[dist.ProcessGroup]:
     """Groups with the rank and size of each mesh dimension (:func:`dim_ranks`) and no
     backend, for sharding before the job's groups exist (``fully_shard`` and
     ``parallelize_module`` read only those when they wrap)."""
     return [
         dist.ProcessGroup(dist.HashStore(), spans.index(rank), len(spans))
-        for spans in dim_ranks(rank, size, inner)
+        for spans in dim_ranks(rank, shape)
     ]
 
 
@@ -286,8 +314,6 @@ class ElasticFSDP:
             raise ValueError("job.fsdp shards on the job's own mesh: do not pass mesh=")
         if replicate < 1 or tp < 1:
             raise ValueError(f"replicate and tp must be >= 1, not {replicate} and {tp}")
-        if replicate > 1 and tp > 1:
-            raise ValueError("HSDP with tensor parallelism (a 3-D mesh) is not supported")
         if (tp > 1) != (tp_plan is not None):
             raise ValueError("tensor parallelism needs both tp > 1 and tp_plan")
         _require_internals()  # here, not first when a spare is given its rank
@@ -300,16 +326,23 @@ class ElasticFSDP:
         self.replicate = replicate
         self.tp = tp
         self.tp_plan = tp_plan
-        self.kind = "hsdp" if replicate > 1 else "fsdp2_tp" if tp > 1 else "fsdp2"
+        self.kind = {(False, False): "fsdp2", (True, False): "hsdp", (False, True): "fsdp2_tp"}.get(
+            (replicate > 1, tp > 1), "hsdp_tp"
+        )
         self.kwargs = fully_shard_kwargs
         self.rank: int | None = None
         """The rank the module is sharded as; None until it is sharded."""
         self._groups: list[dist.ProcessGroup] = []  # c10d's registry holds groups weakly
         self._size = 0
 
-    def inner(self, size: int) -> int:
-        """The ranks along the mesh's inner dimension (``size`` for a 1-D mesh)."""
-        return size // self.replicate if self.replicate > 1 else self.tp if self.tp > 1 else size
+    def shape(self, size: int) -> tuple[int, ...]:
+        """The mesh's shape over ``size`` ranks, outer dimension first (:data:`DIMS`)."""
+        return {
+            "fsdp2": (size,),
+            "hsdp": (self.replicate, size // self.replicate),
+            "fsdp2_tp": (size // self.tp, self.tp),
+            "hsdp_tp": (self.replicate, size // (self.replicate * self.tp), self.tp),
+        }[self.kind]
 
     def shard(
         self,
@@ -337,24 +370,24 @@ class ElasticFSDP:
                     details={"sharded_as": self.rank, "asked": rank},
                 )
             return
-        if size % self.replicate or size % self.tp:
+        if size % (self.replicate * self.tp):
             raise ValueError(
                 f"{size} ranks do not split into {self.replicate} replica groups x "
                 f"{self.tp} tensor-parallel ranks"
             )
-        inner = self.inner(size)
+        shape = self.shape(size)
         before = {id(p): name for name, p in self.module.named_parameters()}
         if self.kind != "fsdp2":
             name_world(rank, size)
         if groups is None:
-            groups = placeholders(rank, size, inner)
+            groups = placeholders(rank, shape)
         self._groups, self._size = list(groups), size
         names = group_names(self.kind)
-        rebind(self._groups, [], dim_ranks(rank, size, inner), names)
-        mesh = _mesh(rank, size, self.device_type, self.kind, inner)
+        rebind(self._groups, [], dim_ranks(rank, shape), names)
+        mesh = _mesh(rank, shape, self.device_type, self.kind)
         if self.tp_plan is not None:  # TorchTitan's order: tensor parallel, then FSDP
             self.tp_plan(self.module, mesh["tp"])
-            mesh = mesh["dp_shard"]
+            mesh = mesh["dp_shard"] if self.replicate == 1 else mesh["dp_replicate", "dp_shard"]
         for layer in self.layers:
             fully_shard(layer, mesh=mesh, **self.kwargs)
         fully_shard(self.module, mesh=mesh, **self.kwargs)
@@ -376,15 +409,18 @@ class ElasticFSDP:
     ) -> list[dist.ProcessGroup]:
         """The groups of this module's mesh dimensions for a generation whose group of every
         rank is ``group``: ``group`` itself (FSDP2), or this rank's group along each of the
-        two dimensions built with ``new_group(tag, rank_in_it, size)`` (``tag`` names the
-        sub-group, the same on each of its members)."""
-        size = group.size()
-        inner = self.inner(size)
-        if inner == size:
+        two or three dimensions built with ``new_group(tag, rank_in_it, size)`` (``tag``
+        names the sub-group, the same on each of its members: the dimension's name and the
+        rank's coordinates along the others)."""
+        shape = self.shape(group.size())
+        if len(shape) == 1:
             return [group]
-        o, i = divmod(group.rank(), inner)
-        first, second = DIMS[self.kind]
-        return [new_group(f"{first}{i}", o, size // inner), new_group(f"{second}{o}", i, inner)]
+        at = coords(group.rank(), shape)
+        out = []
+        for d, name in enumerate(DIMS[self.kind]):
+            others = "_".join(str(c) for e, c in enumerate(at) if e != d)
+            out.append(new_group(f"{name}{others}", at[d], shape[d]))
+        return out
 
     def reset(self) -> None:
         """Forget the step a failed collective cut short (``FSDPModule.reset_iter_state``:
@@ -412,5 +448,5 @@ class ElasticFSDP:
         """Point the module's mesh at ``groups`` (the new generation's, :meth:`mesh_groups`)."""
         if self.rank is not None:
             self._groups = list(groups)
-            spans = dim_ranks(self.rank, self._size, self.inner(self._size))
+            spans = dim_ranks(self.rank, self.shape(self._size))
             rebind(self._groups, [self.module], spans, group_names(self.kind))

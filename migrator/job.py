@@ -480,6 +480,8 @@ class Job:
             return MeshLayout.of("peer_copy", self.world_size)
         if any(f.kind == "fsdp2_tp" for f in self.member.fsdps):
             return MeshLayout.of("fsdp2_tp", self.world_size)
+        if any(f.kind == "hsdp_tp" for f in self.member.fsdps):
+            return MeshLayout.of("hsdp_tp", self.world_size, replicate=replicate)
         if replicate > 1:
             return MeshLayout.of("hsdp", self.world_size, replicate=replicate)
         if replicate == 1:
@@ -530,6 +532,12 @@ class Job:
         carry the rank's TP and FSDP shards; a rank lost without warning is rebuilt only
         with peer copies (no replica dimension).
 
+        Both (``replicate=R, tp=T``, TorchTitan's HSDP + TP) shard on a three-dimensional
+        mesh ``(R, world_size / (R * T), T)`` named ``("dp_replicate", "dp_shard", "tp")``:
+        the plan on ``mesh["tp"]``, then ``fully_shard`` on ``mesh["dp_replicate",
+        "dp_shard"]``. A rank lost without warning is rebuilt from the rank with the same
+        shard and tensor-parallel index in another replica group.
+
         The shards are this rank's own within its replica group: planned and preventive
         moves carry them, bit for bit. A rank lost without warning is rebuilt under HSDP
         from the rank with its shard index in another replica group; without a replica
@@ -552,10 +560,10 @@ class Job:
             )
         if tp < 1 or self.world_size % tp:
             raise ValueError(f"job.fsdp(tp={tp}): {self.world_size} ranks do not split so")
-        if replicate < 1 or self.world_size % replicate:
+        if replicate < 1 or self.world_size % (replicate * tp):
             raise ValueError(
-                f"job.fsdp(replicate={replicate}): the {self.world_size} ranks do not split "
-                "into that many replica groups"
+                f"job.fsdp(replicate={replicate}, tp={tp}): the {self.world_size} ranks do "
+                "not split into that many replica groups of tensor-parallel groups"
             )
         device_type = self.device.type if self.device is not None else "cpu"
         sharded = ElasticFSDP(

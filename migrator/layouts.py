@@ -8,7 +8,8 @@ groups of ``shard`` ranks each (rank ``r * shard + s`` holds shard ``s`` in repl
 
 - ``replicated`` (DDP, plain all-reduce): every rank holds the same state;
 - ``rank_unique``, ``fsdp2``, ``fsdp2_tp``: no other rank holds a rank's state;
-- ``hsdp``: the ranks with the same shard index in the other replica groups;
+- ``hsdp``, ``hsdp_tp``: the ranks with the same place (shard index; with tensor
+  parallelism, shard and tensor-parallel index) in the other replica groups;
 - ``peer_copy``: no other rank holds it live; its buddy holds a copy of a recent boundary,
   and the whole job goes back to that boundary (:mod:`migrator.peercopy`).
 
@@ -36,11 +37,13 @@ class MeshLayout:
 
     Args:
         kind: ``"replicated"``, ``"rank_unique"``, ``"fsdp2"``, ``"hsdp"``, ``"fsdp2_tp"``
-            (FSDP2 across, tensor parallel inside a group: no replica) or
+            (FSDP2 across, tensor parallel inside a group: no replica), ``"hsdp_tp"``
+            (HSDP across, tensor parallel inside: replica groups of ``shard`` ranks) or
             ``"peer_copy"`` (no replica; copies in a buddy's memory, :mod:`migrator.peercopy`).
         world: active ranks.
         replicate: replica groups (1: no replica of a sharded rank's state).
-        shard: ranks in a replica group; ``world == replicate * shard``.
+        shard: ranks in a replica group (with tensor parallelism: its data-parallel shards
+            times its tensor-parallel degree); ``world == replicate * shard``.
     """
 
     kind: str
@@ -60,7 +63,7 @@ class MeshLayout:
         """The layout of a job of ``world`` ranks; ``replicate`` groups for HSDP."""
         if kind == "replicated":
             return cls(kind, world, replicate=world, shard=1)
-        if kind == "hsdp":
+        if kind in ("hsdp", "hsdp_tp"):
             if replicate < 2 or world % replicate:
                 raise ValueError(
                     f"HSDP needs replicate >= 2 dividing the {world} ranks, not {replicate}"
@@ -69,7 +72,7 @@ class MeshLayout:
         return cls(kind, world, replicate=1, shard=world)
 
     def coords(self, rank: int) -> tuple[int, int]:
-        """(replica group, shard index) of ``rank``."""
+        """(replica group, index in it) of ``rank``."""
         return divmod(rank, self.shard)
 
     def holders(self, rank: int) -> list[int]:

@@ -101,7 +101,7 @@ class Layout:
     """What a job's registered state allows, stated at registration (``job.register``
     returns it and logs it; docs/migration.md, "What each layout is guaranteed")."""
 
-    kind: str  # "replicated", "rank_unique", "fsdp2", "hsdp", "fsdp2_tp" or "peer_copy"
+    kind: str  # "replicated", "rank_unique", "fsdp2", "hsdp", "fsdp2_tp", "hsdp_tp", "peer_copy"
     planned: str  # planned and preventive moves
     unplanned: str  # a rank lost without warning
 
@@ -148,6 +148,13 @@ LAYOUTS = {
         "bitwise equal, 0 steps lost: the rank sends its own shards",
         "bitwise equal, 1 step lost, rebuilt from the rank with the same shard index in "
         "another replica group (refused only if every rank of that shard index is lost)",
+    ),
+    "hsdp_tp": Layout(
+        "hsdp_tp",
+        "bitwise equal, 0 steps lost: the rank sends its own tensor-parallel and FSDP shards",
+        "bitwise equal, 1 step lost, rebuilt from the rank with the same shard and "
+        "tensor-parallel index in another replica group (refused only if every such rank "
+        "is lost)",
     ),
 }
 
