@@ -29,7 +29,7 @@ from api.routes import fleet
 from api.settings import DEV_TOKEN, Settings
 from api.state import AppState, TokenCache
 from api.webhooks import guard_for, install_webhooks, webhook_dispatcher
-from forewarn import __version__
+from forewarn import __version__, heap
 from forewarn.threads import to_thread_to_end
 from store import Store
 
@@ -89,6 +89,7 @@ def create_app(settings: Settings | None = None, *, store: Store | None = None) 
         if settings.webhook_dispatch:
             dispatcher = webhook_dispatcher(settings, opened)
             tasks.append(asyncio.create_task(dispatcher.run(), name="webhooks"))
+        heap.settle()  # everything loaded to serve stays: keep the collector off it
         try:
             yield
         finally:

@@ -19,6 +19,7 @@ from api.routes import audit, drain, failures, jobs, migrations, models, policy,
 from api.settings import Settings
 from api.state import AppState
 from control.loop import ControlLoop
+from forewarn import heap
 
 __all__ = ["install_control", "load_model", "model_lifecycle", "start_control"]
 
@@ -65,6 +66,7 @@ async def start_control(state: AppState) -> list[asyncio.Task[None]]:
 
     async def control() -> None:
         model = await asyncio.to_thread(load_model, settings)
+        heap.settle()  # the model lives as long as the service
         loop = ControlLoop(
             store,
             model=model,
