@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.metrics_core import Metric
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from api import dashboard, ingest, tokens
@@ -23,9 +24,10 @@ from api.deps import TOKEN_CACHE_S, authorize
 from api.docs import install_docs
 from api.errors import CatchAll, document_errors, error_body, install_error_handlers
 from api.guard import RequestGuard, document_guard
-from api.metrics import Metrics, MetricsView, TimingMiddleware
+from api.metrics import Metrics, MetricsView, TimingMiddleware, control_families
 from api.retraining import retrain_on_schedule
 from api.routes import fleet
+from api.routes import risk as risk_routes
 from api.settings import DEV_TOKEN, Settings
 from api.state import AppState, TokenCache
 from api.webhooks import guard_for, install_webhooks, webhook_dispatcher
@@ -83,7 +85,7 @@ def create_app(settings: Settings | None = None, *, store: Store | None = None) 
         if DEV_TOKEN in state.token_scopes:
             log.warning("no tokens configured: development token '%s' has every scope", DEV_TOKEN)
         tasks = [asyncio.create_task(_retention(settings, opened), name="retention")]
-        tasks += await start_control(state)
+        tasks += await start_control(state, own_process=owns_store and settings.control_process)
         if settings.retrain_every_h is not None:
             tasks.append(asyncio.create_task(retrain_on_schedule(state), name="retrain"))
         if settings.webhook_dispatch:
@@ -144,6 +146,15 @@ def create_app(settings: Settings | None = None, *, store: Store | None = None) 
             return JSONResponse(error_body("not_ready", "schema is not at head"), 503)
         return JSONResponse({"status": "ready", "database": store.dialect})
 
+    def _control_metrics(per_gpu: bool) -> list[Metric]:
+        status = state.loop_status()
+        leads = state.leads(status)
+        risks: list[tuple[str, int, float]] = []
+        if leads and per_gpu and state.store is not None:
+            snap = risk_routes.snapshot(state, state.store)
+            risks = [(r["node"], r["gpu"], r["risk"]) for r in snap.rows]
+        return control_families(status, leads=leads, risks=risks)
+
     @app.get(
         "/metrics",
         tags=["ops"],
@@ -161,8 +172,14 @@ def create_app(settings: Settings | None = None, *, store: Store | None = None) 
         if store is not None:
             with contextlib.suppress(Exception):
                 metrics.gpus.set(await asyncio.to_thread(store.gpu_count))
+        extra = (
+            await asyncio.to_thread(_control_metrics, per_gpu) if settings.control_enabled else []
+        )
         view = MetricsView(
-            metrics.registry, per_gpu=per_gpu, max_gpu_series=settings.metrics_max_gpu_series
+            metrics.registry,
+            per_gpu=per_gpu,
+            max_gpu_series=settings.metrics_max_gpu_series,
+            extra=extra,
         )
         return Response(generate_latest(view), media_type=CONTENT_TYPE_LATEST)
 

@@ -3,11 +3,21 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.metrics_core import Metric
 
-__all__ = ["PER_GPU_FAMILIES", "IngestCounters", "Metrics", "MetricsView", "TimingMiddleware"]
+__all__ = [
+    "PER_GPU_FAMILIES",
+    "IngestCounters",
+    "Metrics",
+    "MetricsView",
+    "TimingMiddleware",
+    "control_families",
+]
 
 PER_GPU_FAMILIES = frozenset({"forewarn_gpu_risk"})
 """Families with a series per GPU: they name nodes and say which GPUs are failing."""
@@ -103,13 +113,21 @@ class MetricsView:
         max_gpu_series: at most this many series of each per-GPU family, the highest values.
     """
 
-    def __init__(self, registry: CollectorRegistry, *, per_gpu: bool, max_gpu_series: int) -> None:
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        *,
+        per_gpu: bool,
+        max_gpu_series: int,
+        extra: Iterable[Metric] = (),
+    ) -> None:
         self.registry = registry
         self.per_gpu = per_gpu
         self.max_gpu_series = max_gpu_series
+        self.extra = list(extra)
 
     def collect(self) -> Any:
-        for family in self.registry.collect():
+        for family in (*self.registry.collect(), *self.extra):
             if family.name in PER_GPU_FAMILIES:
                 if not self.per_gpu:
                     continue
@@ -117,3 +135,37 @@ class MetricsView:
                     top = sorted(family.samples, key=lambda s: s.value, reverse=True)
                     family.samples = top[: self.max_gpu_series]
             yield family
+
+
+def control_families(
+    status: dict[str, Any], *, leads: bool, risks: Iterable[tuple[str, int, float]]
+) -> list[Metric]:
+    """The control loop's families, from the status it published (:func:`store.control.
+    read_status`) and the stored scores: ``forewarn_control_leader`` (1 on the replica whose
+    loop leads), and on that replica ``forewarn_scorer_tick_seconds`` (its loop's ticks) and
+    ``forewarn_gpu_risk{node,gpu}`` (``risks``: each scored GPU's latest risk)."""
+    leader = GaugeMetricFamily(
+        "forewarn_control_leader", "1 if this replica runs the control loop."
+    )
+    leader.add_metric([], 1.0 if leads else 0.0)
+    if not leads:
+        return [leader]
+    durations = status.get("durations") or {}
+    buckets, seen = [], 0
+    for bound, count in zip(durations.get("le", []), durations.get("per", []), strict=False):
+        seen += int(count)
+        buckets.append((repr(float(bound)), seen))
+    buckets.append(("+Inf", int(durations.get("count", 0))))
+    ticks = HistogramMetricFamily(
+        "forewarn_scorer_tick_seconds",
+        "Duration of one control-loop tick (read, score, decide, write).",
+        buckets=buckets,
+        sum_value=float(durations.get("sum", 0.0)),
+    )
+    risk = GaugeMetricFamily(
+        "forewarn_gpu_risk", "Latest risk score per GPU.", labels=["node", "gpu"]
+    )
+    for node, gpu, value in risks:
+        if value is not None:
+            risk.add_metric([node, str(gpu)], float(value))
+    return [leader, ticks, risk]

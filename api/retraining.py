@@ -77,8 +77,7 @@ async def retrain_on_schedule(state: AppState) -> None:
         return
     while True:
         await asyncio.sleep(every_h * 3600)
-        loop = state.control
-        if settings.control_enabled and (loop is None or not loop.leadership.is_leader):
+        if settings.control_enabled and not state.leads(await asyncio.to_thread(state.loop_status)):
             continue  # the leader retrains; the others would train the same model again
         if not start_retraining(state, settings.retrain_holdout_days, trigger="schedule"):
             log.info("scheduled retraining skipped: the last one is still running")

@@ -124,7 +124,12 @@ class Settings(BaseSettings):
         )
 
     control_enabled: bool = True
-    """Run the control loop (scoring, policy, migrations) in this process when it leads."""
+    """Run the control loop (scoring, policy, migrations); it acts while it leads."""
+
+    control_process: bool = True
+    """Run the control loop in a process of its own (``forewarn control``, started and kept
+    running by the service), so that scoring the fleet never holds the interpreter that
+    answers ingest and the dashboard; ``false``: in a thread of the service."""
 
     control_tick_s: float = Field(default=5.0, gt=0)
     """Interval of the control loop: score the fleet, apply the policy."""

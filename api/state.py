@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -88,13 +89,35 @@ class AppState:
     webhook_guard: TargetGuard
     """Where webhook subscriptions may point."""
     control: ControlLoop | None = None
-    """The control loop, once the lifespan has started it (None when disabled)."""
+    """The control loop when it runs in a thread of this process, once the lifespan has
+    started it (None when disabled or in a process of its own: what the service shows of it
+    is the status it publishes in the store, :func:`store.control.read_status`)."""
+    replica_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    """This service replica, as the control loop it runs names itself in its status."""
     known_gpus: set[tuple[str, int]] | None = None
     """Every GPU this process knows stored, read from the database at the first batch: a
     batch of known GPUs needs no database round trip for the fleet caps."""
     retrain: RetrainJob = field(default_factory=RetrainJob)
     fleet_reads: TickCache = field(default_factory=TickCache)
     """Fleet-wide reads (risk, the fleet map) kept from one control tick to the next."""
+
+    def loop_status(self) -> dict[str, Any]:
+        """What the leading control loop published at its last tick, wherever it runs ({}
+        before its first tick, or without a store). Call from a worker thread."""
+        if self.store is None:
+            return {}
+        from store import control as control_db
+
+        with self.store.engine.connect() as connection:
+            return control_db.read_status(connection) or {}
+
+    def leads(self, status: dict[str, Any]) -> bool:
+        """Whether ``status`` (:meth:`loop_status`) is this replica's loop's, and recent: the
+        loop ticked within three of its intervals."""
+        if not status or status.get("replica") != self.replica_id:
+            return False
+        tick_s = float(status.get("tick_s") or self.settings.control_tick_s)
+        return time.time() * 1000 - float(status.get("tick_ms") or 0) <= 3000 * tick_s + 5000
 
 
 def app_state(app: Any) -> AppState:

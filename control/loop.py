@@ -38,13 +38,22 @@ from the window the store still holds, reloads each GPU's streak and flags from
 within it (since the last breaker reset), so a restart neither loses a crossing nor announces
 it twice and the new leader trips the breaker as the old one would have; a straggler's state
 is in ``rank_timings`` and is read every tick.
+
+The loop shares nothing in memory with the web service: it may run in a thread of the service
+or in a process of its own (``forewarn control``, which the service starts by default). What
+the service shows of it is in the store: each tick publishes the loop's status (who leads,
+the model that scores, the threshold in force, the alarm budget, the ticks' durations) in the
+tick's own transaction (:func:`store.control.publish_status`), and an operator's breaker reset
+reaches it as a time in the store that every tick reads.
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import json
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import Callable
@@ -53,8 +62,6 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-from prometheus_client import Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
 
 from control import orchestrator
 from control import straggler_watch as watch
@@ -144,6 +151,30 @@ class GpuState:
 _UNSEEN = GpuState()
 
 
+TICK_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+"""Upper bounds (seconds) of the tick-duration histogram the service exports
+(``forewarn_scorer_tick_seconds``)."""
+
+
+class TickDurations:
+    """A histogram of tick durations kept as plain numbers, published with the loop's status."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.sum = 0.0
+        self.buckets = [0] * len(TICK_BUCKETS)  # per bucket, not cumulative
+
+    def observe(self, seconds: float) -> None:
+        self.count += 1
+        self.sum += seconds
+        i = bisect.bisect_left(TICK_BUCKETS, seconds)
+        if i < len(self.buckets):
+            self.buckets[i] += 1
+
+    def state(self) -> dict[str, Any]:
+        return {"count": self.count, "sum": self.sum, "le": list(TICK_BUCKETS), "per": self.buckets}
+
+
 class Deposed(Exception):
     """The tick found a newer leadership epoch: another replica took over."""
 
@@ -160,7 +191,6 @@ class TickPlan:
         audited: the decisions audited so far, by episode (replaces the loop's).
         discard: GPUs that failed this tick (their alarm-budget slots are discarded).
         budget_kept: (healthy blocks, when) if this tick wrote the alarm budget's state.
-        latest: this tick's scores for the ``forewarn_gpu_risk`` gauge.
     """
 
     gpus: dict[tuple[str, int], GpuState] = field(default_factory=dict)
@@ -170,7 +200,7 @@ class TickPlan:
     audited: dict[tuple[Any, ...], str] = field(default_factory=dict)
     discard: list[tuple[str, int]] = field(default_factory=list)
     budget_kept: tuple[float, int | None] | None = None
-    latest: tuple[list[str], list[int], list[float]] | None = None
+    breaker_reset_ms: int = 0
 
     def state(self, gpus: dict[tuple[str, int], GpuState], key: tuple[str, int]) -> Any:
         """A GPU's state as this tick leaves it (None if never seen)."""
@@ -192,7 +222,7 @@ class ControlLoop:
             is read from it at every tick and swapped in when an operator pinned or rolled
             back another, or a retrained one was promoted (the scorer keeps its windows).
         defaults: the policy from the settings (an operator's ``PUT /v1/policy`` overrides).
-        registry: the Prometheus registry for the loop's metrics.
+        replica: who runs this loop (the service replica's id), named in the published status.
         leadership: who leads (default: a :class:`Leadership` on the store's engine).
         scorer: the scorer to use (default: a :class:`predictor.scoring.Scorer` of the model
             in force, built at each take-over); one given here is kept and warmed instead.
@@ -207,7 +237,7 @@ class ControlLoop:
         model: Any,
         defaults: Policy,
         tick_s: float,
-        registry: Any = None,
+        replica: str = "",
         warm_window_s: float = 900.0,
         history_interval_s: float = 60.0,
         history_days: float = 7.0,
@@ -223,6 +253,7 @@ class ControlLoop:
         self.lifecycle = lifecycle
         self.defaults = defaults
         self.tick_s = tick_s
+        self.replica = replica
         self.warm_window_s = warm_window_s
         self.history_interval_s = history_interval_s
         self.history_days = history_days
@@ -246,21 +277,8 @@ class ControlLoop:
         self._budget_slots: dict[tuple[str, int], int] = {}
         self._budget_kept: tuple[float, int | None] = (0.0, None)  # (blocks, when) last written
         self.last_phases: dict[str, float] = {}
-        self.tick_hist = self.leader_gauge = None
-        self._latest: tuple[list[str], list[int], list[float]] = ([], [], [])
-        if registry is not None:
-            registry.register(_RiskCollector(self))
-            self.tick_hist = Histogram(
-                "forewarn_scorer_tick_seconds",
-                "Duration of one control-loop tick (read, score, decide, write).",
-                buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
-                registry=registry,
-            )
-            self.leader_gauge = Gauge(
-                "forewarn_control_leader",
-                "1 if this replica runs the control loop.",
-                registry=registry,
-            )
+        self.durations = TickDurations()
+        self._breaker_reset_ms = 0
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -281,11 +299,7 @@ class ControlLoop:
         """Lead if possible, then tick; returns whether this replica leads."""
         was = self.leadership.is_leader
         if not self.leadership.acquire():
-            if self.leader_gauge is not None:
-                self.leader_gauge.set(0)
             return False
-        if self.leader_gauge is not None:
-            self.leader_gauge.set(1)
         if not was:
             self.take_over()
         try:
@@ -293,8 +307,6 @@ class ControlLoop:
         except Deposed:
             log.warning("another replica took over the control loop; stepping down")
             self.leadership.release()
-            if self.leader_gauge is not None:
-                self.leader_gauge.set(0)
             return False
         return True
 
@@ -357,10 +369,6 @@ class ControlLoop:
             clock = max(clock, int(events["ts_ms"].max()))
         self.scorer.update(window, events, now_ms=clock)
         log.info("scorer warmed from %d samples and %d events", len(window), len(events))
-
-    def reset_breaker(self) -> None:
-        """Forget the crossings that tripped the breaker (an operator reset it)."""
-        self._crossings.clear()
 
     # -- one tick ---------------------------------------------------------------------------
 
@@ -425,10 +433,14 @@ class ControlLoop:
                 raise Deposed(f"the leadership epoch is no longer {self.epoch}")
             policy = self.policy(c)
             window_ms = int(policy.breaker_window_s * 1000)
+            reset_ms = max(self._breaker_reset_ms, db.breaker_reset_ms(c))
             plan = TickPlan(
-                crossings_before=sum(1 for t in self._crossings if now_ms - t <= window_ms),
+                crossings_before=sum(
+                    1 for t in self._crossings if now_ms - t <= window_ms and t > reset_ms
+                ),
                 window_ms=window_ms,
                 audited=dict(self._audited),
+                breaker_reset_ms=reset_ms,
             )
             threshold = self._threshold(c, plan, policy, scores, now_ms)
             self._apply_scores(c, plan, scores, events, policy, threshold, now_ms)
@@ -444,6 +456,7 @@ class ControlLoop:
                 log.warning("migration %s failed: %s", m["id"], m["error"])
             if self.ticks % 100 == 0:
                 db.prune_history(c, before_ms=now_ms - int(self.history_days * 86_400_000))
+            db.publish_status(c, self.status(now_ms))
         self._apply(plan, now_ms)
         self.ticks += 1
         end = time.perf_counter()
@@ -453,8 +466,26 @@ class ControlLoop:
             "score_s": score_done - read_done,
             "write_decide_s": end - score_done,
         }
-        if self.tick_hist is not None:
-            self.tick_hist.observe(self.last_tick_s)
+        self.durations.observe(self.last_tick_s)
+
+    def status(self, now_ms: int) -> dict[str, Any]:
+        """What the service shows of this loop (published by every tick; the durations are
+        those of the ticks before it)."""
+        return {
+            "replica": self.replica,
+            "pid": os.getpid(),
+            "epoch": self.epoch,
+            "tick_ms": now_ms,
+            "tick_s": self.tick_s,
+            "ticks": self.ticks + 1,
+            "model_id": self.model_id,
+            "model_threshold": float(self.model.threshold) if self.model is not None else None,
+            "threshold_in_force": self.threshold_in_force,
+            "alarm_budget": self.budget.summary() if self.budget is not None else None,
+            "last_tick_s": self.last_tick_s,
+            "phases": self.last_phases,
+            "durations": self.durations.state(),
+        }
 
     def _apply(self, plan: TickPlan, now_ms: int) -> None:
         """The tick committed: make its changes to the loop's memory."""
@@ -464,14 +495,15 @@ class ControlLoop:
             self._crossings.popleft()
         self._audited = plan.audited
         self._failed_pending = {}
+        if plan.breaker_reset_ms > self._breaker_reset_ms:  # an operator reset the breaker
+            self._breaker_reset_ms = plan.breaker_reset_ms
+            self._crossings = deque(t for t in self._crossings if t > plan.breaker_reset_ms)
         if self.budget is not None:
             slots = [self._budget_slots[k] for k in plan.discard if k in self._budget_slots]
             if slots:
                 self.budget.discard(slots)
         if plan.budget_kept is not None:
             self._budget_kept = plan.budget_kept
-        if plan.latest is not None:
-            self._latest = plan.latest
 
     def _threshold(
         self, c: Any, plan: TickPlan, policy: Policy, scores: pd.DataFrame | None, now_ms: int
@@ -704,8 +736,6 @@ class ControlLoop:
                 emit_event(
                     c, "gpu.failed", {"node": key[0], "gpu": key[1], "cause": what}, node=key[0]
                 )
-        if scores is not None:  # exported at scrape time (a gauge child per GPU costs a second)
-            plan.latest = (scores["node"].tolist(), scores["gpu"].tolist(), acted.tolist())
         db.upsert_risk(c, rows)
         db.append_history(c, history)
 
@@ -910,21 +940,3 @@ class ControlLoop:
     def _risk_of(self, c: Any, key: tuple[str, int]) -> dict[str, Any]:
         rows = [r for r in db.risk_rows(c, node=key[0]) if r["gpu"] == key[1]]
         return rows[0] if rows else {}
-
-
-class _RiskCollector:
-    """``forewarn_gpu_risk{node,gpu}`` from the loop's latest scores, built when scraped."""
-
-    def __init__(self, loop: ControlLoop) -> None:
-        self.loop = loop
-
-    def describe(self) -> list[Any]:
-        return [GaugeMetricFamily("forewarn_gpu_risk", "Latest risk score per GPU.")]
-
-    def collect(self) -> Any:
-        family = GaugeMetricFamily(
-            "forewarn_gpu_risk", "Latest risk score per GPU.", labels=["node", "gpu"]
-        )
-        for node, gpu, risk in zip(*self.loop._latest, strict=True):
-            family.add_metric([node, str(gpu)], risk)
-        yield family

@@ -30,6 +30,7 @@ class Command(NamedTuple):
 
 COMMANDS: dict[str, Command] = {
     "serve": Command("api.cli", "run the service (API, dashboard, control loop)"),
+    "control": Command("api.control_cli", "run the control loop alone (serve starts one)"),
     "token": Command("api.token_cli", "create, list and revoke the service's API tokens"),
     "collect": Command("collector.cli", "run the node agent: read GPUs, push to the service"),
     "simulate": Command("sim.cli", "simulate a GPU fleet: live or to a dataset"),

@@ -49,10 +49,12 @@ from store.schema import NO_GPU, NO_XID, gpus, metadata, outbox
 
 __all__ = [
     "ACTIVE_STATES",
+    "BREAKER_RESET_KEY",
     "LEADER_EPOCH_KEY",
     "MIGRATION_STATES",
     "RISK_FLEET_COLUMNS",
     "RISK_VERSION_KEY",
+    "STATUS_KEY",
     "audit",
     "events_after",
     "job_ranks",
@@ -775,6 +777,40 @@ def fence(connection: Connection, epoch: int) -> bool:
         .values(value=str(epoch))
     )
     return bool(result.rowcount)
+
+
+# -- what the service shows of the loop ----------------------------------------------------------
+
+STATUS_KEY = "control_status"
+"""``control_state`` key of the leading loop's status (JSON), written by each of its ticks."""
+BREAKER_RESET_KEY = "breaker_reset_ms"
+"""``control_state`` key of the time an operator last reset the breaker."""
+
+
+def publish_status(connection: Connection, status: dict[str, Any]) -> None:
+    """Write the loop's ``status`` (:meth:`control.loop.ControlLoop.status`)."""
+    set_state(connection, STATUS_KEY, dumps(status))
+
+
+def read_status(connection: Connection) -> dict[str, Any] | None:
+    """The status the leading loop published last; None before its first tick."""
+    text = get_state(connection, STATUS_KEY)
+    if not text:
+        return None
+    status = orjson.loads(text)
+    return status if isinstance(status, dict) else None
+
+
+def reset_breaker(connection: Connection, *, ts_ms: int) -> None:
+    """Reset the breaker: untrip it, and have the loop forget the crossings up to ``ts_ms``."""
+    set_state(connection, "breaker_tripped_ms", "")
+    set_state(connection, BREAKER_RESET_KEY, str(ts_ms))
+
+
+def breaker_reset_ms(connection: Connection) -> int:
+    """When an operator last reset the breaker (0: never)."""
+    text = get_state(connection, BREAKER_RESET_KEY)
+    return int(text) if text else 0
 
 
 def crossings_since(connection: Connection, *, since_ms: int) -> list[int]:

@@ -74,12 +74,12 @@ def _life(settings: Any, *, changing: bool = False) -> ModelLifecycle:
 def _public(life: ModelLifecycle, request: Request) -> dict[str, Any]:
     status = life.status()
     models = life.models()
-    loop = app_state(request.app).control
+    loop = app_state(request.app).loop_status()
     return {
         "data": models,
         "count": len(models),
         "in_force": status["in_force"],
-        "scoring": getattr(loop, "model_id", None),
+        "scoring": loop.get("model_id"),
         "pinned": status["pinned"],
         "replaced": status["replaced"],
         "history": status["history"],

@@ -5,12 +5,11 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from anyio import to_thread
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from pydantic import BaseModel
 
 from api.deps import SettingsDep, StoreDep, require
 from api.routes._common import iso, now_ms
-from api.state import app_state
 from control.policy import Policy
 from store import control as db
 
@@ -36,20 +35,18 @@ class PolicyPublic(BaseModel):
     updated_at: str | None
 
 
-def _read(store: Any, settings: Any, request: Request) -> dict[str, Any]:
+def _read(store: Any, settings: Any) -> dict[str, Any]:
     with store.engine.connect() as c:
         stored = db.read_policy(c)
         tripped = db.get_state(c, "breaker_tripped_ms") or ""
         updated = c.execute(db.policy.select().where(db.policy.c.id == 1)).mappings().first()
-    loop = app_state(request.app).control
-    model = getattr(loop, "model", None)
-    budget = getattr(loop, "budget", None)
+        loop = db.read_status(c) or {}  # what the leading control loop's last tick published
     return {
         "policy": Policy.model_validate(stored) if stored is not None else settings.policy,
         "source": "operator" if stored is not None else "settings",
-        "model_threshold": float(model.threshold) if model is not None else None,
-        "threshold_in_force": getattr(loop, "threshold_in_force", None),
-        "alarm_budget": budget.summary() if budget is not None else None,
+        "model_threshold": loop.get("model_threshold"),
+        "threshold_in_force": loop.get("threshold_in_force"),
+        "alarm_budget": loop.get("alarm_budget"),
         "breaker_tripped_at": iso(int(tripped)) if tripped else None,
         "updated_at": iso(updated["updated_ms"]) if updated else None,
     }
@@ -61,8 +58,8 @@ def _read(store: Any, settings: Any, request: Request) -> dict[str, Any]:
     dependencies=[require("read")],
     summary="The policy in force and the breaker's state",
 )
-async def get_policy(store: StoreDep, settings: SettingsDep, request: Request) -> dict[str, Any]:
-    return await to_thread.run_sync(_read, store, settings, request)
+async def get_policy(store: StoreDep, settings: SettingsDep) -> dict[str, Any]:
+    return await to_thread.run_sync(_read, store, settings)
 
 
 @router.put(
@@ -71,9 +68,7 @@ async def get_policy(store: StoreDep, settings: SettingsDep, request: Request) -
     dependencies=[require("admin")],
     summary="Replace the policy (every field; omitted ones take their defaults)",
 )
-async def put_policy(
-    store: StoreDep, settings: SettingsDep, request: Request, body: Policy
-) -> dict[str, Any]:
+async def put_policy(store: StoreDep, settings: SettingsDep, body: Policy) -> dict[str, Any]:
     def write() -> None:
         ts = now_ms()
         with store.begin() as c:
@@ -89,7 +84,7 @@ async def put_policy(
             )
 
     await to_thread.run_sync(write)
-    return await to_thread.run_sync(_read, store, settings, request)
+    return await to_thread.run_sync(_read, store, settings)
 
 
 @router.post(
@@ -98,17 +93,14 @@ async def put_policy(
     dependencies=[require("admin")],
     summary="Re-arm automatic action after the breaker tripped",
 )
-async def reset_breaker(store: StoreDep, settings: SettingsDep, request: Request) -> dict[str, Any]:
+async def reset_breaker(store: StoreDep, settings: SettingsDep) -> dict[str, Any]:
     def write() -> None:
         ts = now_ms()
         with store.begin() as c:
-            db.set_state(c, "breaker_tripped_ms", "")
+            db.reset_breaker(c, ts_ms=ts)  # the loop's next tick forgets the crossings until ts
             db.write_audit(
                 c, ts_ms=ts, kind="policy", action="breaker_reset", reason="reset by an operator"
             )
 
     await to_thread.run_sync(write)
-    loop = app_state(request.app).control
-    if loop is not None:
-        loop.reset_breaker()
-    return await to_thread.run_sync(_read, store, settings, request)
+    return await to_thread.run_sync(_read, store, settings)

@@ -203,3 +203,34 @@ def test_a_recovery_the_agent_made_itself_ends_the_ranks_requested_move(
     assert states["mig_agent"] == ("completed", None)
     assert states[asked["id"]][0] == "failed"
     assert "recovered the rank itself" in states[asked["id"]][1]
+
+
+def test_a_breaker_reset_reaches_the_running_loop_through_the_store(registered: Store) -> None:
+    """The loop may run in another process than the route: an operator's reset is a time in
+    the store that the next tick reads; the crossings before it no longer count, the ones
+    after do, and the tick publishes the loop's status beside it."""
+    breaker = {"hysteresis": 1, "breaker_pct": 20, "breaker_min_gpus": 3}
+    now = int(time.time() * 1000)
+    loop, scorer = make_loop(registered, **breaker)
+    for gpu in (1, 2, 3):
+        scorer.risk[("n0", gpu)] = 0.9
+    loop.tick(now)
+    assert outbox_types(registered).count("policy.breaker_tripped") == 1
+    with registered.begin() as c:  # what POST /v1/policy/breaker/reset writes
+        db.reset_breaker(c, ts_ms=now + 500)
+    scorer.risk[("n1", 0)] = 0.9  # one more crossing after the reset: one of 3 needed
+    loop.tick(now + 1000)
+    assert outbox_types(registered).count("policy.breaker_tripped") == 1
+    assert list(loop._crossings) == [now + 1000]
+    with registered.engine.connect() as c:
+        status = db.read_status(c)
+        assert db.get_state(c, "breaker_tripped_ms") == ""
+    assert status is not None
+    assert (status["ticks"], status["tick_ms"], status["epoch"]) == (
+        loop.ticks,
+        now + 1000,
+        loop.epoch,
+    )
+    assert status["durations"]["count"] == loop.ticks - 1  # the ticks before this one
+    assert status["threshold_in_force"] == loop.threshold_in_force
+    loop.leadership.release()

@@ -1,0 +1,106 @@
+"""``forewarn serve`` runs its control loop in a process of its own: the service shows the loop
+from what it publishes in the store, starts it again when it dies, and takes it down when the
+service itself is killed (a real uvicorn and real processes, SQLite)."""
+
+from __future__ import annotations
+
+import os
+import signal
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from store import Store
+from store import control as db
+from tests.conftest import start_service
+from tests.control.test_leader import leads, wait_for, wait_ticks
+from tests.factories import sample_dict
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+
+def parent_of(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:  # "pid (comm) state ppid ..."
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def status(url: str) -> dict[str, Any]:
+    store = Store.open(url, migrate=False)
+    try:
+        with store.engine.connect() as c:
+            return db.read_status(c) or {}
+    finally:
+        store.close()
+
+
+def test_the_loop_runs_in_its_own_process_restarts_and_dies_with_the_service(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url = f"sqlite:///{tmp_path / 'control.db'}"
+    monkeypatch.setenv("FOREWARN_CONTROL_TICK_S", "0.5")
+    service = start_service(url, tmp_path / "service.log", timeout_s=120)
+    child = 0
+    try:
+        now = datetime.now(UTC)
+        rows = [sample_dict("n0", 0, now - timedelta(seconds=s)) for s in (2, 1)]
+        httpx.post(
+            service.url + "/v1/ingest",
+            json={"node": "n0", "samples": rows},
+            headers={"Authorization": f"Bearer {service.ingest_token}"},
+        ).raise_for_status()
+        wait_for("the loop to lead", lambda: leads(service), 90)
+        wait_ticks(service, 2)
+        first = status(url)
+        child = int(first["pid"])
+        assert child != service.process.pid and parent_of(child) == service.process.pid
+        read = {"Authorization": f"Bearer {service.read_token}"}
+        policy = httpx.get(service.url + "/v1/policy", headers=read).json()
+        assert policy["model_threshold"] == first["model_threshold"] is not None
+        assert policy["threshold_in_force"] is not None
+        metrics = httpx.get(service.url + "/metrics", headers=read).text
+        assert 'forewarn_gpu_risk{gpu="0",node="n0"}' in metrics
+
+        os.kill(child, signal.SIGKILL)  # the loop's process dies: the service starts another
+        restarted = wait_for(
+            "a new control process",
+            lambda: (s := status(url)).get("pid") not in (None, child) and s,
+            60,
+        )
+        child = int(restarted["pid"])
+        assert parent_of(child) == service.process.pid
+        wait_ticks(service, 2)
+
+        service.process.send_signal(signal.SIGKILL)  # the service dies: its loop goes too
+        service.process.wait(timeout=10)
+        wait_for("the control process to end", lambda: not alive(child), 30)
+        child = 0
+    finally:
+        service.stop()
+        if child and alive(child):
+            os.kill(child, signal.SIGKILL)
+
+
+def test_a_service_given_no_process_for_its_loop_runs_it_in_a_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url = f"sqlite:///{tmp_path / 'control.db'}"
+    monkeypatch.setenv("FOREWARN_CONTROL_TICK_S", "0.5")
+    monkeypatch.setenv("FOREWARN_CONTROL_PROCESS", "false")
+    service = start_service(url, tmp_path / "service.log", timeout_s=120)
+    try:
+        wait_for("the loop to lead", lambda: leads(service), 90)
+        wait_ticks(service, 1)
+        assert int(status(url)["pid"]) == service.process.pid
+    finally:
+        service.stop()
