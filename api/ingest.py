@@ -57,8 +57,8 @@ from forewarn.wire import (
     RowError,
 )
 from store import Store, reads
-from store.tokens import charge_gpus, digest, gpus_charged
-from store.writes import SampleColumns, event_row, sample_row
+from store.tokens import digest, gpus_charged
+from store.writes import Charge, SampleColumns, event_row, sample_row
 
 __all__ = ["Prepared", "prepare_batch", "prepare_body", "process_batch", "router"]
 
@@ -401,12 +401,15 @@ async def ingest(request: Request) -> Response:
         else:
             prepared = prepare_body(raw, encoding, settings=settings)
         new_gpus = await _admit_new_gpus(request, store, prepared)
+        charge = None
+        if new_gpus:  # charged to the token in the batch's own transaction
+            charge = Charge(_token_digest(request), sorted(new_gpus), int(time.time() * 1000))
         future = store.submit(
-            samples=prepared.samples, events=prepared.events, agent=prepared.agent
+            samples=prepared.samples, events=prepared.events, agent=prepared.agent, charge=charge
         )
         result = prepared.result(*await asyncio.wrap_future(future))
-        if new_gpus:
-            await _charge_new_gpus(request, store, new_gpus)
+        if new_gpus and state.known_gpus is not None:
+            state.known_gpus.update(new_gpus)
     except InvalidInput:
         counters.batches_4xx.inc()
         raise
@@ -448,9 +451,9 @@ async def _admit_new_gpus(
 ) -> set[tuple[str, int]]:
     """The GPUs this batch adds to the fleet, refused (422) past the fleet's or token's cap.
 
-    Only checked here: the GPUs are charged to the token (:func:`_charge_new_gpus`) once the
-    batch has committed, so a batch that fails and is sent again is charged once. Both counts
-    come from the database, so every replica on it enforces the same caps.
+    Only checked here: the GPUs are charged to the token in the batch's own transaction
+    (:class:`store.writes.Charge`), so a batch that fails and is sent again is charged once.
+    Both counts come from the database, so every replica on it enforces the same caps.
     """
     state = app_state(request.app)
     known = state.known_gpus
@@ -492,17 +495,3 @@ async def _admit_new_gpus(
             f"{settings.max_gpus_per_token} (FOREWARN_MAX_GPUS_PER_TOKEN)"
         )
     return new
-
-
-async def _charge_new_gpus(request: Request, store: Store, new: set[tuple[str, int]]) -> None:
-    """Charge the GPUs a committed batch added to its token (once each, in the database)."""
-    who = _token_digest(request)
-
-    def charge() -> None:
-        with store.begin() as tx:
-            charge_gpus(tx, who, new, now_ms=int(time.time() * 1000))
-
-    await asyncio.to_thread(charge)
-    known = app_state(request.app).known_gpus
-    if known is not None:
-        known.update(new)

@@ -97,13 +97,16 @@ class Store:
         samples: Sequence[writes.SampleRow] | writes.SampleColumns = (),
         events: Sequence[writes.EventRow] = (),
         agent: tuple[str, dict[str, Any]] | None = None,
+        charge: writes.Charge | None = None,
     ) -> Future[tuple[int, int]]:
-        """Queue samples, events and a heartbeat for one transaction; don't wait for it.
+        """Queue samples, events, a heartbeat and the GPUs they add charged to the token that
+        sent them (``charge``, :func:`store.tokens.charge_gpus`) for one transaction; don't
+        wait for it.
 
         The future resolves to (new samples, new events) once committed — the rest were
         already stored — or raises what the database raised.
         """
-        return self._writer.submit(samples, events, agent)
+        return self._writer.submit(samples, events, agent, charge)
 
     def write(
         self,

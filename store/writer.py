@@ -53,6 +53,7 @@ class _Job(NamedTuple):
     samples: Any
     events: Any
     agent: tuple[str, dict[str, Any]] | None
+    charge: writes.Charge | None
     future: Future[tuple[int, int]]
 
 
@@ -92,12 +93,13 @@ class GroupWriter:
         samples: Any = (),
         events: Any = (),
         agent: tuple[str, dict[str, Any]] | None = None,
+        charge: writes.Charge | None = None,
     ) -> Future[tuple[int, int]]:
         """Queue a write; the future resolves to (new samples, new events) once committed."""
         if self._closed:
             raise RuntimeError("writer is closed")
         future: Future[tuple[int, int]] = Future()
-        self._queue.put(_Job(samples, events, agent, future))
+        self._queue.put(_Job(samples, events, agent, charge, future))
         return future
 
     def close(self, timeout_s: float = 30.0) -> None:
@@ -138,6 +140,8 @@ class GroupWriter:
                     stored_events = writes.insert_events(tx, job.events)
                     if job.agent is not None:
                         writes.upsert_agent(tx, node=job.agent[0], status=job.agent[1])
+                    if job.charge is not None:
+                        writes.charge(tx, job.charge)
                     results.append((new, stored_events))
         except BaseException as exc:  # every caller of the failed transaction learns why
             if isinstance(exc, Exception) and _error_kind(exc) == "unavailable":
@@ -159,8 +163,9 @@ class GroupWriter:
 # database connection and group-commits like ``GroupWriter``. Frames on its stdin and stdout
 # are a 4-byte little-endian length and a msgpack array:
 #
-#   request:  [id, samples, events, agent]            (agent: [node, status] or nil)
+#   request:  [id, samples, events, agent, charge]    (agent: [node, status] or nil)
 #             samples: a list of rows, or {"c": SampleColumns.to_wire()} (columns)
+#             charge: [token digest, [[node, gpu], ...], ms] or nil (writes.Charge)
 #   reply:    [id, new samples, new events, error]    (error: nil or [kind, message])
 #
 # A reply is written only after its transaction commits, so an acknowledged batch is a stored
@@ -272,6 +277,8 @@ def _commit_requests(engine: Engine, lock: Any, group: list[Any]) -> list[list[A
             for request in group:
                 if request[3] is not None:
                     writes.upsert_agent(tx, node=request[3][0], status=request[3][1])
+                if request[4] is not None:
+                    writes.charge(tx, writes.Charge(*request[4]))
     except Exception as exc:  # every caller of the failed transaction learns why
         error = [_error_kind(exc), f"{type(exc).__name__}: {exc}"[:500]]
         return [[request[0], 0, 0, error] for request in group]
@@ -347,6 +354,7 @@ class ProcessWriter:
         samples: Any = (),
         events: Any = (),
         agent: tuple[str, dict[str, Any]] | None = None,
+        charge: writes.Charge | None = None,
     ) -> Future[tuple[int, int]]:
         """Queue a write; the future resolves to (new samples, new events) once committed."""
         future: Future[tuple[int, int]] = Future()
@@ -358,7 +366,7 @@ class ProcessWriter:
                 child = self._start()
             self._next_id += 1
             child.pending[self._next_id] = future
-            child.outbox.put((self._next_id, (samples, events, agent)))
+            child.outbox.put((self._next_id, (samples, events, agent, charge)))
         return future
 
     def close(self, timeout_s: float = 30.0) -> None:
@@ -382,10 +390,10 @@ class ProcessWriter:
         fd = process.stdin.fileno()
         try:
             while (item := child.outbox.get()) is not None:
-                job_id, (samples, events, agent) = item
+                job_id, (samples, events, agent, charge) = item
                 if isinstance(samples, writes.SampleColumns):
                     samples = {"c": samples.to_wire()}
-                body = self._encode([job_id, samples, events, agent])
+                body = self._encode([job_id, samples, events, agent, charge])
                 _write_all(fd, _HEADER.pack(len(body)) + body)
         except OSError:
             pass  # the child is gone: the receiver fails what is in flight

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from itertools import repeat
 from operator import itemgetter
-from typing import Any
+from typing import Any, NamedTuple
 
 from sqlalchemy import Connection, insert, text
 from sqlalchemy.dialects.postgresql import insert as pg_insert
@@ -26,9 +26,11 @@ from store.schema import NO_GPU, NO_XID, SAMPLE_COLUMNS, agents, events
 from store.tiers import note_late_hours
 
 __all__ = [
+    "Charge",
     "EventRow",
     "SampleColumns",
     "SampleRow",
+    "charge",
     "delete_before",
     "event_row",
     "insert_events",
@@ -43,6 +45,23 @@ SampleRow = tuple[Any, ...]
 
 EventRow = tuple[str, int | None, int, str, int | None, str | None, str | None]
 """(node, gpu, ts_ms, kind, xid, message, source)."""
+
+
+class Charge(NamedTuple):
+    """GPUs a batch adds to the fleet, charged to the token that sent it in the batch's own
+    transaction (:func:`store.tokens.charge_gpus`): a batch that fails charges nothing, one
+    sent again after it committed changes nothing."""
+
+    token_sha256: str
+    gpus: list[tuple[str, int]]
+    now_ms: int
+
+
+def charge(connection: Connection, what: Charge) -> None:
+    from store.tokens import charge_gpus
+
+    gpus = [(str(node), int(gpu)) for node, gpu in what.gpus]
+    charge_gpus(connection, what.token_sha256, gpus, now_ms=int(what.now_ms))
 
 
 class SampleColumns:
