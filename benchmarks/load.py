@@ -16,7 +16,9 @@ clients in this process read what dashboard and API users read, each every
 
 After ``--duration`` seconds it prints the samples/s sustained (acknowledged samples over
 the duration) against those offered, p50/p99 latency of ingest and of reads, the errors, the
-CPU used by the service and by the collectors' processes, and a count check: every
+CPU used by the service (its writer and control-loop processes included) and by the
+collectors' processes, the control loop's ticks (from the status it publishes: proof it ran)
+and their mean duration, and a count check: every
 acknowledged sample must be in the store (exact when there were no errors; a batch that timed
 out may have been stored all the same, and is then counted as stored, not acknowledged).
 
@@ -24,8 +26,8 @@ out may have been stored all the same, and is then counted as stored, not acknow
         [--gpus 16384] [--duration 60] [--readers 4] [--repeat 3]
 
 Two replicas need PostgreSQL (they share it); nodes are spread over them. The service runs
-as ``forewarn serve`` does by default (control loop and webhook dispatcher on; ``--no-control``
-turns the control loop off, to see what scoring the fleet costs).
+as ``forewarn serve`` does by default (control loop in its own process, webhook dispatcher
+on; ``--no-control`` turns the control loop off, to see what scoring the fleet costs).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from _common import Service, cpu_seconds, postgres_url, reset_postgres
 
 from forewarn.wire import sample_columns
 from store import Store
+from store import control as control_db
 
 TOKEN = "bench-token"
 GPUS_PER_NODE = 8
@@ -333,6 +336,7 @@ def run_once(args: argparse.Namespace) -> dict[str, Any]:
                 from sqlalchemy import text
 
                 stored = connection.execute(text("SELECT count(*) FROM samples")).scalar_one()
+                loop = control_db.read_status(connection) or {}  # the loop was on, and ticked
         finally:
             store.close()
     acked = sum(o["acked"] for o in outs)
@@ -354,6 +358,12 @@ def run_once(args: argparse.Namespace) -> dict[str, Any]:
         "stored": stored,
         "cpu": sum(cpu) / args.duration,
         "generator_cpu": sum(o["cpu_s"] for o in outs) / args.duration,
+        "ticks": (loop.get("durations") or {}).get("count", 0),
+        "tick_mean_s": (
+            loop["durations"]["sum"] / loop["durations"]["count"]
+            if (loop.get("durations") or {}).get("count")
+            else float("nan")
+        ),
     }
 
 
@@ -394,7 +404,8 @@ def main() -> None:
             f"{r['read_p99'] * 1000:.0f} ms ({r['reads']} reads) | errors ingest "
             f"{r['ingest_errors']} {r['statuses'] or ''} (status: count; 0: no answer) reads "
             f"{r['read_errors']} | CPU service {r['cpu']:.2f} cores, "
-            f"collectors {r['generator_cpu']:.2f} | "
+            f"collectors {r['generator_cpu']:.2f} | control ticks {r['ticks']} "
+            f"(mean {r['tick_mean_s']:.2f} s) | "
             f"acknowledged {r['acked']:,} stored {r['stored']:,} lost {max(lost, 0)}",
             flush=True,
         )
