@@ -10,6 +10,12 @@ every ``--tick-s`` with the shipped model. Reported:
 - sample arrival -> risk updated: for every committed batch, the time until the end of the
   first tick whose arrival cursor covers it.
 
+Part T (``--part t``, the tick alone, SQLite): a fleet of ``--gpus`` GPUs, ``--interval-s``
+seconds of its samples at 1 Hz stored before each tick (what a tick at that interval reads),
+``--ticks`` ticks with nothing else running; per tick the phases (read, score, write and
+decide) and the tick against its interval. The size question: does one control process hold
+a fleet of this size at this interval (``--gpus 100000``)?
+
 Part B (real processes): ``forewarn serve`` (SQLite) with a fleet streaming through
 ``POST /v1/ingest`` and ``--jobs`` job agents (``migrator.service_link.ServiceLink`` with a stub
 agent that accepts at once), each with one rank on a fleet GPU; a policy whose threshold every
@@ -18,6 +24,7 @@ migration's ``requested`` time, the tick that saw the crossing) -> ``acknowledge
 agent's report received), from the service's own timestamps.
 
     .venv/bin/python benchmarks/control.py [--gpus 16384] [--seconds 30] [--tick-s 1]
+    .venv/bin/python benchmarks/control.py --part t --gpus 100000 [--interval-s 5] [--ticks 4]
 """
 
 from __future__ import annotations
@@ -285,15 +292,63 @@ def part_b(gpus: int, jobs: int, seconds: float, tick_s: float) -> dict[str, Any
             log.close()
 
 
+def part_t(gpus: int, interval_s: float, ticks: int) -> dict[str, Any]:
+    import gc
+
+    model = registry.load_default(ROOT / "models")
+    with tempfile.TemporaryDirectory() as tmp:
+        store = Store.open(f"sqlite:///{tmp}/bench.db")
+        source = SimulatedSource(gpus, seed=1)
+        seconds = int(interval_s)
+        t = time.time() - (ticks + 1) * seconds - 5
+
+        def store_seconds(first: float) -> None:
+            for k in range(seconds):
+                samples, events = fleet_rows(source, datetime.fromtimestamp(first + k, UTC))
+                store.write(samples=samples, events=events)
+
+        store_seconds(t)
+        loop = ControlLoop(store, model=model, defaults=Policy(), tick_s=interval_s)
+        loop.step(int((t + seconds) * 1000))  # take over and warm: not timed
+        gc.collect()
+        gc.freeze()  # as the control process does once it has its model
+        rows = []
+        for k in range(1, ticks + 1):
+            store_seconds(t + k * seconds)
+            loop.step(int((t + (k + 1) * seconds) * 1000))
+            rows.append({"tick_s": loop.last_tick_s, **loop.last_phases})
+            print(f"  tick {k}: " + ", ".join(f"{n} {v:.2f}" for n, v in rows[-1].items()))
+        store.close()
+    median = {n: pct([r[n] for r in rows], 50) for n in rows[0]}
+    return {
+        "gpus": gpus,
+        "interval_s": interval_s,
+        "rows_per_tick": gpus * seconds,
+        "ticks": rows,
+        "median": median,
+        "share_of_interval": median["tick_s"] / interval_s,
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gpus", type=int, default=16_384)
     ap.add_argument("--seconds", type=float, default=30.0)
     ap.add_argument("--tick-s", type=float, default=1.0)
     ap.add_argument("--jobs", type=int, default=40)
-    ap.add_argument("--part", choices=["a", "b", "both"], default="both")
+    ap.add_argument("--part", choices=["a", "b", "both", "t"], default="both")
+    ap.add_argument("--interval-s", type=float, default=5.0, help="t: the tick's interval")
+    ap.add_argument("--ticks", type=int, default=4, help="t: ticks timed")
     args = ap.parse_args()
     out: dict[str, Any] = {}
+    if args.part == "t":
+        print(
+            f"(t) the tick alone: {args.gpus:,} GPUs, {args.interval_s:g} s of samples a tick",
+            flush=True,
+        )
+        out["tick"] = part_t(args.gpus, args.interval_s, args.ticks)
+        print(json.dumps(out["tick"]["median"] | {"share": out["tick"]["share_of_interval"]}))
+        return
     if args.part in ("a", "both"):
         out["in_process"] = part_a(args.gpus, args.seconds, args.tick_s)
         print(json.dumps(out["in_process"], indent=1), flush=True)
