@@ -323,7 +323,6 @@ class ControlLoop:
         self.budget = None
         self.epoch = None  # a take-over that fails part-way leaves the replica fenced out
         with self.store.begin() as c:
-            db.ensure_arrival(c)
             epoch = db.bump_epoch(c)
         now_ms = self.now_ms()
         with self.store.engine.connect() as c:

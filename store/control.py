@@ -853,8 +853,9 @@ def ensure_arrival(connection: Connection) -> None:
 
     A trigger, not a column default: the ingest path stages rows in a ``LIKE samples`` table,
     which would copy a default and spend numbers twice. Run by revision ``0003_control`` and
-    again when a control loop becomes leader, so a later rebuild of ``samples`` (partitioning)
-    cannot leave rows unnumbered. Serialised by a transaction-scoped advisory lock.
+    again by ``0007_arrival_after_tiers``, after ``0003_tiers`` rebuilt ``samples`` as a
+    partitioned table (a revision that rebuilds ``samples`` again must run it too).
+    Serialised by a transaction-scoped advisory lock.
     """
     if connection.dialect.name != "postgresql":
         return
