@@ -17,6 +17,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI
@@ -91,7 +92,12 @@ async def start_control(state: AppState, *, own_process: bool) -> list[asyncio.T
     if not settings.control_enabled or store is None:
         return []
     if own_process:
-        child = ControlProcess(settings.resolved_database_url(), state.replica_id)
+        child = ControlProcess(
+            settings.resolved_database_url(),
+            state.replica_id,
+            status=state.loop_status,
+            stalled_after_s=max(10.0, 10 * settings.control_tick_s),
+        )
         return [asyncio.create_task(child.run(), name="control")]
 
     async def control() -> None:
@@ -106,20 +112,37 @@ async def start_control(state: AppState, *, own_process: bool) -> list[asyncio.T
 class ControlProcess:
     """``forewarn control`` as this service's child, started again whenever it ends.
 
-    A child that exits (a crash, an operator's ``kill``) is started again after a pause that
-    doubles up to :attr:`MAX_BACKOFF_S` while it keeps dying young. Cancelling :meth:`run`
-    stops it: SIGTERM (its loop releases the leadership), SIGKILL after
+    A child that exits (a crash, an operator's ``kill``) is started again after 1 s, a pause
+    that doubles up to :attr:`MAX_BACKOFF_S` while it keeps dying within a minute. Cancelling
+    :meth:`run` stops it: SIGTERM (its loop releases the leadership), SIGKILL after
     :attr:`STOP_TIMEOUT_S`. The child dies with this process (see :mod:`api.control_cli`).
+    The database URL reaches it in its environment, not on its command line (``ps`` shows
+    every user the command line, and a PostgreSQL URL may hold a password).
+
+    A child that leads but stopped ticking (stopped, wedged: it may hold the database's write
+    lock or the leadership) is killed and started again: once its status (``status()``, read
+    every few seconds) names it and its last tick is older than ``stalled_after_s``. A child
+    that follows publishes nothing and is left alone.
     """
 
     MAX_BACKOFF_S = 30.0
     STOP_TIMEOUT_S = 10.0
 
-    def __init__(self, database_url: str, replica: str) -> None:
+    def __init__(
+        self,
+        database_url: str,
+        replica: str,
+        *,
+        status: Callable[[], dict[str, Any]] | None = None,
+        stalled_after_s: float = 60.0,
+    ) -> None:
         self.database_url = database_url
         self.replica = replica
+        self.status = status
+        self.stalled_after_s = stalled_after_s
         self.process: asyncio.subprocess.Process | None = None
         self.starts = 0
+        self.killed_stalled = 0
 
     def command(self) -> list[str]:
         return [
@@ -127,8 +150,6 @@ class ControlProcess:
             "-m",
             "forewarn",
             "control",
-            "--database-url",
-            self.database_url,
             "--replica",
             self.replica,
             "--parent",
@@ -136,17 +157,20 @@ class ControlProcess:
         ]
 
     async def run(self) -> None:
-        backoff = 1.0
+        env = {**os.environ, "FOREWARN_DATABASE_URL": self.database_url}
+        backoff = 0.5
         try:
             while True:
                 started = time.monotonic()
-                self.process = await asyncio.create_subprocess_exec(*self.command())
+                self.process = await asyncio.create_subprocess_exec(*self.command(), env=env)
                 self.starts += 1
                 log.info("control loop started in process %d", self.process.pid)
-                code = await self.process.wait()
+                code = await self._watch(self.process)
                 lived = time.monotonic() - started
                 backoff = 1.0 if lived > 60 else min(backoff * 2, self.MAX_BACKOFF_S)
-                log.error(
+                # Exit 0: it was asked to stop (a signal to the whole terminal's group, say).
+                log.log(
+                    logging.WARNING if code == 0 else logging.ERROR,
                     "the control loop's process %d ended (exit %s) after %.0f s; "
                     "starting it again in %.0f s",
                     self.process.pid,
@@ -157,6 +181,34 @@ class ControlProcess:
                 await asyncio.sleep(backoff)
         finally:
             await asyncio.shield(self._stop())
+
+    async def _watch(self, process: asyncio.subprocess.Process) -> int:
+        """Wait for ``process`` to end; kill it first if it leads and stopped ticking."""
+        check_s = min(5.0, self.stalled_after_s / 2)
+        while True:
+            try:
+                return await asyncio.wait_for(process.wait(), check_s)
+            except TimeoutError:
+                pass
+            if self.status is None:
+                continue
+            try:
+                status = await asyncio.to_thread(self.status)
+            except Exception:  # the database is away: nothing to judge the child by
+                continue
+            if status.get("pid") != process.pid or status.get("replica") != self.replica:
+                continue
+            age_s = time.time() - float(status.get("tick_ms") or 0) / 1000
+            if age_s > self.stalled_after_s:
+                log.error(
+                    "the control loop's process %d leads and has not ticked for %.0f s; killing it",
+                    process.pid,
+                    age_s,
+                )
+                self.killed_stalled += 1
+                with contextlib.suppress(ProcessLookupError):
+                    process.kill()
+                return await process.wait()
 
     async def _stop(self) -> None:
         process = self.process

@@ -1,6 +1,7 @@
 """``forewarn serve`` runs its control loop in a process of its own: the service shows the loop
-from what it publishes in the store, starts it again when it dies, and takes it down when the
-service itself is killed (a real uvicorn and real processes, SQLite)."""
+from what it publishes in the store, starts it again when it dies or stops ticking while it
+leads, and takes it down when the service itself is killed (a real uvicorn and real processes,
+SQLite)."""
 
 from __future__ import annotations
 
@@ -80,6 +81,17 @@ def test_the_loop_runs_in_its_own_process_restarts_and_dies_with_the_service(
         child = int(restarted["pid"])
         assert parent_of(child) == service.process.pid
         wait_ticks(service, 2)
+
+        os.kill(child, signal.SIGSTOP)  # wedged while it leads: killed, and another started
+        stopped = child
+        unwedged = wait_for(
+            "the wedged loop to be replaced",
+            lambda: (s := status(url)).get("pid") not in (None, stopped) and s,
+            60,
+        )
+        assert not alive(stopped)
+        assert "has not ticked for" in service.log()
+        child = int(unwedged["pid"])
 
         service.process.send_signal(signal.SIGKILL)  # the service dies: its loop goes too
         service.process.wait(timeout=10)
