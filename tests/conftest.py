@@ -51,9 +51,10 @@ LONGEST_FIRST = (
     "tests/deploy/test_wheel.py",  # 50-60 s
     "tests/control/test_e2e_restart.py",  # 53-54 s
     "tests/control/test_straggler_e2e.py",  # 30-60 s
-    "tests/migrator/test_fsdp_tp.py",  # 48-54 s
+    "tests/migrator/test_fsdp_tp.py",  # 60-70 s with its HSDP + TP base run
     "tests/migrator/test_hsdp.py",  # 50 s
     "tests/migrator/test_preform.py",  # 48-51 s
+    "tests/control/test_control_process.py",  # 33 s
     "tests/migrator/test_checkpoint.py",  # 42-45 s
     "tests/migrator/test_fsdp.py",  # 30-36 s
     "tests/control/test_e2e.py",  # 30-35 s (wear that shows at once, tests/control/wear.toml)
