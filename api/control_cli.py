@@ -59,7 +59,9 @@ async def _run(settings: Settings, store: Store, replica: str, parent: int | Non
         running.add_signal_handler(sig, stop.set)
 
     async def orphaned() -> None:
-        while parent is not None and os.getppid() == parent:
+        if parent is None:  # run by hand: it ends when asked to
+            return
+        while os.getppid() == parent:
             await asyncio.sleep(1.0)
         log.warning("the service that started this control loop is gone; stopping")
         stop.set()

@@ -797,7 +797,10 @@ def read_status(connection: Connection) -> dict[str, Any] | None:
     text = get_state(connection, STATUS_KEY)
     if not text:
         return None
-    status = orjson.loads(text)
+    try:
+        status = orjson.loads(text)
+    except orjson.JSONDecodeError:  # written by hand, or cut short: the next tick rewrites it
+        return None
     return status if isinstance(status, dict) else None
 
 

@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from sqlalchemy.exc import OperationalError
 
 from store import Store
 from store import control as db
@@ -37,10 +40,13 @@ def alive(pid: int) -> bool:
 
 
 def status(url: str) -> dict[str, Any]:
+    """The loop's published status ({} before its first tick, or before the schema exists)."""
     store = Store.open(url, migrate=False)
     try:
         with store.engine.connect() as c:
             return db.read_status(c) or {}
+    except OperationalError:
+        return {}
     finally:
         store.close()
 
@@ -116,3 +122,29 @@ def test_a_service_given_no_process_for_its_loop_runs_it_in_a_thread(
         assert int(status(url)["pid"]) == service.process.pid
     finally:
         service.stop()
+
+
+def test_forewarn_control_runs_alone_and_stops_on_sigterm(tmp_path: Path) -> None:
+    """``forewarn control`` by hand (beside services started with the loop off): it brings the
+    database to the schema's head, leads, ticks, and on SIGTERM stops with exit 0."""
+    url = f"sqlite:///{tmp_path / 'control.db'}"
+    env = {**os.environ, "FOREWARN_CONTROL_TICK_S": "0.5", "FOREWARN_DATA_DIR": str(tmp_path)}
+    with (tmp_path / "control.log").open("wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "forewarn", "control", "--database-url", url],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        first = wait_for("a tick", lambda: (s := status(url)).get("pid") == process.pid and s, 90)
+        wait_for(
+            "more ticks",
+            lambda: status(url).get("ticks", 0) > first["ticks"] + 1,
+            30,
+        )
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()

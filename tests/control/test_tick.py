@@ -233,4 +233,11 @@ def test_a_breaker_reset_reaches_the_running_loop_through_the_store(registered: 
     )
     assert status["durations"]["count"] == loop.ticks - 1  # the ticks before this one
     assert status["threshold_in_force"] == loop.threshold_in_force
+    with registered.begin() as c:  # a status row garbled by hand reads as none ...
+        db.set_state(c, db.STATUS_KEY, '{"pid": 1, "ti')
+    with registered.engine.connect() as c:
+        assert db.read_status(c) is None
+    loop.tick(now + 2000)  # ... until the next tick writes it again
+    with registered.engine.connect() as c:
+        assert (db.read_status(c) or {}).get("ticks") == loop.ticks
     loop.leadership.release()
