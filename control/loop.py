@@ -188,6 +188,8 @@ class TickPlan:
         crossings_before: crossings of earlier ticks still in the breaker's window.
         crossings: when GPUs crossed in this tick (the breaker's window gains them).
         window_ms: the breaker's window under this tick's policy.
+        breaker_reset_ms: when an operator last reset the breaker (crossings up to it no
+            longer count), as the store said at this tick.
         audited: the decisions audited so far, by episode (replaces the loop's).
         discard: GPUs that failed this tick (their alarm-budget slots are discarded).
         budget_kept: (healthy blocks, when) if this tick wrote the alarm budget's state.
@@ -278,7 +280,6 @@ class ControlLoop:
         self._budget_kept: tuple[float, int | None] = (0.0, None)  # (blocks, when) last written
         self.last_phases: dict[str, float] = {}
         self.durations = TickDurations()
-        self._breaker_reset_ms = 0
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -432,7 +433,7 @@ class ControlLoop:
                 raise Deposed(f"the leadership epoch is no longer {self.epoch}")
             policy = self.policy(c)
             window_ms = int(policy.breaker_window_s * 1000)
-            reset_ms = max(self._breaker_reset_ms, db.breaker_reset_ms(c))
+            reset_ms = db.breaker_reset_ms(c)
             plan = TickPlan(
                 crossings_before=sum(
                     1 for t in self._crossings if now_ms - t <= window_ms and t > reset_ms
@@ -490,13 +491,14 @@ class ControlLoop:
         """The tick committed: make its changes to the loop's memory."""
         self.gpus.update(plan.gpus)
         self._crossings.extend(plan.crossings)
-        while self._crossings and now_ms - self._crossings[0] > plan.window_ms:
+        # Oldest first: drop those out of the window and those before the last breaker reset.
+        while self._crossings and (
+            now_ms - self._crossings[0] > plan.window_ms
+            or self._crossings[0] <= plan.breaker_reset_ms
+        ):
             self._crossings.popleft()
         self._audited = plan.audited
         self._failed_pending = {}
-        if plan.breaker_reset_ms > self._breaker_reset_ms:  # an operator reset the breaker
-            self._breaker_reset_ms = plan.breaker_reset_ms
-            self._crossings = deque(t for t in self._crossings if t > plan.breaker_reset_ms)
         if self.budget is not None:
             slots = [self._budget_slots[k] for k in plan.discard if k in self._budget_slots]
             if slots:
