@@ -138,10 +138,7 @@ class GroupWriter:
                 stored = writes.insert_sample_groups(tx, [job.samples for job in group])
                 for job, new in zip(group, stored, strict=True):
                     stored_events = writes.insert_events(tx, job.events)
-                    if job.agent is not None:
-                        writes.upsert_agent(tx, node=job.agent[0], status=job.agent[1])
-                    if job.charge is not None:
-                        writes.charge(tx, job.charge)
+                    writes.write_extras(tx, job.agent, job.charge)
                     results.append((new, stored_events))
         except BaseException as exc:  # every caller of the failed transaction learns why
             if isinstance(exc, Exception) and _error_kind(exc) == "unavailable":
@@ -275,10 +272,7 @@ def _commit_requests(engine: Engine, lock: Any, group: list[Any]) -> list[list[A
             stored = writes.insert_sample_groups(tx, [request[1] for request in group])
             stored_events = [writes.insert_events(tx, request[2]) for request in group]
             for request in group:
-                if request[3] is not None:
-                    writes.upsert_agent(tx, node=request[3][0], status=request[3][1])
-                if request[4] is not None:
-                    writes.charge(tx, writes.Charge(*request[4]))
+                writes.write_extras(tx, request[3], request[4])
     except Exception as exc:  # every caller of the failed transaction learns why
         error = [_error_kind(exc), f"{type(exc).__name__}: {exc}"[:500]]
         return [[request[0], 0, 0, error] for request in group]

@@ -38,6 +38,7 @@ __all__ = [
     "insert_samples",
     "sample_row",
     "upsert_agent",
+    "write_extras",
 ]
 
 SampleRow = tuple[Any, ...]
@@ -62,6 +63,16 @@ def charge(connection: Connection, what: Charge) -> None:
 
     gpus = [(str(node), int(gpu)) for node, gpu in what.gpus]
     charge_gpus(connection, what.token_sha256, gpus, now_ms=int(what.now_ms))
+
+
+def write_extras(connection: Connection, agent: Any, what: Any) -> None:
+    """What a batch brings beside its rows, in its transaction: the collector's heartbeat
+    (``agent``: (node, status) or None) and the GPUs charged to its token (``what``: a
+    :class:`Charge`, or its fields as the writer process receives them, or None)."""
+    if agent is not None:
+        upsert_agent(connection, node=agent[0], status=agent[1])
+    if what is not None:
+        charge(connection, Charge(*what))
 
 
 class SampleColumns:
