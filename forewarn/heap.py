@@ -6,8 +6,8 @@ the risk model walks a few hundred thousand objects that live as long as the pro
 with the interpreter held, about once a control tick at 16,384 GPUs, stalling every request
 behind it (``benchmarks/control.py``; measured with ``gc.callbacks``). :func:`settle` collects
 once, then moves every object alive into the permanent generation (``gc.freeze``), so later
-collections walk only what was made since. Called when the service has started and again when
-the control loop has loaded its model and taken over.
+collections walk only what was made since. Called when the service has started, and when the
+control loop (in the service's thread or in its own process) has loaded its model.
 """
 
 from __future__ import annotations
