@@ -15,19 +15,22 @@ restart, so an attempt interrupted by a crash is made again with the same event 
 Every write transaction here starts with a write statement (never a read then a write), so
 SQLite takes its write lock up front and waits in its busy handler instead of failing on a
 stale snapshot.
+
+This module holds tables and queries only. What a subscription wants, when failures disable
+it, its id and the clock are the dispatcher's and the routes' (:mod:`api.webhooks.rules`):
+every function that stamps a time takes it as ``now_ms``.
 """
 
 from __future__ import annotations
 
-import secrets
-import time
-from typing import Any
+from typing import Any, TypedDict, cast
 
 import orjson
 from sqlalchemy import (
     BigInteger,
     Boolean,
     Column,
+    ColumnElement,
     Connection,
     ForeignKey,
     Index,
@@ -46,15 +49,21 @@ from sqlalchemy import (
     update,
 )
 
-from store.outbox import emit_event
 from store.schema import metadata, outbox
 
 __all__ = [
     "ATTEMPT_LOG_SIZE",
+    "AttemptOutcome",
+    "Delivery",
+    "DueDelivery",
+    "OutboxEvent",
+    "Success",
+    "Webhook",
     "claim_webhooks",
     "claimable",
     "create_webhook",
     "delete_webhook",
+    "disable_webhook",
     "due_deliveries",
     "events_by_seq",
     "events_to_fan_out",
@@ -71,7 +80,6 @@ __all__ = [
     "release_webhooks",
     "rotate_secret",
     "update_webhook",
-    "wants",
     "webhook_deliveries",
     "webhooks",
 ]
@@ -128,14 +136,89 @@ webhook_deliveries = Table(
 """One row per (subscription, event); ``status`` is pending, succeeded or failed."""
 
 
-def _now_ms() -> int:
-    return int(time.time() * 1000)
+class Webhook(TypedDict):
+    """A row of ``webhooks``, ``event_types`` decoded."""
+
+    id: str
+    url: str
+    event_types: list[str]
+    job_id: str | None
+    node: str | None
+    description: str
+    secret: str
+    previous_secret: str | None
+    previous_secret_until_ms: int | None
+    enabled: bool
+    disabled_reason: str | None
+    consecutive_failures: int
+    cursor_seq: int
+    lease_owner: str | None
+    lease_until_ms: int | None
+    created_ms: int
+    updated_ms: int
 
 
-def _decode(row: Any) -> dict[str, Any]:
+class OutboxEvent(TypedDict):
+    """A row of the outbox (``data`` as stored: JSON text)."""
+
+    seq: int
+    id: str
+    type: str
+    ts_ms: int
+    job_id: str | None
+    node: str | None
+    data: str
+
+
+class Delivery(TypedDict):
+    """A row of ``webhook_deliveries`` (``attempt_log`` decoded only by
+    :func:`list_deliveries`)."""
+
+    id: int
+    webhook_id: str
+    event_id: str
+    event_seq: int
+    event_type: str
+    status: str
+    attempts: int
+    created_ms: int
+    next_attempt_ms: int
+    last_attempt_ms: int | None
+    last_status_code: int | None
+    last_error: str | None
+    last_latency_ms: int | None
+    delivered_ms: int | None
+    attempt_log: Any
+
+
+class DueDelivery(Delivery):
+    """A pending delivery with its event's time and data (:func:`due_deliveries`)."""
+
+    event_ts_ms: int
+    event_data: str
+
+
+class Success(DueDelivery):
+    """An accepted attempt of a due delivery, for :func:`record_successes`."""
+
+    attempt_ms: int
+    latency_ms: int
+    status_code: int | None
+
+
+class AttemptOutcome(TypedDict):
+    """What :func:`record_attempt` wrote: ``held`` is False when the lease had moved to
+    another replica (nothing written); ``failures`` is the subscription's run of consecutive
+    failed attempts after this one."""
+
+    held: bool
+    failures: int
+
+
+def _decode(row: Any) -> Webhook:
     out = dict(row)
     out["event_types"] = orjson.loads(out["event_types"])
-    return out
+    return cast(Webhook, out)
 
 
 def max_outbox_seq(connection: Connection) -> int:
@@ -157,16 +240,16 @@ def outbox_seqs_after(connection: Connection, seq: int, *, limit: int = 10_000) 
 def create_webhook(
     connection: Connection,
     *,
+    webhook_id: str,
+    now_ms: int,
     url: str,
     event_types: list[str],
     secret: str,
     job_id: str | None = None,
     node: str | None = None,
     description: str = "",
-) -> dict[str, Any]:
+) -> Webhook:
     """A new, enabled subscription that receives events written from now on."""
-    now = _now_ms()
-    webhook_id = f"wh_{secrets.token_hex(12)}"
     # The cursor is taken in the insert itself, so no event between a read and the write is
     # ever delivered to a subscription created after it.
     cursor = select(func.coalesce(func.max(outbox.c.seq), 0)).scalar_subquery()
@@ -182,8 +265,8 @@ def create_webhook(
             enabled=True,
             consecutive_failures=0,
             cursor_seq=cursor,
-            created_ms=now,
-            updated_ms=now,
+            created_ms=now_ms,
+            updated_ms=now_ms,
         )
     )
     found = get_webhook(connection, webhook_id)
@@ -191,24 +274,24 @@ def create_webhook(
     return found
 
 
-def get_webhook(connection: Connection, webhook_id: str) -> dict[str, Any] | None:
+def get_webhook(connection: Connection, webhook_id: str) -> Webhook | None:
     row = connection.execute(select(webhooks).where(webhooks.c.id == webhook_id)).mappings().first()
     return _decode(row) if row is not None else None
 
 
-def list_webhooks(connection: Connection) -> list[dict[str, Any]]:
+def list_webhooks(connection: Connection) -> list[Webhook]:
     rows = connection.execute(select(webhooks).order_by(webhooks.c.created_ms, webhooks.c.id))
     return [_decode(r) for r in rows.mappings()]
 
 
 def update_webhook(
-    connection: Connection, webhook_id: str, **changes: Any
-) -> dict[str, Any] | None:
+    connection: Connection, webhook_id: str, *, now_ms: int, **changes: Any
+) -> Webhook | None:
     """Change url, event_types, job_id, node, description or enabled; None if unknown.
 
     Enabling a subscription clears its failure run and its disabled reason.
     """
-    values: dict[str, Any] = {"updated_ms": _now_ms()}
+    values: dict[str, Any] = {"updated_ms": now_ms}
     for key, value in changes.items():
         if key == "event_types":
             values[key] = orjson.dumps(value).decode()
@@ -230,18 +313,17 @@ def delete_webhook(connection: Connection, webhook_id: str) -> bool:
 
 
 def rotate_secret(
-    connection: Connection, webhook_id: str, *, secret: str, grace_ms: int
-) -> dict[str, Any] | None:
-    """Sign with ``secret`` from now on; the old one also signs for ``grace_ms``."""
-    now = _now_ms()
+    connection: Connection, webhook_id: str, *, secret: str, grace_ms: int, now_ms: int
+) -> Webhook | None:
+    """Sign with ``secret`` from ``now_ms`` on; the old one also signs for ``grace_ms``."""
     result = connection.execute(
         update(webhooks)
         .where(webhooks.c.id == webhook_id)
         .values(
             previous_secret=webhooks.c.secret,
-            previous_secret_until_ms=now + grace_ms,
+            previous_secret_until_ms=now_ms + grace_ms,
             secret=secret,
-            updated_ms=now,
+            updated_ms=now_ms,
         )
     )
     return get_webhook(connection, webhook_id) if result.rowcount else None
@@ -251,15 +333,14 @@ def rotate_secret(
 
 
 def claim_webhooks(
-    connection: Connection, *, owner: str, lease_ms: int, now_ms: int | None = None
-) -> list[dict[str, Any]]:
+    connection: Connection, *, owner: str, lease_ms: int, now_ms: int
+) -> list[Webhook]:
     """Take or renew the lease on every enabled subscription nobody else holds.
 
     One ``UPDATE ... WHERE lease free or expired or ours`` is atomic on both backends
     (PostgreSQL re-checks the condition on the row it locked), so two replicas never hold the
     same subscription. Returns the subscriptions ``owner`` now holds.
     """
-    now = now_ms if now_ms is not None else _now_ms()
     connection.execute(
         update(webhooks)
         .where(
@@ -267,10 +348,10 @@ def claim_webhooks(
             or_(
                 webhooks.c.lease_owner.is_(None),
                 webhooks.c.lease_owner == owner,
-                webhooks.c.lease_until_ms < now,
+                webhooks.c.lease_until_ms < now_ms,
             ),
         )
-        .values(lease_owner=owner, lease_until_ms=now + lease_ms)
+        .values(lease_owner=owner, lease_until_ms=now_ms + lease_ms)
     )
     rows = connection.execute(
         select(webhooks).where(webhooks.c.lease_owner == owner, webhooks.c.enabled.is_(True))
@@ -278,7 +359,7 @@ def claim_webhooks(
     return [_decode(r) for r in rows.mappings()]
 
 
-def held_webhooks(connection: Connection, *, owner: str) -> list[dict[str, Any]]:
+def held_webhooks(connection: Connection, *, owner: str) -> list[Webhook]:
     """The enabled subscriptions ``owner`` holds (a read: no lease is taken or renewed)."""
     rows = connection.execute(
         select(webhooks).where(webhooks.c.lease_owner == owner, webhooks.c.enabled.is_(True))
@@ -286,14 +367,13 @@ def held_webhooks(connection: Connection, *, owner: str) -> list[dict[str, Any]]
     return [_decode(r) for r in rows.mappings()]
 
 
-def claimable(connection: Connection, *, now_ms: int | None = None) -> bool:
+def claimable(connection: Connection, *, now_ms: int) -> bool:
     """Whether an enabled subscription is free or its lease has expired."""
-    now = now_ms if now_ms is not None else _now_ms()
     found = connection.execute(
         select(webhooks.c.id)
         .where(
             webhooks.c.enabled.is_(True),
-            or_(webhooks.c.lease_owner.is_(None), webhooks.c.lease_until_ms < now),
+            or_(webhooks.c.lease_owner.is_(None), webhooks.c.lease_until_ms < now_ms),
         )
         .limit(1)
     ).first()
@@ -314,18 +394,21 @@ def _held(webhook_id: str, owner: str) -> Any:
 
 
 def events_to_fan_out(
-    connection: Connection, webhook: dict[str, Any], *, up_to_seq: int, limit: int = 500
-) -> tuple[list[dict[str, Any]], int]:
-    """The events in (cursor, ``up_to_seq``] that ``webhook`` wants, and the cursor after them.
+    connection: Connection, webhook: Webhook, *, up_to_seq: int, limit: int = 500
+) -> tuple[list[OutboxEvent], int]:
+    """The events in (cursor, ``up_to_seq``] that ``webhook``'s filters select (its types,
+    job and node; every ``webhook.test``), and the cursor after them.
 
-    Events beyond ``up_to_seq`` may still have uncommitted predecessors, so they wait. The
-    events read are committed and never change, so this read needs no transaction with
+    The dispatcher keeps of these the ones the subscription wants
+    (:func:`api.webhooks.rules.wants`: a test only for its own subscription). Events beyond
+    ``up_to_seq`` may still have uncommitted predecessors, so they wait. The events read are
+    committed and never change, so this read needs no transaction with
     :func:`queue_deliveries`.
     """
     cursor = int(webhook["cursor_seq"])
     if up_to_seq <= cursor:
         return [], cursor
-    filters = []
+    filters: list[ColumnElement[bool]] = []
     types = webhook["event_types"]
     if "*" not in types:
         filters.append(outbox.c.type.in_(types))
@@ -336,56 +419,36 @@ def events_to_fan_out(
     query = select(outbox).where(outbox.c.seq > cursor, outbox.c.seq <= up_to_seq)
     if filters:  # a test delivery reaches its subscription whatever the filters
         query = query.where(or_(and_(*filters), outbox.c.type == "webhook.test"))
-    events = [
-        dict(r) for r in connection.execute(query.order_by(outbox.c.seq).limit(limit)).mappings()
-    ]
+    rows = connection.execute(query.order_by(outbox.c.seq).limit(limit)).mappings()
+    events = [cast(OutboxEvent, dict(r)) for r in rows]
     new_cursor = int(events[-1]["seq"]) if len(events) == limit else up_to_seq
-    wanted = []
-    for event in events:
-        if event["type"] in ("webhook.test", "webhook.disabled"):
-            about = orjson.loads(event["data"]).get("webhook_id")
-            # a test goes only to the subscription it was asked for; a subscription does not
-            # hear of its own disabling (it is disabled)
-            if (event["type"] == "webhook.test") != (about == webhook["id"]):
-                continue
-        wanted.append(event)
-    return wanted, new_cursor
+    return events, new_cursor
 
 
-def wants(webhook: dict[str, Any], event: dict[str, Any]) -> bool:
-    """Whether ``webhook``'s filters take ``event`` (the same rule as the fan-out's query)."""
-    if event["type"] in ("webhook.test", "webhook.disabled"):
-        about = orjson.loads(event["data"]).get("webhook_id")
-        if (event["type"] == "webhook.test") != (about == webhook["id"]):
-            return False
-        if event["type"] == "webhook.test":
-            return True
-    types = webhook["event_types"]
-    return (
-        ("*" in types or event["type"] in types)
-        and (webhook["job_id"] is None or event["job_id"] == webhook["job_id"])
-        and (webhook["node"] is None or event["node"] == webhook["node"])
-    )
-
-
-def events_by_seq(connection: Connection, seqs: list[int]) -> list[dict[str, Any]]:
+def events_by_seq(connection: Connection, seqs: list[int]) -> list[OutboxEvent]:
     """The committed events among ``seqs``, oldest first."""
     if not seqs:
         return []
     rows = connection.execute(select(outbox).where(outbox.c.seq.in_(seqs)).order_by(outbox.c.seq))
-    return [dict(r) for r in rows.mappings()]
+    return [cast(OutboxEvent, dict(r)) for r in rows.mappings()]
 
 
 def queue_late(
-    connection: Connection, webhook: dict[str, Any], events: list[dict[str, Any]], *, owner: str
+    connection: Connection,
+    webhook: Webhook,
+    events: list[OutboxEvent],
+    *,
+    owner: str,
+    now_ms: int,
 ) -> int:
     """Queue events that committed after the cursor had passed their ``seq`` (PostgreSQL
     assigns ``seq`` before commit, so a slow transaction can land behind the cursor).
 
-    Only events the subscription wants, at or below its cursor, and not already queued.
+    ``events``: those the subscription wants (the dispatcher's choice); of them, the ones at
+    or below its cursor and not already queued are queued.
     """
     cursor = int(webhook["cursor_seq"])
-    late = [e for e in events if e["seq"] <= cursor and wants(webhook, e)]
+    late = [e for e in events if e["seq"] <= cursor]
     held = connection.execute(
         update(webhooks).where(_held(webhook["id"], owner)).values(updated_ms=webhooks.c.updated_ms)
     )
@@ -400,7 +463,6 @@ def queue_late(
         ).scalars()
     )
     fresh = [e for e in late if e["id"] not in queued]
-    now = _now_ms()
     if fresh:
         connection.execute(
             insert(webhook_deliveries),
@@ -412,8 +474,8 @@ def queue_late(
                     "event_type": e["type"],
                     "status": "pending",
                     "attempts": 0,
-                    "created_ms": now,
-                    "next_attempt_ms": now,
+                    "created_ms": now_ms,
+                    "next_attempt_ms": now_ms,
                     "attempt_log": "[]",
                 }
                 for e in fresh
@@ -424,11 +486,12 @@ def queue_late(
 
 def queue_deliveries(
     connection: Connection,
-    webhook: dict[str, Any],
-    events: list[dict[str, Any]],
+    webhook: Webhook,
+    events: list[OutboxEvent],
     *,
     owner: str,
     new_cursor: int,
+    now_ms: int,
 ) -> int:
     """Queue ``events`` for ``webhook`` and move its cursor, if the lease and cursor still hold.
 
@@ -443,7 +506,6 @@ def queue_deliveries(
     if not moved.rowcount:
         return 0
     webhook["cursor_seq"] = new_cursor
-    now = _now_ms()
     rows = [
         {
             "webhook_id": webhook["id"],
@@ -452,8 +514,8 @@ def queue_deliveries(
             "event_type": event["type"],
             "status": "pending",
             "attempts": 0,
-            "created_ms": now,
-            "next_attempt_ms": now,
+            "created_ms": now_ms,
+            "next_attempt_ms": now_ms,
             "attempt_log": "[]",
         }
         for event in events
@@ -465,7 +527,7 @@ def queue_deliveries(
 
 def due_deliveries(
     connection: Connection, webhook_id: str, *, limit: int = 100
-) -> list[dict[str, Any]]:
+) -> list[DueDelivery]:
     """The subscription's pending deliveries in event order, each with its event.
 
     Only the head of the queue may be waiting for a retry; callers deliver in this order and
@@ -485,12 +547,12 @@ def due_deliveries(
         .order_by(webhook_deliveries.c.event_seq)
         .limit(limit)
     )
-    return [dict(r) for r in connection.execute(query).mappings()]
+    return [cast(DueDelivery, dict(r)) for r in connection.execute(query).mappings()]
 
 
 def record_attempt(
     connection: Connection,
-    delivery: dict[str, Any],
+    delivery: Delivery,
     *,
     owner: str,
     ok: bool,
@@ -499,18 +561,17 @@ def record_attempt(
     latency_ms: int,
     attempt_ms: int,
     next_attempt_ms: int | None,
-    disable_after: int,
-) -> dict[str, Any]:
+) -> AttemptOutcome:
     """Store one attempt's outcome, in one transaction with the subscription's failure run.
 
     Args:
         ok: the receiver answered 2xx.
         next_attempt_ms: when to try again; None gives the delivery up (``failed``).
-        disable_after: consecutive failed attempts that disable the subscription.
 
     Returns:
-        ``{"held": bool, "disabled": bool, "failures": int}``; ``held`` is False when the
-        lease moved to another replica meanwhile (nothing was written).
+        whether the lease still held (nothing is written when it had moved to another
+        replica), and the run of consecutive failed attempts after this one; whether that
+        run disables the subscription is the caller's rule (:func:`disable_webhook`).
     """
     webhook_id = delivery["webhook_id"]
     if ok:
@@ -524,7 +585,7 @@ def record_attempt(
             .values(consecutive_failures=webhooks.c.consecutive_failures + 1)
         )
     if not counted.rowcount:
-        return {"held": False, "disabled": False, "failures": 0}
+        return {"held": False, "failures": 0}
     log = orjson.loads(delivery["attempt_log"])
     log.append(
         {"at_ms": attempt_ms, "status_code": status_code, "error": error, "latency_ms": latency_ms}
@@ -552,36 +613,25 @@ def record_attempt(
             select(webhooks.c.consecutive_failures).where(webhooks.c.id == webhook_id)
         ).scalar_one()
     )
-    disabled = False
-    if not ok and failures >= disable_after:
-        connection.execute(
-            update(webhooks)
-            .where(webhooks.c.id == webhook_id)
-            .values(
-                enabled=False,
-                disabled_reason=f"{failures} consecutive failed attempts; last: {error}",
-                lease_owner=None,
-                lease_until_ms=None,
-                updated_ms=_now_ms(),
-            )
-        )
-        emit_event(
-            connection,
-            "webhook.disabled",
-            {
-                "webhook_id": webhook_id,
-                "consecutive_failures": failures,
-                "last_error": error,
-                "last_status_code": status_code,
-            },
-        )
-        disabled = True
-    return {"held": True, "disabled": disabled, "failures": failures}
+    return {"held": True, "failures": failures}
 
 
-def record_successes(
-    connection: Connection, deliveries: list[dict[str, Any]], *, owner: str
-) -> bool:
+def disable_webhook(connection: Connection, webhook_id: str, *, reason: str, now_ms: int) -> None:
+    """Disable a subscription and give up its lease (enabling it again clears ``reason``)."""
+    connection.execute(
+        update(webhooks)
+        .where(webhooks.c.id == webhook_id)
+        .values(
+            enabled=False,
+            disabled_reason=reason,
+            lease_owner=None,
+            lease_until_ms=None,
+            updated_ms=now_ms,
+        )
+    )
+
+
+def record_successes(connection: Connection, deliveries: list[Success], *, owner: str) -> bool:
     """Mark several accepted deliveries ``succeeded`` in one transaction.
 
     Each dict carries the delivery's ``id``, ``attempt_log``, and this attempt's
@@ -643,7 +693,7 @@ def list_deliveries(
     status: str | None = None,
     limit: int = 100,
     before_id: int | None = None,
-) -> list[dict[str, Any]]:
+) -> list[Delivery]:
     """A subscription's deliveries, newest first (``before_id`` pages back)."""
     query = select(webhook_deliveries).where(webhook_deliveries.c.webhook_id == webhook_id)
     if status is not None:
@@ -655,5 +705,5 @@ def list_deliveries(
     for row in rows.mappings():
         item = dict(row)
         item["attempt_log"] = orjson.loads(item["attempt_log"])
-        out.append(item)
+        out.append(cast(Delivery, item))
     return out

@@ -37,11 +37,12 @@ from typing import Any
 import orjson
 from sqlalchemy import Engine
 
+from api.webhooks.rules import disable_reason, wants
 from api.webhooks.sender import AttemptResult, Sender
 from api.webhooks.signing import signature_headers
 from forewarn.threads import to_thread_to_end
 from store import webhooks as wstore
-from store.outbox import event_payload
+from store.outbox import emit_event, event_payload
 
 __all__ = ["DispatchConfig", "Dispatcher", "next_attempt_ms"]
 
@@ -77,6 +78,10 @@ class DispatchConfig:
             poll_interval_s=settings.webhook_poll_interval_s,
             lease_s=settings.webhook_lease_s,
         )
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
 
 
 def next_attempt_ms(
@@ -130,7 +135,7 @@ class Dispatcher:
         self._renew_at = 0.0  # monotonic time of the next lease renewal
         self._lease_deadline = 0.0  # our leases are surely valid until then (monotonic)
         self._late: dict[int, float] = {}  # seqs passed over while uncommitted -> when
-        self._held: dict[str, dict[str, Any]] = {}
+        self._held: dict[str, wstore.Webhook] = {}
         self._workers: dict[str, asyncio.Task[None]] = {}
         self._wake: dict[str, asyncio.Event] = {}
 
@@ -183,16 +188,19 @@ class Dispatcher:
         with self.engine.begin() as connection:
             wstore.release_webhooks(connection, owner=self.owner)
 
-    def _claim(self) -> list[dict[str, Any]]:
+    def _claim(self) -> list[wstore.Webhook]:
         """Renew the leases a third of the way through them, take free subscriptions as
         they appear; otherwise only read what is held (an idle service writes nothing)."""
         now = time.monotonic()
         with self.engine.connect() as connection:
-            if now < self._renew_at and not wstore.claimable(connection):
+            if now < self._renew_at and not wstore.claimable(connection, now_ms=_now_ms()):
                 return wstore.held_webhooks(connection, owner=self.owner)
         with self.engine.begin() as connection:
             held = wstore.claim_webhooks(
-                connection, owner=self.owner, lease_ms=int(self.config.lease_s * 1000)
+                connection,
+                owner=self.owner,
+                lease_ms=int(self.config.lease_s * 1000),
+                now_ms=_now_ms(),
             )
         self._renew_at = now + self.config.lease_s / 3
         self._lease_deadline = now + self.config.lease_s
@@ -228,8 +236,11 @@ class Dispatcher:
         if not events:
             return
         for webhook in self._held.values():
+            wanted = [e for e in events if wants(webhook, e)]
             with self.engine.begin() as connection:
-                wstore.queue_late(connection, webhook, events, owner=self.owner)
+                wstore.queue_late(
+                    connection, webhook, wanted, owner=self.owner, now_ms=_now_ms()
+                )
         for event in events:
             self._late.pop(event["seq"], None)
             log.info("outbox event %s committed late; queued", event["id"])
@@ -259,10 +270,10 @@ class Dispatcher:
             await to_thread_to_end(self._fan_out, webhook, self.safe_seq)
         due = await to_thread_to_end(self._due, webhook_id)
         idle_s = max(self.config.lease_s / 3, self.config.poll_interval_s)
-        accepted: list[dict[str, Any]] = []  # recorded in batches: one commit, not one each
+        accepted: list[wstore.Success] = []  # recorded in batches: one commit, not one each
         try:
             for delivery in due:
-                now_ms = int(time.time() * 1000)
+                now_ms = _now_ms()
                 if delivery["next_attempt_ms"] > now_ms:
                     return min((delivery["next_attempt_ms"] - now_ms) / 1000, idle_s)
                 current = self._held.get(webhook_id)
@@ -275,12 +286,12 @@ class Dispatcher:
                 result = await self._attempt(current, delivery)
                 if result.ok:
                     accepted.append(
-                        {
+                        wstore.Success(
                             **delivery,
-                            "attempt_ms": int(time.time() * 1000) - result.latency_ms,
-                            "latency_ms": result.latency_ms,
-                            "status_code": result.status_code,
-                        }
+                            attempt_ms=_now_ms() - result.latency_ms,
+                            latency_ms=result.latency_ms,
+                            status_code=result.status_code,
+                        )
                     )
                     full = len(accepted) >= self.config.record_batch
                     if full and not await self._flush(accepted):
@@ -288,9 +299,11 @@ class Dispatcher:
                     continue
                 if not await self._flush(accepted):
                     return None
-                outcome = await to_thread_to_end(self._record, current, delivery, result)
-                if not outcome["held"] or outcome["disabled"]:
-                    if outcome["disabled"]:
+                outcome, disabled = await to_thread_to_end(
+                    self._record, current, delivery, result
+                )
+                if not outcome["held"] or disabled:
+                    if disabled:
                         log.warning(
                             "webhook %s disabled after %d failures", webhook_id, outcome["failures"]
                         )
@@ -302,7 +315,7 @@ class Dispatcher:
             await asyncio.shield(self._flush(accepted))
         return idle_s if len(due) < self.config.batch else 0.0
 
-    async def _flush(self, accepted: list[dict[str, Any]]) -> bool:
+    async def _flush(self, accepted: list[wstore.Success]) -> bool:
         if not accepted:
             return True
         batch = list(accepted)
@@ -314,19 +327,27 @@ class Dispatcher:
 
         return await to_thread_to_end(write)
 
-    def _fan_out(self, webhook: dict[str, Any], up_to_seq: int) -> None:
+    def _fan_out(self, webhook: wstore.Webhook, up_to_seq: int) -> None:
         with self.engine.connect() as connection:
             events, new_cursor = wstore.events_to_fan_out(connection, webhook, up_to_seq=up_to_seq)
+        wanted = [e for e in events if wants(webhook, e)]
         with self.engine.begin() as connection:
             wstore.queue_deliveries(
-                connection, webhook, events, owner=self.owner, new_cursor=new_cursor
+                connection,
+                webhook,
+                wanted,
+                owner=self.owner,
+                new_cursor=new_cursor,
+                now_ms=_now_ms(),
             )
 
-    def _due(self, webhook_id: str) -> list[dict[str, Any]]:
+    def _due(self, webhook_id: str) -> list[wstore.DueDelivery]:
         with self.engine.connect() as connection:
             return wstore.due_deliveries(connection, webhook_id, limit=self.config.batch)
 
-    async def _attempt(self, webhook: dict[str, Any], delivery: dict[str, Any]) -> AttemptResult:
+    async def _attempt(
+        self, webhook: wstore.Webhook, delivery: wstore.DueDelivery
+    ) -> AttemptResult:
         event = {
             "type": delivery["event_type"],
             "ts_ms": delivery["event_ts_ms"],
@@ -341,9 +362,12 @@ class Dispatcher:
         return await self.sender.send(webhook["url"], headers, body)
 
     def _record(
-        self, webhook: dict[str, Any], delivery: dict[str, Any], result: AttemptResult
-    ) -> dict[str, Any]:
-        now_ms = int(time.time() * 1000)
+        self, webhook: wstore.Webhook, delivery: wstore.DueDelivery, result: AttemptResult
+    ) -> tuple[wstore.AttemptOutcome, bool]:
+        """Store the failed or given-up attempt; disable the subscription in the same
+        transaction when its failures reach ``disable_after`` (announced as
+        ``webhook.disabled``). Returns what was recorded and whether it disabled it."""
+        now_ms = _now_ms()
         retry_at = None
         if not result.ok:
             retry_at = next_attempt_ms(
@@ -364,9 +388,26 @@ class Dispatcher:
                 latency_ms=result.latency_ms,
                 attempt_ms=now_ms - result.latency_ms,
                 next_attempt_ms=retry_at,
-                disable_after=self.config.disable_after,
             )
+            reason = disable_reason(
+                ok=result.ok,
+                failures=outcome["failures"],
+                disable_after=self.config.disable_after,
+                error=result.error,
+            )
+            if outcome["held"] and reason is not None:
+                wstore.disable_webhook(connection, webhook["id"], reason=reason, now_ms=now_ms)
+                emit_event(
+                    connection,
+                    "webhook.disabled",
+                    {
+                        "webhook_id": webhook["id"],
+                        "consecutive_failures": outcome["failures"],
+                        "last_error": result.error,
+                        "last_status_code": result.status_code,
+                    },
+                )
         delivery["attempts"] += 1
         if retry_at is not None:
             delivery["next_attempt_ms"] = retry_at
-        return outcome
+        return outcome, outcome["held"] and reason is not None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Annotated, Any
 
@@ -98,7 +99,7 @@ class WebhookPublic(BaseModel):
     updated_at: str
 
     @classmethod
-    def of(cls, row: dict[str, Any]) -> WebhookPublic:
+    def of(cls, row: Mapping[str, Any]) -> WebhookPublic:
         now_ms = datetime.now(UTC).timestamp() * 1000
         until = row["previous_secret_until_ms"]
         return cls(
@@ -122,7 +123,7 @@ class WebhookCreated(WebhookPublic):
     """The signing secret (``whsec_...``); shown only in this response."""
 
     @classmethod
-    def of(cls, row: dict[str, Any]) -> WebhookCreated:
+    def of(cls, row: Mapping[str, Any]) -> WebhookCreated:
         return cls(**WebhookPublic.of(row).model_dump(), secret=row["secret"])
 
 
@@ -168,7 +169,7 @@ class DeliveryPublic(BaseModel):
     """The most recent attempts, oldest first."""
 
     @classmethod
-    def of(cls, row: dict[str, Any]) -> DeliveryPublic:
+    def of(cls, row: Mapping[str, Any]) -> DeliveryPublic:
         return cls(
             id=row["id"],
             event_id=row["event_id"],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Request
@@ -23,6 +24,7 @@ from api.webhooks.models import (
     WebhookTestQueued,
     WebhookUpdate,
 )
+from api.webhooks.rules import new_webhook_id
 from api.webhooks.signing import generate_secret
 from forewarn.errors import NotFound
 from store import Store
@@ -40,6 +42,10 @@ def _guard(request: Request) -> TargetGuard:
     return app_state(request.app).webhook_guard
 
 
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
 async def _in_tx(store: Store, fn: Any, *args: Any, **kwargs: Any) -> Any:
     def run() -> Any:
         with store.begin() as connection:
@@ -48,7 +54,7 @@ async def _in_tx(store: Store, fn: Any, *args: Any, **kwargs: Any) -> Any:
     return await asyncio.to_thread(run)
 
 
-def _found(row: dict[str, Any] | None, webhook_id: str) -> dict[str, Any]:
+def _found(row: wstore.Webhook | None, webhook_id: str) -> wstore.Webhook:
     if row is None:
         raise NotFound(f"no webhook {webhook_id!r}")
     return row
@@ -77,6 +83,8 @@ async def create(body: WebhookCreate, request: Request, store: StoreDep) -> Webh
     row = await _in_tx(
         store,
         wstore.create_webhook,
+        webhook_id=new_webhook_id(),
+        now_ms=_now_ms(),
         url=body.url,
         event_types=body.event_types,
         secret=generate_secret(),
@@ -111,7 +119,7 @@ async def patch(
     if changes.get("url") is not None:
         await _guard(request).resolve(changes["url"])
     changes = {k: v for k, v in changes.items() if v is not None or k in ("job_id", "node")}
-    row = await _in_tx(store, wstore.update_webhook, webhook_id, **changes)
+    row = await _in_tx(store, wstore.update_webhook, webhook_id, now_ms=_now_ms(), **changes)
     return WebhookPublic.of(_found(row, webhook_id))
 
 
@@ -137,6 +145,7 @@ async def rotate(
         webhook_id,
         secret=generate_secret(),
         grace_ms=int(grace_s * 1000),
+        now_ms=_now_ms(),
     )
     return WebhookCreated.of(_found(row, webhook_id))
 
@@ -173,7 +182,7 @@ async def deliveries(
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     before_id: Annotated[int | None, Query(ge=1, le=2**63 - 1)] = None,
 ) -> DeliveriesPublic:
-    def read(connection: Any) -> list[dict[str, Any]]:
+    def read(connection: Any) -> list[wstore.Delivery]:
         _found(wstore.get_webhook(connection, webhook_id), webhook_id)
         return wstore.list_deliveries(
             connection, webhook_id, status=status, limit=limit, before_id=before_id

@@ -160,11 +160,21 @@ def make_dispatcher(
 
 
 def subscribe(store: Store, url: str, **kwargs: Any) -> dict[str, Any]:
+    from api.webhooks.rules import new_webhook_id
     from api.webhooks.signing import generate_secret
 
     kwargs.setdefault("event_types", ["*"])
     with store.begin() as connection:
-        return wstore.create_webhook(connection, url=url, secret=generate_secret(), **kwargs)
+        return dict(
+            wstore.create_webhook(
+                connection,
+                webhook_id=new_webhook_id(),
+                now_ms=int(time.time() * 1000),
+                url=url,
+                secret=generate_secret(),
+                **kwargs,
+            )
+        )
 
 
 def emit(store: Store, type_: str = "migration.requested", **data: Any) -> str:

@@ -132,7 +132,13 @@ def test_rotation_sends_both_signatures(store: Store, receiver: Receiver) -> Non
     hook = subscribe(store, receiver.url)
     new_secret = generate_secret()
     with store.begin() as connection:
-        wstore.rotate_secret(connection, hook["id"], secret=new_secret, grace_ms=60_000)
+        wstore.rotate_secret(
+            connection,
+            hook["id"],
+            secret=new_secret,
+            grace_ms=60_000,
+            now_ms=int(time.time() * 1000),
+        )
     emit(store, "node.drained", node="node-b")
     run_dispatchers([make_dispatcher(store)], lambda: bool(receiver.ids()))
     record = receiver.received[0]
