@@ -22,7 +22,9 @@ nowhere (no mirror at ``k``) means no checkpoint, and the agent says why.
 
 ``Job(..., resume_from=DIR)`` (``FOREWARN_RESUME_FROM``, ``forewarn launch --resume DIR``)
 loads the replica state and the process's own rank state into what the script registered,
-and ``job.steps()`` continues at ``k``.
+and ``job.steps()`` continues at ``k``. The same reads a sharded checkpoint (one file per
+rank, written by a job with peer copies to disk: :mod:`migrator.shards`), each rank its own
+file.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ from forewarn.errors import MigrationError
 from migrator import protocol as P
 from migrator.handover import mirror_at
 from migrator.membership import Membership
+from migrator.shards import FORMAT as SHARDED
+from migrator.shards import is_sharded, load_shard
 from migrator.state import Registry, peek_step, restore_rank_state
 
 __all__ = ["CheckpointError", "StopCheckpointer", "load", "restore", "write"]
@@ -116,12 +120,20 @@ def write(
     return final
 
 
-def load(path: Path) -> dict[str, Any]:
-    """Read a checkpoint: a file, or a directory (the one ``latest`` names).
+def load(path: Path, rank: int | None = None) -> dict[str, Any]:
+    """Read a checkpoint: a file, or a directory (the one ``latest`` names); of a sharded
+    checkpoint, rank ``rank``'s file.
 
     Raises:
         CheckpointError: nothing there, or not a checkpoint of this format.
     """
+    if path.is_dir() and is_sharded(path):
+        if rank is None:
+            raise CheckpointError(f"{path} is a sharded checkpoint: each rank reads its own file")
+        try:
+            return load_shard(path, rank)
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"{path}: {exc}") from exc
     if path.is_dir():
         latest = path / "latest"
         if not latest.exists():
@@ -143,15 +155,21 @@ def restore(payload: dict[str, Any], registry: Registry, rank: int) -> int:
         CheckpointError: the checkpoint is of another world size.
         MigrationError: the registered model does not match the checkpoint's.
     """
-    ranks = payload["ranks"]
-    if not 0 <= rank < len(ranks):
-        raise CheckpointError(f"the checkpoint has {len(ranks)} ranks; this is rank {rank}")
+    if payload.get("format") == SHARDED:  # this rank's own file: its tensors and state
+        if payload["rank"] != rank:
+            raise CheckpointError(f"the file read is rank {payload['rank']}'s, not rank {rank}'s")
+        own = payload["rank_state"]
+    else:  # one replica's tensors, every rank's own state
+        ranks = payload["ranks"]
+        if not 0 <= rank < len(ranks):
+            raise CheckpointError(f"the checkpoint has {len(ranks)} ranks; this is rank {rank}")
+        own = ranks[rank]
     meta = payload["meta"]
     with torch.no_grad():
         for dst, src in zip(registry.prepare(meta["manifest"]), payload["tensors"], strict=True):
             dst.copy_(src)
     registry.apply_meta(meta)
-    step = restore_rank_state(ranks[rank], registry.data)
+    step = restore_rank_state(own, registry.data)
     if step != payload["step"]:
         raise CheckpointError(f"rank {rank}'s state is at step {step}, not {payload['step']}")
     return step

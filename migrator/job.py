@@ -298,6 +298,7 @@ class Job:
         )
         self.hooks = PlanHooks(self.faults, kv, self)
         self.resume_from = Path(resume_from) if resume_from else None
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
         checkpointer = None
         if checkpoint_dir:
             checkpointer = StopCheckpointer(
@@ -407,6 +408,7 @@ class Job:
         data: DataPosition | None = None,
         rank_unique: bool = False,
         peer_copy_every: int | str | None = None,
+        disk_copy_every: int | None = None,
     ) -> Layout:
         """Say what the training state is. Call once, before :meth:`steps`.
 
@@ -430,6 +432,11 @@ class Job:
                 holds (rank-unique, FSDP2); costs four times the rank's state in host memory.
                 ``"auto"``: ``k`` derived after the first 5 steps so that the copy into
                 memory costs under 1 % of a step (rank 0's copy time and median step).
+            disk_copy_every: ``m``, with peer copies and a checkpoint directory: the copy
+                round whose k steps hold a multiple of ``m`` also writes every rank's copy to
+                the directory, in the background (:mod:`migrator.shards`), so that a rank lost
+                together with its buddy stops the job at that consistent checkpoint
+                (``forewarn launch --resume DIR`` goes on from it, bitwise).
 
         Returns:
             The guarantees the layout allows (also logged and noted as ``registered``):
@@ -463,7 +470,11 @@ class Job:
                 timeout_s=self.timeout_s,
                 where=lambda: (self.gen, self.rank),
                 graveyard=self.member.graveyard,
+                disk=self.checkpoint_dir,
+                disk_every=disk_copy_every,
             )
+        elif disk_copy_every is not None:
+            raise ValueError("disk_copy_every writes the peer copies: set peer_copy_every too")
         self.mesh_layout = self._mesh_layout(rank_unique)
         reg.holders = self.mesh_layout.holders
         layout = LAYOUTS[self.mesh_layout.kind]
@@ -626,7 +637,7 @@ class Job:
         plans = None
         if self.resume_from is not None:
             # A spare gets its state from a rank, never from the checkpoint.
-            payload = checkpoint.load(self.resume_from)
+            payload = checkpoint.load(self.resume_from, rank=self.rank)
             self._next = checkpoint.restore(payload, self.registry, self.rank)
             # "layouts": the key's name in checkpoints written before it was renamed.
             saved = payload.get("bucket_plans", payload.get("layouts"))

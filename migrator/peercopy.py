@@ -29,6 +29,12 @@ lost ranks' held copies; every survivor puts its own copy of ``c`` back in place
 (``2k`` when the last round had not landed) replayed, deterministically. A rank lost together
 with its buddy has no copy left: the job stops, naming both.
 
+With ``disk_copy_every=m`` and a checkpoint directory, the round whose k steps hold a multiple
+of ``m`` also writes each rank's own copy to that directory from a third background thread,
+and the job's ``latest`` sharded checkpoint moves to it once every rank's file is in place
+(:mod:`migrator.shards`). A rank lost together with its buddy then stops the job at that
+consistent checkpoint, which ``forewarn launch --resume DIR`` continues bitwise.
+
 The copies travel point to point over gloo, not through the key-value store: two two-rank
 groups per process and generation, one to the buddy and one from the ward (prefix
 ``pc/g{gen}/{rank}/{step}``, ``step`` the round that built it), built at the generation's
@@ -46,11 +52,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from migrator import protocol as P
+from migrator import shards
 from migrator.channels import Channels
 from migrator.groups import Graveyard, pair_group
 from migrator.peerplan import (
@@ -108,6 +116,9 @@ class PeerCopies:
         graveyard: where each copy's groups go when its round ends.
         cost_target: with ``every="auto"``, the share of a step the copy into memory may
             take, spread over the k steps (default 1 %).
+        disk: the checkpoint directory the copies also go to (with ``disk_every``).
+        disk_every: ``m``: the round whose k steps hold a multiple of ``m`` also writes each
+            rank's copy to ``disk`` (:mod:`migrator.shards`).
     """
 
     def __init__(
@@ -123,9 +134,18 @@ class PeerCopies:
         backend: str = "gloo",
         graveyard: Graveyard | None = None,
         cost_target: float = 0.01,
+        disk: Path | None = None,
+        disk_every: int | None = None,
     ) -> None:
         if every != "auto" and (not isinstance(every, int) or every < 1):
             raise ValueError(f"peer_copy_every must be >= 1 or 'auto', not {every!r}")
+        if disk_every is not None and (not isinstance(disk_every, int) or disk_every < 1):
+            raise ValueError(f"disk_copy_every must be >= 1, not {disk_every!r}")
+        if disk_every is not None and disk is None:
+            raise ValueError(
+                "disk_copy_every needs a checkpoint directory (forewarn launch --checkpoint-dir, "
+                "FOREWARN_CHECKPOINT_DIR)"
+            )
         if world < 2:
             raise ValueError("peer copies need a second rank to hold them")
         self.kv = kv
@@ -152,6 +172,9 @@ class PeerCopies:
         self._pairs: dict[bool, Any] = {}
         self._pairs_of: tuple[int, int] | None = None  # the (generation, rank) they serve
         self._broken: set[bool] = set()
+        self.disk = disk
+        self.disk_every = disk_every
+        self.disk_s = 0.0  # the last disk copy's time in its thread
 
     def ring(self) -> list[int]:
         """The job's ring (:func:`read_ring`), read once."""
@@ -161,6 +184,13 @@ class PeerCopies:
 
     def due(self, step: int) -> bool:
         return self.every is not None and step >= self._first and step % self.every == 0
+
+    def disk_due(self, step: int) -> bool:
+        """Whether the round at ``step`` also goes to disk: its k steps, ``(step - k, step]``,
+        hold a multiple of ``m``. The same on every rank (and a spare), from k and m alone."""
+        if self.disk_every is None or self.every is None:
+            return False
+        return step // self.disk_every > (step - self.every) // self.disk_every
 
     def _derive(self, step: int, rank: int) -> None:
         """``every="auto"``: the active ranks start together at some step s; rank 0 times
@@ -252,6 +282,10 @@ class PeerCopies:
             threading.Thread(target=self._send, args=(groups[True], mine), daemon=True),
             threading.Thread(target=self._receive, args=(groups[False], ward, step), daemon=True),
         ]
+        if self.disk_due(step):
+            self._threads.append(
+                threading.Thread(target=self._to_disk, args=(mine, rank), daemon=True)
+            )
         for thread in self._threads:
             thread.start()
 
@@ -267,6 +301,31 @@ class PeerCopies:
         except (RuntimeError, OSError) as exc:  # the buddy is gone: the agent handles it
             log.warning("peer copy of step %d not sent: %s", copy.step, exc)
             self._broken.add(True)
+
+    def _to_disk(self, copy: Copy, rank: int) -> None:
+        """Write this rank's copy to the sharded checkpoint of its step; the first rank to
+        find every rank's file in place seals it (:func:`migrator.shards.seal`)."""
+        assert self.disk is not None
+        t0 = time.perf_counter()
+        try:
+            shards.write_shard(
+                self.disk,
+                step=copy.step,
+                rank=rank,
+                world_size=self.world,
+                meta=copy.meta,
+                tensors=copy.tensors,
+                rank_state=copy.rank_state,
+            )
+            self.kv.set(P.disk_copy_key(copy.step, rank), "1")
+            every = [P.disk_copy_key(copy.step, r) for r in range(self.world)]
+            if self.kv.check(every) and int(self.kv.add(P.disk_sealed_key(copy.step), 1)) == 1:
+                info = {"ranks": self.world, "every": self.every, "disk_every": self.disk_every}
+                if shards.seal(self.disk, step=copy.step, world_size=self.world, info=info):
+                    log.info("sharded checkpoint of step %d sealed in %s", copy.step, self.disk)
+        except (RuntimeError, OSError) as exc:  # a full disk, a store gone: training goes on
+            log.warning("disk copy of step %d not written: %s", copy.step, exc)
+        self.disk_s = time.perf_counter() - t0
 
     def _receive(self, group: Any, ward: int, step: int) -> None:
         got: dict[str, Any] = {}

@@ -101,6 +101,8 @@ __all__ = [
     "as_kv_store",
     "assign_key",
     "cmd_key",
+    "disk_copy_key",
+    "disk_sealed_key",
     "done_key",
     "error_key",
     "fault_key",
@@ -511,6 +513,17 @@ def kill_key(slot: int) -> str:
 def held_key(rank: int) -> str:
     """The step of rank ``rank``'s last whole peer copy (written by the buddy)."""
     return f"pc/held/{rank}"
+
+
+def disk_copy_key(step: int, rank: int) -> str:
+    """Rank ``rank``'s file of the sharded checkpoint of step ``step`` is in place
+    (:mod:`migrator.shards`)."""
+    return f"pc/disk/{step}/{rank}"
+
+
+def disk_sealed_key(step: int) -> str:
+    """Counter: the first rank to find every file of step ``step`` in place seals it."""
+    return f"pc/disk/{step}/sealed"
 
 
 def since_key(rank: int) -> str:

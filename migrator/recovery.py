@@ -44,6 +44,7 @@ from forewarn.wire import MigrationReason
 from migrator import protocol as P
 from migrator.layouts import read_layout, senders
 from migrator.peerplan import rewind_plan
+from migrator.shards import latest_step
 from migrator.table import JobTable, Migration, Slot
 
 __all__ = ["Recovery", "RecoverySettings", "RecoveryState", "Supervisor", "detect_grace"]
@@ -281,7 +282,7 @@ class Recovery:
             self.fail(
                 f"rank(s) {dead} lost; the job registered rank-unique state, which no "
                 f"replica holds{self.why_not and ' (' + self.why_not + ')'}: restart from a "
-                "checkpoint",
+                f"checkpoint{self._last_checkpoint()}",
                 code=StateNotReplicated.code,
             )
             return
@@ -293,6 +294,15 @@ class Recovery:
             )
             return
         self._place_spares(now)
+
+    def _last_checkpoint(self) -> str:
+        """Where the job can go on from, said after "restart from a checkpoint": the newest
+        consistent checkpoint in the job's directory (:func:`migrator.shards.latest_step`)."""
+        directory = self.cfg.checkpoint_dir
+        step = latest_step(directory) if directory is not None else None
+        if step is None:
+            return ""
+        return f" (the last consistent one: step {step} in {directory}; --resume {directory})"
 
     def _declare_lost(self, rank: int, dead: list[int]) -> None:
         slot = self.table.slots[self.table.roster[rank]]

@@ -141,7 +141,8 @@ LAYOUTS = {
         "bitwise equal, 0 steps lost: the rank sends its own state",
         "bitwise equal, at most k steps replayed (2k if the last copy had not landed): the "
         "lost rank's copy comes from its buddy's memory and every rank goes back to that "
-        "copy's step; refused when a rank and its buddy are lost together",
+        "copy's step; a rank and its buddy lost together stop the job at the last disk copy "
+        "(disk_copy_every), which --resume continues bitwise",
     ),
     "hsdp": Layout(
         "hsdp",

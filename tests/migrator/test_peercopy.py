@@ -21,10 +21,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from migrator import checkpoint, shards
+from migrator.channels import PairChannels
 from migrator.faults import FaultPlan
+from migrator.groups import Graveyard
 from migrator.job import Job
-from migrator.peercopy import buddy_of, held_key, rewind_plan, since_key
+from migrator.peercopy import PeerCopies, buddy_of, held_key, rewind_plan, since_key
 from migrator.peerplan import RING_KEY, read_ring, ring_of
+from migrator.state import Registry
 from tests.migrator.harness import Run, assert_same_final, launch
 from tests.migrator.nodes_harness import launch_nodes
 
@@ -136,13 +140,119 @@ def test_rank_killed_is_rebuilt_from_its_buddys_copy_and_the_job_replays_bitwise
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_rank_lost_with_its_buddy_stops_naming_both(tmp_path: Path) -> None:
-    plan = FaultPlan().fail_at(1, 5, where="forward").fail_at(2, 5, where="forward")
-    run = launch(tmp_path, nproc=4, spares=2, plan=plan, steps=9, mode="fsdp", script_args=ARGS)
-    assert run.code == 1 and run.agent.status == "failed"
-    assert "rank 1 and its buddy rank 2 were lost together" in run.agent.message
-    assert "restart from a checkpoint" in run.agent.message
-    assert run.reports == []
+def test_rank_lost_with_its_buddy_stops_at_the_last_disk_copy_and_resumes_bitwise(
+    base_copies: Run, tmp_path: Path
+) -> None:
+    """Copies every 2 steps, to disk every 4: ranks 1 and 2 (1's buddy) are killed together
+    mid-forward at step 7. No memory holds rank 1's state, so the job stops, naming both and
+    the sharded checkpoint of step 4 that every rank wrote; launched again with ``--resume``
+    it runs steps 4 to 8 with the undisturbed run's losses and ends torch.equal to it."""
+    ckpt = tmp_path / "ckpt"
+    args = (*ARGS, "--disk-copy", "4")
+    plan = FaultPlan().fail_at(1, 7, where="forward").fail_at(2, 7, where="forward")
+    stopped = launch(
+        tmp_path / "stopped",
+        nproc=4,
+        spares=2,
+        plan=plan,
+        steps=9,
+        mode="fsdp",
+        script_args=args,
+        checkpoint_dir=ckpt,
+    )
+    assert stopped.code == 1 and stopped.agent.status == "failed"
+    message = stopped.agent.message
+    assert "rank 1 and its buddy rank 2 were lost together" in message, message
+    assert f"restart from a checkpoint (the last consistent one: step 4 in {ckpt}" in message
+    assert stopped.reports == []
+    assert (ckpt / "latest").read_text().strip() == "step-00000004"
+    assert sorted(p.name for p in (ckpt / "step-00000004").iterdir()) == [
+        "manifest.json",
+        *(f"rank-{r:05d}.pt" for r in range(4)),
+    ]
+    resumed = launch(
+        tmp_path / "resumed",
+        nproc=4,
+        spares=0,
+        steps=9,
+        mode="fsdp",
+        script_args=args,
+        checkpoint_dir=ckpt,
+        resume_from=ckpt,
+    )
+    assert resumed.code == 0, resumed.agent.message
+    base, rows = _rows(base_copies), _rows(resumed)
+    assert sorted({step for _, step in rows}) == [4, 5, 6, 7, 8]
+    for key, seen in rows.items():
+        assert [r["loss"] for r in seen] == [base[key][0]["loss"]], f"loss differs at {key}"
+        assert seen[0]["samples"] == base[key][0]["samples"], f"samples differ at {key}"
+    assert_same_final(base_copies, resumed, nproc=4)
+    # The resumed run went on copying to disk: step 8's checkpoint is the latest now.
+    assert (ckpt / "latest").read_text().strip() == "step-00000008"
+
+
+def test_disk_copies_go_with_the_round_holding_a_multiple_of_m_and_latest_moves_forward(
+    tmp_path: Path,
+) -> None:
+    def copies(k: int, m: int) -> PeerCopies:
+        return PeerCopies(
+            dist.HashStore(),
+            Registry(),
+            PairChannels(dist.HashStore(), backend="gloo", timeout_s=1.0, graveyard=Graveyard()),
+            every=k,
+            world=2,
+            timeout_s=1.0,
+            where=lambda: (0, 0),
+            disk=tmp_path,
+            disk_every=m,
+        )
+
+    assert [c for c in range(1, 13) if copies(3, 4).due(c) and copies(3, 4).disk_due(c)] == [
+        6,
+        9,
+        12,
+    ]
+    assert [c for c in (2, 4, 6, 8) if copies(2, 4).disk_due(c)] == [4, 8]
+    with pytest.raises(ValueError, match="needs a checkpoint directory"):
+        PeerCopies(
+            dist.HashStore(),
+            Registry(),
+            PairChannels(dist.HashStore(), backend="gloo", timeout_s=1.0, graveyard=Graveyard()),
+            every=2,
+            world=2,
+            timeout_s=1.0,
+            where=lambda: (0, 0),
+            disk_every=4,
+        )
+
+    def write(step: int, rank: int) -> None:
+        shards.write_shard(
+            tmp_path,
+            step=step,
+            rank=rank,
+            world_size=2,
+            meta={"manifest": [], "rank_state": b"x"},
+            tensors=[torch.full((2,), float(rank))],
+            rank_state=b"state",
+        )
+
+    write(4, 0)
+    with pytest.raises(FileNotFoundError, match=r"ranks \[1\]"):
+        shards.seal(tmp_path, step=4, world_size=2, info={})
+    write(4, 1)
+    assert (
+        shards.seal(tmp_path, step=4, world_size=2, info={}) and shards.latest_step(tmp_path) == 4
+    )
+    write(2, 0), write(2, 1)
+    assert not shards.seal(tmp_path, step=2, world_size=2, info={})  # an older step: no move
+    assert shards.latest_step(tmp_path) == 4
+    with pytest.raises(checkpoint.CheckpointError, match="each rank reads its own file"):
+        checkpoint.load(tmp_path)
+    mine = checkpoint.load(tmp_path, rank=1)
+    assert (mine["step"], mine["rank"], mine["rank_state"]) == (4, 1, b"state")
+    assert torch.equal(mine["tensors"][0], torch.ones(2)) and "rank_state" not in mine["meta"]
+    with pytest.raises(checkpoint.CheckpointError, match="has 2 ranks"):
+        checkpoint.load(tmp_path, rank=2)
 
 
 @pytest.mark.slow

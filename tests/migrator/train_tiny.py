@@ -31,6 +31,7 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=32)
     ap.add_argument("--replicate", type=int, default=1, help="fsdp: replica groups (HSDP)")
     ap.add_argument("--peer-copy", type=int, metavar="K", help="copy to a buddy every K steps")
+    ap.add_argument("--disk-copy", type=int, metavar="M", help="peer copies to disk every M steps")
     ap.add_argument("--unique", action="store_true", help="declare rank-unique state")
     ap.add_argument("--raise-at", metavar="RANK:STEP", help="RuntimeError there, every time")
     ap.add_argument("--raise-text", help="the --raise-at error's message")
@@ -83,6 +84,7 @@ def main() -> None:
         data=batches,
         rank_unique=args.unique,
         peer_copy_every=args.peer_copy,
+        disk_copy_every=args.disk_copy,
     )
     net = job.ddp(model) if args.mode == "ddp" else model
     args.out.mkdir(parents=True, exist_ok=True)

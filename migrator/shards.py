@@ -1,0 +1,178 @@
+"""Sharded checkpoints: each rank's own state in a file of its own, for state no replica holds.
+
+A job with peer copies (:mod:`migrator.peercopy`) keeps each rank's state in its buddy's
+memory; a rank lost together with its buddy has no copy left anywhere in memory. With
+``job.register(..., peer_copy_every=k, disk_copy_every=m)`` and a checkpoint directory
+(``forewarn launch --checkpoint-dir DIR``), the copy round whose k steps hold a multiple of
+``m`` also writes every rank's copy, from a background thread, to::
+
+    DIR/step-<c>/rank-<r>.pt      one per rank: its tensors (a DTensor's local shard), the
+                                  optimizer hyper-parameters, schedulers, scaler, its RNG
+                                  states and data position, all at boundary c
+    DIR/step-<c>/manifest.json    written once every rank's file is in place
+    DIR/latest                    names the newest sealed step-<c> (only ever moves forward)
+
+Each file is written under a temporary name, fsynced and renamed into place; a rank says so in
+the job's key-value store (:func:`migrator.protocol.disk_copy_key`), and the rank that finds
+every rank's key present first (one ``add`` on :func:`migrator.protocol.disk_sealed_key`)
+writes the manifest and moves ``latest``. So ``latest`` always names a step every rank wrote:
+a consistent checkpoint of the whole job, which ``forewarn launch --resume DIR`` loads
+(:func:`migrator.checkpoint.load`, each rank its own file). The directory must be one every
+node sees (a shared file system) for a job of several nodes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "FORMAT",
+    "is_sharded",
+    "latest_step",
+    "load_shard",
+    "seal",
+    "shard_dir",
+    "write_shard",
+]
+
+FORMAT = 2
+"""The sharded checkpoint's format (the one-file checkpoint of a replicated job is 1)."""
+
+
+def shard_dir(directory: Path, step: int) -> Path:
+    return directory / f"step-{step:08d}"
+
+
+def _rank_file(directory: Path, step: int, rank: int) -> Path:
+    return shard_dir(directory, step) / f"rank-{rank:05d}.pt"
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # a file system without directory handles
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _replace_atomically(final: Path, write: Any) -> None:
+    tmp = final.parent / f".{final.name}.{os.getpid()}.tmp"
+    with open(tmp, "wb") as fh:
+        write(fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
+
+
+def write_shard(
+    directory: Path,
+    *,
+    step: int,
+    rank: int,
+    world_size: int,
+    meta: dict[str, Any],
+    tensors: list[torch.Tensor],
+    rank_state: bytes,
+) -> Path:
+    """Write rank ``rank``'s state at boundary ``step`` atomically; returns its path.
+
+    ``meta``: the registry's non-tensor state and manifest (:meth:`Registry.meta`);
+    ``tensors``: its tensors in the manifest's order, in host memory.
+    """
+    final = _rank_file(directory, step, rank)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "format": FORMAT,
+        "step": step,
+        "rank": rank,
+        "world_size": world_size,
+        "meta": {k: v for k, v in meta.items() if k != "rank_state"},
+        "tensors": tensors,
+        "rank_state": rank_state,
+    }
+    _replace_atomically(final, lambda fh: torch.save(payload, fh))
+    return final
+
+
+def latest_step(directory: Path) -> int | None:
+    """The step of the checkpoint ``DIR/latest`` names (a sealed sharded one, or a one-file
+    checkpoint of :mod:`migrator.checkpoint`), else None."""
+    try:
+        name = (directory / "latest").read_text().strip()
+    except OSError:
+        return None
+    target = directory / name
+    sealed = (target / "manifest.json").exists() or (name.endswith(".pt") and target.is_file())
+    if not name.startswith("step-") or not sealed:
+        return None
+    try:
+        return int(name[5:].split(".")[0])
+    except ValueError:
+        return None
+
+
+def seal(directory: Path, *, step: int, world_size: int, info: dict[str, Any]) -> bool:
+    """Write the manifest of the sharded checkpoint of ``step`` (every rank's file is in
+    place: the caller checked) and point ``latest`` at it unless it names a later one.
+    Returns whether ``latest`` moved."""
+    folder = shard_dir(directory, step)
+    missing = [r for r in range(world_size) if not _rank_file(directory, step, r).exists()]
+    if missing:
+        raise FileNotFoundError(f"ranks {missing} have no file in {folder}")
+    manifest = {
+        "format": FORMAT,
+        "step": step,
+        "world_size": world_size,
+        "info": {**info, "written_at": time.time()},
+    }
+    _replace_atomically(
+        folder / "manifest.json", lambda fh: fh.write(json.dumps(manifest).encode())
+    )
+    current = latest_step(directory)
+    if current is not None and current >= step:
+        return False
+    _replace_atomically(directory / "latest", lambda fh: fh.write(f"{folder.name}\n".encode()))
+    return True
+
+
+def is_sharded(path: Path) -> bool:
+    """Whether ``path`` (a directory holding ``latest``, or a ``step-<c>`` folder) is a sharded
+    checkpoint."""
+    if (path / "manifest.json").exists():
+        return True
+    latest = path / "latest"
+    if not latest.exists():
+        return False
+    return (path / latest.read_text().strip() / "manifest.json").exists()
+
+
+def load_shard(path: Path, rank: int) -> dict[str, Any]:
+    """Rank ``rank``'s file of the sharded checkpoint at ``path`` (its folder, or the directory
+    whose ``latest`` names it).
+
+    Raises:
+        FileNotFoundError: no sealed checkpoint there, or no file of that rank.
+        ValueError: the checkpoint is of another world size than the rank asks.
+    """
+    folder = (
+        path if (path / "manifest.json").exists() else path / (path / "latest").read_text().strip()
+    )
+    manifest = json.loads((folder / "manifest.json").read_text())
+    if not 0 <= rank < manifest["world_size"]:
+        raise ValueError(f"the checkpoint has {manifest['world_size']} ranks; this is rank {rank}")
+    payload: dict[str, Any] = torch.load(
+        folder / f"rank-{rank:05d}.pt", map_location="cpu", weights_only=False
+    )
+    if payload.get("format") != FORMAT or payload["step"] != manifest["step"]:
+        raise ValueError(f"{folder}: rank {rank}'s file is not of step {manifest['step']}")
+    return payload
