@@ -27,7 +27,9 @@ In one run, on this machine (gloo, CPU, loopback):
     ``ElasticDDP`` alone against DDP, no job around either, on three shapes (1, 2, 16 buckets);
 (d) (``--parts d``) the per-step cost of in-memory peer copies against k: a 4-rank job
     with copies every k steps against the same job without, seconds per step over the whole
-    loop, per round, and the host memory the copies take per process.
+    loop, per round, and the host memory the copies take per process; with
+    ``--disk-every M``, each k again with the copies also written to disk every M steps
+    (``disk_copy_every``, a sharded checkpoint in a temporary directory).
 
 (e) (``--parts e``) per layout (replicated DDP, HSDP 2 x 2, HSDP + TP 2 x 1 x 2, FSDP2,
     FSDP2 with peer copies every 2 steps), 4 ranks + 1 spare, ``--layout-size`` of state
@@ -132,7 +134,14 @@ def worker(args: argparse.Namespace) -> None:
         opt = torch.optim.Adam(model.parameters(), lr=1e-4)
     every = args.peer_copy or (2 if layout == "peer_copy" else 0)
     if every:
-        job.register(model=model, optimizer=opt, rank_unique=True, peer_copy_every=every)
+        disk = args.disk_copy or None
+        job.register(
+            model=model,
+            optimizer=opt,
+            rank_unique=True,
+            peer_copy_every=every,
+            disk_copy_every=disk,
+        )
     else:
         job.register(model=model, optimizer=opt)
     job._next = start
@@ -176,6 +185,7 @@ def launch(
     spares: int,
     extra: Sequence[str] = (),
     nproc: int = 2,
+    checkpoint_dir: Path | None = None,
 ) -> tuple[Agent, int, float, list[dict]]:
     shutil.rmtree(tmp, ignore_errors=True)
     cmd = [
@@ -198,6 +208,7 @@ def launch(
             log_dir=tmp,
             pause_timeout_s=0.5,
             env={"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
+            checkpoint_dir=checkpoint_dir,
         )
     )
     t = time.perf_counter()
@@ -516,21 +527,33 @@ def hook_cost(
 # -- (d) peer copies -------------------------------------------------------------------------
 
 
-def copy_cost(tmp: Path, size: int, every: int | None, steps: int) -> dict | None:
-    """One 4-rank job of ``steps`` steps (peer copies every ``every`` steps, or none): rank
-    0's seconds per step over the whole loop, boundaries included."""
+def copy_cost(
+    tmp: Path, size: int, every: int | None, steps: int, disk_every: int = 0
+) -> dict | None:
+    """One 4-rank job of ``steps`` steps (peer copies every ``every`` steps, or none; to disk
+    every ``disk_every`` steps too): rank 0's seconds per step over the whole loop,
+    boundaries included."""
     extra = ["--peer-copy", str(every)] if every else []
-    _, code, _, lines = launch(tmp, size, steps=steps, plan=None, spares=0, extra=extra, nproc=4)
+    if disk_every:
+        extra += ["--disk-copy", str(disk_every)]
+    ckpt = tmp / "ckpt" if disk_every else None
+    _, code, _, lines = launch(
+        tmp, size, steps=steps, plan=None, spares=0, extra=extra, nproc=4, checkpoint_dir=ckpt
+    )
     rows = [x for x in lines if "loop_s" in x]
     shutil.rmtree(tmp, ignore_errors=True)
     return rows[0] if code == 0 and rows else None
 
 
-def peer_copies(tmp: Path, size: int, ks: Sequence[int], rounds: int, steps: int) -> dict:
-    """Per round, interleaved: the job without copies, then with each k. Returns, per k,
-    the extra seconds per step in % of the round's plain step, min-max over rounds."""
+def peer_copies(
+    tmp: Path, size: int, ks: Sequence[int], rounds: int, steps: int, disk_every: int = 0
+) -> dict:
+    """Per round, interleaved: the job without copies, then with each k (and, with
+    ``disk_every``, each k with disk copies too). Returns, per k, the extra seconds per step
+    in % of the round's plain step, min-max over rounds."""
     plain: list[float] = []
     per_k: dict[int, list[float]] = {k: [] for k in ks}
+    with_disk: dict[int, list[float]] = {k: [] for k in ks}
     at_boundary: dict[int, list[float]] = {k: [] for k in ks}
     memory: dict[int, int] = {}
     for i in range(rounds):
@@ -544,9 +567,16 @@ def peer_copies(tmp: Path, size: int, ks: Sequence[int], rounds: int, steps: int
                 per_k[k].append(100 * (got["loop_s"] - base["loop_s"]) / base["loop_s"])
                 at_boundary[k].append(100 * got["copy_s"] / (k * base["loop_s"]))
                 memory[k] = got.get("copy_memory", 0)
+            if disk_every:
+                got = copy_cost(tmp / f"k{k}-disk-{i}", size, k, steps, disk_every)
+                if got is not None:
+                    extra = 100 * (got["loop_s"] - base["loop_s"]) / base["loop_s"]
+                    with_disk[k].append(extra)
     return {
         "plain_step_s": plain,
         "extra_percent": per_k,
+        "disk_extra_percent": with_disk,
+        "disk_every": disk_every,
         "boundary_percent": at_boundary,
         "memory_bytes": memory,
     }
@@ -846,6 +876,13 @@ def main() -> None:
     ap.add_argument("--copy-ks", default="1,5,20", help="d: the k values (default 1,5,20)")
     ap.add_argument("--copy-rounds", type=int, default=2, help="d: rounds (default 2)")
     ap.add_argument("--peer-copy", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--disk-copy", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--disk-every",
+        type=int,
+        default=0,
+        help="d: also each k with the copies written to disk every M steps (default off)",
+    )
     ap.add_argument("--layout", default="replicated", help=argparse.SUPPRESS)
     ap.add_argument("--layout-size", default="10MB", help="e: the state size (default 10MB)")
     ap.add_argument("--form-at-switch", action="store_true", help=argparse.SUPPRESS)
@@ -941,7 +978,7 @@ def main() -> None:
             f"{args.copy_rounds} round(s); seconds per step over the whole loop against the "
             "same job without copies, in the same round (goal < 1 %)"
         )
-        copies = peer_copies(tmp / "copies", 10**7, ks, args.copy_rounds, 40)
+        copies = peer_copies(tmp / "copies", 10**7, ks, args.copy_rounds, 40, args.disk_every)
         figures["peer_copies"] = copies
         plain = copies["plain_step_s"]
         if plain:
@@ -957,6 +994,10 @@ def main() -> None:
                 f"training thread (the copy; the first also builds the pair groups) / k steps: "
                 f"{at}; held per process {mem:.0f} MB"
             )
+            disk = copies["disk_extra_percent"][k]
+            if args.disk_every:
+                spread = f"{min(disk):+.2f} to {max(disk):+.2f} %" if disk else "failed"
+                print(f"    k = {k:>3}, to disk every {args.disk_every} steps too: {spread}")
         print(flush=True)
     if "f" in args.parts.split(","):
         chosen = [x for x in SIZES if x[0] in args.sizes.split(",")]
