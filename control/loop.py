@@ -799,6 +799,9 @@ class ControlLoop:
             fresh_s=self.agent_timeout_s,
             forget=lambda k: self._forget_straggler(plan, k),
         )
+        # The rank time judged: the denominator of the fleet's own straggler rate (a gap
+        # longer than a few ticks, the loop away, counts as no watching).
+        db.add_watched(c, ranks=judged, now_ms=now_ms, cap_ms=int(3 * self.tick_s * 1000))
         pauses: dict[str, list[float]] = {}
         for m in recent:
             if m["state"] == "completed" and m["pause_s"] is not None:

@@ -3,7 +3,10 @@ straggler's GPU from its samples, and weigh a move's gain against its cost.
 
 :mod:`control.stragglers` holds the pure rules; this module reads and writes the store on
 the loop's connection (inside its tick's transaction), so a straggler's state, its
-``rank.straggling`` event and the decision about it commit together.
+``rank.straggling`` event and the decision about it commit together. An episode's end (its
+compute back among its peers', or its rank moved to another GPU) is announced as
+``rank.recovered``, with the episode's span: the fleet's own straggler history, which
+``GET /v1/stragglers/history`` sums up and ``forewarn goodput --stragglers-from`` uses.
 """
 
 from __future__ import annotations
@@ -95,6 +98,8 @@ def judge_stored(
             continue
         if k in moved and t["step"] - t["window"] < moved[k]:
             if t["above_since_ms"] is not None or t["straggling"]:  # judged afresh
+                if t["straggling"]:
+                    _recovered(c, t, where[k], now_ms=now_ms, ended_by="moved")
                 db.set_straggler_state(c, job_id=k[0], rank=k[1], values=state_values())
                 forget(k)
             continue
@@ -143,11 +148,48 @@ def judge_stored(
                     node=node,
                 )
             if j.cleared:
+                _recovered(c, t, (node, gpu), now_ms=now_ms, ended_by="cleared", judged=j)
                 forget(k)
             values = state_values(state)
             if values != {n: t[n] for n in db.STRAGGLER_COLUMNS}:
                 db.set_straggler_state(c, job_id=job_id, rank=j.rank, values=values)
     return slow, judged
+
+
+def _recovered(
+    c: Connection,
+    stored: dict[str, Any],
+    where: tuple[str, Any],
+    *,
+    now_ms: int,
+    ended_by: str,
+    judged: strag.Judgement | None = None,
+) -> None:
+    """Announce the end of a straggler episode (``rank.recovered``): from when its compute
+    first stayed above its peers' to now, how it ended (``cleared``: back among its peers;
+    ``moved``: its rank now runs on another GPU), and why it was slow."""
+    since = stored["above_since_ms"] if stored["above_since_ms"] is not None else now_ms
+    node, gpu = where
+    emit_event(
+        c,
+        "rank.recovered",
+        {
+            "job_id": stored["job_id"],
+            "rank": stored["rank"],
+            "node": node,
+            "gpu": None if gpu is None else int(gpu),
+            "above_since_ms": since,
+            "straggling_ms": stored["straggling_ms"],
+            "ended_ms": now_ms,
+            "duration_s": max(0, now_ms - since) / 1000,
+            "ended_by": ended_by,
+            "reason": stored["reason"],
+            "compute_s": judged.compute_s if judged is not None else stored["compute_s"],
+            "peers_median_s": judged.peers_median_s if judged is not None else None,
+        },
+        job_id=stored["job_id"],
+        node=node,
+    )
 
 
 def name_gpu(c: Connection, policy: Policy, node: str, gpu: int, now_ms: int) -> str:

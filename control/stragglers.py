@@ -16,6 +16,9 @@ writes what these functions return.
 - :func:`projected_gain` and :func:`move_cost`: the seconds a move would save over the rest of
   the run, against the pause a move costs (measured on this job, else on the fleet, else the
   policy's default).
+- :func:`summarise_history`: the fleet's own straggler history (the episodes announced, the
+  rank time judged) as a rate per GPU-day, a slowdown and a duration: what
+  ``forewarn goodput --stragglers-from`` takes in place of figures nobody published.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import numpy as np
 __all__ = [
     "THROTTLE_BITS",
     "Gain",
+    "History",
     "Judgement",
     "RankState",
     "judge",
@@ -37,6 +41,7 @@ __all__ = [
     "name_reason",
     "peer_medians",
     "projected_gain",
+    "summarise_history",
 ]
 
 THROTTLE_BITS: tuple[tuple[int, str], ...] = (
@@ -265,3 +270,77 @@ def _float(value: Any) -> float | None:
     except (TypeError, ValueError):
         return None
     return None if result != result else result
+
+
+@dataclass(frozen=True)
+class History:
+    """The fleet's own straggler history, summed up (:func:`summarise_history`)."""
+
+    episodes: int
+    """Episodes announced (``rank.straggling``)."""
+    ended: int
+    """Of them, those that ended (``rank.recovered``)."""
+    rank_days: float
+    """Rank time the watch judged, in days (each rank of a job of two or more, with fresh
+    timings, per tick)."""
+    since_ms: int | None
+    episodes_per_gpu_day: float | None
+    """``episodes / rank_days``; None before any rank time was judged."""
+    slowdown: float | None
+    """Median of ``compute_s / peers_median_s`` when each episode was announced."""
+    duration_mean_s: float | None
+    """Mean span of an episode, from its compute first above its peers' to its end: the
+    spans of the ended ones and the time so far of those that last, over the ended count
+    (the exponential's estimate with censored spans); None before one ended."""
+    detect_median_s: float | None
+    """Median of announcement minus first above: the policy's window as it played out."""
+    ended_by: dict[str, int]
+    reasons: dict[str, int]
+
+
+def summarise_history(
+    episodes: Sequence[Mapping[str, Any]],
+    watched: Mapping[str, int] | None,
+    *,
+    now_ms: int,
+) -> History:
+    """Sum up ``episodes`` (each ``{"started": data, "ended": data or None}``, the two
+    events' data, :func:`store.control.straggler_episodes`) over ``watched``
+    (``{"rank_ms", "since_ms"}``, :func:`store.control.read_watched`)."""
+    slowdowns: list[float] = []
+    spans_ms = 0
+    ended = 0
+    detect: list[float] = []
+    ended_by: dict[str, int] = {}
+    reasons: dict[str, int] = {}
+    for episode in episodes:
+        started = episode["started"]
+        first = int(started.get("above_since_ms") or 0)
+        peers = float(started.get("peers_median_s") or 0.0)
+        if peers > 0:
+            slowdowns.append(float(started.get("compute_s") or 0.0) / peers)
+        reason = str(started.get("reason") or "unknown")
+        reasons[reason] = reasons.get(reason, 0) + 1
+        end = episode.get("ended")
+        if end is not None:
+            ended += 1
+            spans_ms += max(0, int(end["ended_ms"]) - first)
+            how = str(end.get("ended_by") or "cleared")
+            ended_by[how] = ended_by.get(how, 0) + 1
+        else:
+            spans_ms += max(0, now_ms - first)
+        if end is not None and end.get("straggling_ms") is not None:
+            detect.append((int(end["straggling_ms"]) - first) / 1000)
+    rank_days = (watched["rank_ms"] / 86_400_000) if watched else 0.0
+    return History(
+        episodes=len(episodes),
+        ended=ended,
+        rank_days=rank_days,
+        since_ms=watched["since_ms"] if watched else None,
+        episodes_per_gpu_day=len(episodes) / rank_days if rank_days > 0 else None,
+        slowdown=float(statistics.median(slowdowns)) if slowdowns else None,
+        duration_mean_s=spans_ms / 1000 / ended if ended else None,
+        detect_median_s=float(statistics.median(detect)) if detect else None,
+        ended_by=ended_by,
+        reasons=reasons,
+    )

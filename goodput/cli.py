@@ -17,9 +17,12 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import sys
+import urllib.request
 from dataclasses import asdict, fields, replace
 from pathlib import Path
+from typing import Any
 
 from forewarn.errors import InvalidInput
 from goodput import trace as trace_mod
@@ -33,6 +36,7 @@ from goodput.stragglers import (
     STRAGGLERS_PATH,
     PublishedStragglers,
     Stragglers,
+    from_history,
     measured_detect_s,
     published,
 )
@@ -174,6 +178,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="mean episode length, minutes (default %(default)s: the published figure)",
     )
     slow.add_argument(
+        "--stragglers-from",
+        metavar="SOURCE",
+        help="take the rate, slowdown and episode length from a fleet's own history: the "
+        "URL of a service's GET /v1/stragglers/history (a read token from FOREWARN_TOKEN), "
+        "or a file of its JSON; the flags above, when given, override",
+    )
+    slow.add_argument(
         "--straggler-detect-s",
         type=float,
         default=round(measured_detect_s(), 1),
@@ -225,6 +236,28 @@ def _stragglers(args: argparse.Namespace) -> Stragglers | None:
         InvalidInput: only one of them given, or a value out of range.
     """
     rate, slowdown = args.straggler_episodes_per_gpu_day, args.straggler_slowdown
+    if args.stragglers_from:
+        try:
+            fleet = from_history(
+                _read_history(args.stragglers_from),
+                source=args.stragglers_from,
+                detect_s=args.straggler_detect_s,
+                duration_fallback_s=(
+                    None
+                    if args.straggler_duration_min is None
+                    else args.straggler_duration_min * 60.0
+                ),
+            )
+            if rate is not None or slowdown is not None:  # what was given overrides
+                fleet = replace(
+                    fleet,
+                    episodes_per_gpu_day=fleet.episodes_per_gpu_day if rate is None else rate,
+                    slowdown=fleet.slowdown if slowdown is None else slowdown,
+                    source=fleet.source + "; overridden by the flags given",
+                )
+            return fleet
+        except ValueError as exc:
+            raise InvalidInput(str(exc)) from exc
     if rate is None and slowdown is None:
         return None
     if rate is None or slowdown is None or args.straggler_duration_min is None:
@@ -239,6 +272,31 @@ def _stragglers(args: argparse.Namespace) -> Stragglers | None:
         )
     except ValueError as exc:
         raise InvalidInput(str(exc)) from exc
+
+
+def _read_history(source: str) -> dict[str, Any]:
+    """The straggler history at ``source``: a service's URL (read token from
+    ``FOREWARN_TOKEN``) or a file of its JSON.
+
+    Raises:
+        ValueError: it cannot be read, or is not the history's JSON.
+    """
+    try:
+        if source.startswith(("http://", "https://")):
+            request = urllib.request.Request(source, headers={"Accept": "application/json"})
+            token = os.environ.get("FOREWARN_TOKEN")
+            if token:
+                request.add_header("Authorization", f"Bearer {token}")
+            with urllib.request.urlopen(request, timeout=30) as response:
+                body = response.read(10_000_000)
+        else:
+            body = Path(source).read_bytes()
+        doc = json.loads(body)
+    except (OSError, ValueError) as exc:  # urllib's errors are OSErrors
+        raise ValueError(f"cannot read the straggler history at {source}: {exc}") from exc
+    if not isinstance(doc, dict) or "episodes_per_gpu_day" not in doc:
+        raise ValueError(f"{source} is not a straggler history (GET /v1/stragglers/history)")
+    return doc
 
 
 def _describe_stragglers(
@@ -258,7 +316,7 @@ def _describe_stragglers(
         lines.append(f"  not in the table: {pub.missing}")
         return lines
     lines.append(
-        f"  what-if: {s.episodes_per_gpu_day:g} episodes per GPU-day, slowdown "
+        f"  {s.source or 'what-if'}: {s.episodes_per_gpu_day:g} episodes per GPU-day, slowdown "
         f"{s.slowdown:g}x, {s.duration_s / 60:g} min each (exponential), Forewarn moves the "
         f"slow rank {s.detect_s:g} s after the start ("
         + (

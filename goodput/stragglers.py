@@ -19,7 +19,9 @@ job once (the same slowdown), so the loss is the union of their spans.
 What was published is kept in ``goodput/data/stragglers.json`` (:func:`published`): the
 duration of an episode (Greyhound, as a reader's summary reports it), and no rate per GPU and
 no slowdown of one episode. So the term has no default rate or slowdown: the command shows it
-only when both are given, as a what-if, and says so otherwise.
+when both are given, as a what-if, or from a fleet's own history (:func:`from_history`: the
+episodes a running service announced over the rank time it watched,
+``GET /v1/stragglers/history``), and says so otherwise.
 
 How soon Forewarn ends an episode is ours to measure, not to assume: ``benchmarks/stragglers.py``
 times it end to end (real processes, the default policy) and ``goodput/data/
@@ -43,6 +45,7 @@ __all__ = [
     "StragglerCost",
     "Stragglers",
     "cost",
+    "from_history",
     "measured_detect_s",
     "published",
     "schedule",
@@ -106,6 +109,8 @@ class Stragglers:
     detect_s: float = 60.0
     """Forewarn: from an episode's start until the slow rank is moved (the command's default
     is :func:`measured_detect_s`)."""
+    source: str = ""
+    """Where the rate, slowdown and duration come from (empty: the user's what-if)."""
 
     def __post_init__(self) -> None:
         if self.episodes_per_gpu_day < 0 or self.duration_s <= 0 or self.detect_s < 0:
@@ -174,3 +179,35 @@ def cost(
     slow = _union_s(spans, horizon_s)
     lost = slow * (1.0 - 1.0 / s.slowdown) + moves * pause_s
     return StragglerCost(len(episodes), moves, slow, lost)
+
+
+def from_history(
+    history: dict[str, Any],
+    *,
+    source: str,
+    detect_s: float,
+    duration_fallback_s: float | None,
+) -> Stragglers:
+    """The straggler term of a fleet's own history (the JSON of
+    ``GET /v1/stragglers/history``): its rate per GPU-day, median slowdown and mean episode
+    length; an episode length from ``duration_fallback_s`` (the published one) while no
+    episode has ended.
+
+    Raises:
+        ValueError: no rank time watched, or no episode length at all.
+    """
+    rate = history.get("episodes_per_gpu_day")
+    if rate is None or not history.get("rank_days"):
+        raise ValueError(f"{source}: no rank time was watched yet, so there is no rate")
+    duration = history.get("duration_mean_s") or duration_fallback_s
+    if duration is None:
+        raise ValueError(f"{source}: no episode ended yet and no published length to use")
+    slowdown = history.get("slowdown") or 1.0  # no episode: no slowdown (the term is 0)
+    said = (
+        f"the fleet's own history ({source}): {history.get('episodes', 0)} episodes in "
+        f"{float(history['rank_days']):.2f} rank-days since {history.get('since')}, "
+        f"{history.get('ended', 0)} ended"
+    )
+    if not history.get("duration_mean_s"):
+        said += "; episode length the published one (none ended)"
+    return Stragglers(float(rate), float(slowdown), float(duration), detect_s, said)

@@ -804,6 +804,61 @@ def read_status(connection: Connection) -> dict[str, Any] | None:
     return status if isinstance(status, dict) else None
 
 
+WATCH_KEY = "straggler_watch"
+"""``control_state`` key of the rank time the straggler watch judged (JSON: ``rank_ms``,
+``since_ms``, ``last_ms``): the denominator of the fleet's own straggler rate."""
+
+
+def add_watched(connection: Connection, *, ranks: int, now_ms: int, cap_ms: int) -> None:
+    """Count ``ranks`` judged since the last tick that counted: ``ranks x`` the time since it
+    (at most ``cap_ms``, so an outage of the loop counts as no watching). Written in the
+    tick's transaction."""
+    doc = read_watched(connection)
+    if doc is None:
+        if not ranks:
+            return
+        doc = {"rank_ms": 0, "since_ms": now_ms, "last_ms": now_ms}
+    else:
+        gap = min(max(0, now_ms - doc["last_ms"]), cap_ms)
+        doc = {**doc, "rank_ms": doc["rank_ms"] + ranks * gap, "last_ms": now_ms}
+    set_state(connection, WATCH_KEY, dumps(doc))
+
+
+def read_watched(connection: Connection) -> dict[str, int] | None:
+    """The rank time judged so far (:func:`add_watched`); None before the first."""
+    text = get_state(connection, WATCH_KEY)
+    if not text:
+        return None
+    try:
+        doc = orjson.loads(text)
+        return {k: int(doc[k]) for k in ("rank_ms", "since_ms", "last_ms")}
+    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+        return None
+
+
+def straggler_episodes(connection: Connection, *, since_ms: int = 0) -> list[dict[str, Any]]:
+    """Every straggler episode announced since ``since_ms``, oldest first: its
+    ``rank.straggling`` event's data and, once it ended, its ``rank.recovered`` event's
+    (``ended``; None while it lasts). An episode is keyed by job, rank and ``above_since_ms``."""
+    rows = connection.execute(
+        select(outbox.c.type, outbox.c.data)
+        .where(
+            outbox.c.type.in_(("rank.straggling", "rank.recovered")),
+            outbox.c.ts_ms >= since_ms,
+        )
+        .order_by(outbox.c.seq)
+    )
+    episodes: dict[tuple[Any, Any, Any], dict[str, Any]] = {}
+    for kind, raw in rows:
+        data = orjson.loads(raw)
+        key = (data.get("job_id"), data.get("rank"), data.get("above_since_ms"))
+        if kind == "rank.straggling":
+            episodes[key] = {"started": data, "ended": None}
+        elif key in episodes:
+            episodes[key]["ended"] = data
+    return list(episodes.values())
+
+
 def reset_breaker(connection: Connection, *, ts_ms: int) -> None:
     """Reset the breaker: untrip it, and have the loop forget the crossings up to ``ts_ms``."""
     set_state(connection, "breaker_tripped_ms", "")

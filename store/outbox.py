@@ -46,6 +46,8 @@ EVENT_TYPES: dict[str, str] = {
     "migration.cancelled": "A migration was cancelled before it moved state.",
     "rank.straggling": "A rank's compute stayed above its peers' for the policy's window: a "
     "straggler, named from its GPU's telemetry.",
+    "rank.recovered": "A straggler episode ended: the rank's compute is back among its peers', "
+    "or the rank moved to another GPU; with the episode's span.",
     "gpu.failed": "A GPU was lost or reported a fatal Xid.",
     "gpu.stale": "A GPU's collector stopped reporting; its risk is unknown.",
     "node.drained": "A node was drained: no new placements, its ranks moved off.",

@@ -8,6 +8,7 @@ the fleet, not reading it; reads need ``read``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import statistics
 import time
 from typing import Annotated, Any
@@ -19,6 +20,7 @@ from sqlalchemy import text
 
 from api.deps import StoreDep, require
 from api.routes._common import iso, now_ms, stamp
+from control.stragglers import summarise_history
 from forewarn.errors import InvalidInput, NotFound
 from forewarn.wire import JobHeartbeat, JobRegistration, MigrationCommand, Placement
 from store import control as db
@@ -218,6 +220,49 @@ async def heartbeat(store: StoreDep, job_id: str, body: _Heartbeat) -> dict[str,
             return db.get_jobs(c, job_id=job_id)[0]
 
     return _public(await to_thread.run_sync(write))
+
+
+class StragglerHistoryPublic(BaseModel):
+    """The fleet's own straggler history (:func:`control.stragglers.summarise_history`)."""
+
+    episodes: int
+    """Straggler episodes announced (``rank.straggling``)."""
+    ended: int
+    """Of them, those that ended (``rank.recovered``)."""
+    rank_days: float
+    """Rank time the control loop judged, in days."""
+    since: str | None
+    """When it started judging (null: never)."""
+    episodes_per_gpu_day: float | None
+    slowdown: float | None
+    """Median of compute over the peers' median when an episode was announced."""
+    duration_mean_s: float | None
+    """Mean span of an episode (first above its peers' to its end; those still lasting
+    count their time so far); null before one ended."""
+    detect_median_s: float | None
+    """Median seconds from first above to announced."""
+    ended_by: dict[str, int]
+    """cleared (back among its peers) or moved (the rank went to another GPU)."""
+    reasons: dict[str, int]
+    """The reasons named, by episode."""
+
+
+@router.get(
+    "/v1/stragglers/history",
+    response_model=StragglerHistoryPublic,
+    dependencies=[require("read")],
+    summary="The fleet's own straggler history: episodes, rank time watched, rate, slowdown",
+)
+async def straggler_history(store: StoreDep) -> dict[str, Any]:
+    def read() -> tuple[list[dict[str, Any]], dict[str, int] | None]:
+        with store.engine.connect() as c:
+            return db.straggler_episodes(c), db.read_watched(c)
+
+    episodes, watched = await to_thread.run_sync(read)
+    history = summarise_history(episodes, watched, now_ms=now_ms())
+    out = dataclasses.asdict(history)
+    out["since"] = iso(out.pop("since_ms"))
+    return out
 
 
 @router.get(

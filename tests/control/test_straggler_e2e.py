@@ -10,8 +10,8 @@ time each spends before the all-reduce: the job wrapper measures it, the agent s
 medians with the heartbeat, the control loop judges rank 1 a straggler, names the reason from
 its GPU's telemetry, finds the move worth its cost and asks for it; the agent hands the rank
 to the spare; the job's steps per second recover; a subscribed receiver gets
-``rank.straggling``; and the job ends with the parameters of a run that was never slowed,
-bit for bit.
+``rank.straggling``; ``GET /v1/stragglers/history`` counts the episode, ended by the move;
+and the job ends with the parameters of a run that was never slowed, bit for bit.
 """
 
 from __future__ import annotations
@@ -157,6 +157,17 @@ def test_a_straggler_is_named_moved_and_the_job_recovers_its_pace_bitwise(
             ),
             120,
         )
+        # The episode ended with the move: the fleet's own history counts it, over the rank
+        # time the loop judged.
+        history = wait_for(
+            "the episode's end in the history",
+            lambda: (h := scene.get("/v1/stragglers/history"))["ended"] and h,
+            60,
+        )
+        assert (history["episodes"], history["ended_by"]) == (1, {"moved": 1}), history
+        assert history["rank_days"] > 0 and history["episodes_per_gpu_day"] > 0, history
+        assert history["slowdown"] > 1.5 and history["duration_mean_s"] > 0, history
+        assert any("PCIe link at x8 of x16" in r for r in history["reasons"]), history
         (out / "fast").touch()
         assert job.wait(timeout=300) == 0
         wait_for("rank.straggling delivered", lambda: receiver.counts().get("rank.straggling"), 30)

@@ -124,8 +124,24 @@ def test_a_throttled_straggler_is_moved_once_with_its_reason(registered: Store) 
     ticks(loop, 9, 11)
     with registered.engine.connect() as c:
         state = {t["rank"]: t for t in db.timing_rows(c, job_id="j")}[1]
+        watched = db.read_watched(c)
     assert not state["straggling"] and state["above_since_ms"] is None
     assert len(read(registered)[0]) == 1
+    # The episode ended with the move, from its first tick above its peers' (tick 0).
+    (end,) = outbox(registered, "rank.recovered")
+    assert (end["job_id"], end["rank"], end["ended_by"], end["reason"]) == (
+        "j",
+        1,
+        "moved",
+        THROTTLED,
+    )
+    assert (end["above_since_ms"], end["ended_ms"]) == (NOW, NOW + 9 * 5000)
+    assert end["duration_s"] == 45.0
+    # Two ranks judged at ticks 1-7, each 5 s after the last but counted as at most 3 ticks
+    # of this loop (1 s each); after the move rank 1 is not judged, and rank 0 alone has no
+    # peers: nothing counts.
+    assert watched is not None and watched["since_ms"] == NOW
+    assert watched["rank_ms"] == 7 * 2 * 3000
 
 
 def test_dry_run_records_once_and_a_new_leader_does_not_announce_again(
@@ -166,4 +182,10 @@ def test_a_gain_below_the_cost_is_declined_once_and_a_recovery_clears(registered
     loop.tick(NOW + 20_000)
     with registered.engine.connect() as c:
         state = {t["rank"]: t for t in db.timing_rows(c, job_id="j")}[1]
+        episodes = db.straggler_episodes(c)
     assert not state["straggling"] and state["above_since_ms"] is None
+    (end,) = outbox(registered, "rank.recovered")
+    assert (end["ended_by"], end["duration_s"], end["compute_s"]) == ("cleared", 20.0, 1.05)
+    assert end["peers_median_s"] == 1.0 and end["reason"] == "unknown"
+    (episode,) = episodes
+    assert episode["started"]["compute_s"] == 1.3 and episode["ended"] == end

@@ -19,6 +19,7 @@ from control.stragglers import (
     move_cost,
     name_reason,
     projected_gain,
+    summarise_history,
 )
 
 POLICY = Policy(straggler_window_s=10, straggler_margin=0.2, straggler_clear_margin=0.1)
@@ -212,3 +213,35 @@ def test_peer_medians_equal_the_median_of_the_others() -> None:
         got = peer_medians(values).tolist()
         want = [statistics.median(values[:i] + values[i + 1 :]) for i in range(n)]
         assert got == pytest.approx(want)
+
+
+def test_the_history_sums_episodes_over_the_rank_time_watched() -> None:
+    """Two episodes over 4 rank-days: 0.5 a rank-day; the slowdown their median at
+    announcement; the mean length the ended span plus the open one's time so far over the
+    one ended (the exponential's estimate when spans are cut short)."""
+    day = 86_400_000
+    started = {"job_id": "j", "rank": 1, "above_since_ms": 0, "reason": "HW thermal slowdown"}
+    episodes = [
+        {
+            "started": {**started, "compute_s": 1.5, "peers_median_s": 1.0},
+            "ended": {"ended_ms": 600_000, "straggling_ms": 120_000, "ended_by": "moved"},
+        },
+        {
+            "started": {**started, "rank": 2, "above_since_ms": 1_000_000, "reason": None}
+            | {"compute_s": 2.5, "peers_median_s": 1.0},
+            "ended": None,
+        },
+    ]
+    h = summarise_history(
+        episodes, {"rank_ms": 4 * day, "since_ms": 5, "last_ms": 0}, now_ms=1_300_000
+    )
+    assert (h.episodes, h.ended, h.rank_days, h.since_ms) == (2, 1, 4.0, 5)
+    assert h.episodes_per_gpu_day == 0.5 and h.slowdown == 2.0
+    assert h.duration_mean_s == (600 + 300) / 1 and h.detect_median_s == 120.0
+    assert h.ended_by == {"moved": 1}
+    assert h.reasons == {"HW thermal slowdown": 1, "unknown": 1}
+    empty = summarise_history([], None, now_ms=0)
+    assert empty.episodes_per_gpu_day is None and empty.duration_mean_s is None
+    assert (
+        summarise_history([], {"rank_ms": day, "since_ms": 0}, now_ms=0).episodes_per_gpu_day == 0
+    )

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import threading
 from dataclasses import replace
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -130,3 +133,78 @@ def test_the_numbers_come_from_the_data_file_and_none_is_invented(
         [*BASE, "--straggler-episodes-per-gpu-day", "0.01", "--straggler-slowdown", "1.5"], capsys
     )
     assert "ETTR+slow" in out and "moving pays for an episode longer than" in out
+
+
+HISTORY = {
+    "episodes": 12,
+    "ended": 10,
+    "rank_days": 400.0,
+    "since": "2026-11-01T00:00:00.000+00:00",
+    "episodes_per_gpu_day": 0.03,
+    "slowdown": 1.8,
+    "duration_mean_s": 1500.0,
+    "detect_median_s": 125.0,
+    "ended_by": {"moved": 7, "cleared": 3},
+    "reasons": {"PCIe link at x8 of x16": 12},
+}
+
+
+def test_the_term_from_a_fleets_own_history_file_or_service(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--stragglers-from``: the rate, slowdown and length a service measured on its fleet
+    (``GET /v1/stragglers/history``, here as a file and served over HTTP), a flag given
+    overriding one of them; what is not a history, or has no rank time, is refused."""
+    path = tmp_path / "history.json"
+    path.write_text(json.dumps(HISTORY))
+    rc, out, _ = _run([*BASE, "--json", "--stragglers-from", str(path)], capsys)
+    term = json.loads(out)["stragglers"]["term"]
+    assert rc == 0 and (term["episodes_per_gpu_day"], term["slowdown"]) == (0.03, 1.8)
+    assert term["duration_s"] == 1500.0 and "12 episodes in 400.00 rank-days" in term["source"]
+    rc, out, _ = _run([*BASE, "--stragglers-from", str(path), "--straggler-slowdown", "2"], capsys)
+    assert rc == 0 and "ETTR+slow" in out and "the fleet's own history" in out
+    assert "slowdown 2x" in out and "overridden by the flags given" in out
+    # none ended yet: the published length, and the command says so
+    path.write_text(json.dumps({**HISTORY, "ended": 0, "duration_mean_s": None}))
+    rc, out, _ = _run([*BASE, "--json", "--stragglers-from", str(path)], capsys)
+    term = json.loads(out)["stragglers"]["term"]
+    assert term["duration_s"] == published().duration_mean_s and "none ended" in term["source"]
+    for body, said in (
+        ({**HISTORY, "rank_days": 0.0, "episodes_per_gpu_day": None}, "no rank time"),
+        ({"data": []}, "is not a straggler history"),
+    ):
+        path.write_text(json.dumps(body))
+        rc, _, err = _run([*BASE, "--stragglers-from", str(path)], capsys)
+        assert rc == 2 and said in err, err
+    path.write_bytes(b"\x00" * 64)
+    rc, _, err = _run([*BASE, "--stragglers-from", str(path)], capsys)
+    assert rc == 2 and "cannot read the straggler history" in err
+    rc, _, err = _run([*BASE, "--stragglers-from", str(tmp_path / "absent.json")], capsys)
+    assert rc == 2 and "cannot read the straggler history" in err
+
+    seen: list[str | None] = []
+
+    class History(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            seen.append(self.headers.get("Authorization"))
+            body = json.dumps(HISTORY).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), History)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setenv("FOREWARN_TOKEN", "read-token-0123456789")
+    try:
+        url = f"http://127.0.0.1:{server.server_port}/v1/stragglers/history"
+        rc, out, _ = _run([*BASE, "--json", "--stragglers-from", url], capsys)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert rc == 0 and json.loads(out)["stragglers"]["term"]["slowdown"] == 1.8
+    assert seen == ["Bearer read-token-0123456789"]
