@@ -92,9 +92,13 @@ def judge_stored(
     by_job: dict[str, list[dict[str, Any]]] = {}
     for t in rows:
         k = (t["job_id"], t["rank"])
-        if k not in where or where[k][1] is None:
-            continue  # not an active rank of a running job
-        if now_ms - t["received_ms"] > fresh_s * 1000:
+        gone = k not in where or where[k][1] is None  # not an active rank of a running job
+        if gone or now_ms - t["received_ms"] > fresh_s * 1000:
+            if t["straggling"]:  # its episode ends with what it knew: no open span grows
+                ended_by = "job_ended" if gone else "stale"
+                _recovered(c, t, where.get(k, (None, None)), now_ms=now_ms, ended_by=ended_by)
+                db.set_straggler_state(c, job_id=k[0], rank=k[1], values=state_values())
+                forget(k)
             continue
         if k in moved and t["step"] - t["window"] < moved[k]:
             if t["above_since_ms"] is not None or t["straggling"]:  # judged afresh
@@ -167,9 +171,11 @@ def _recovered(
 ) -> None:
     """Announce the end of a straggler episode (``rank.recovered``): from when its compute
     first stayed above its peers' to now, how it ended (``cleared``: back among its peers;
-    ``moved``: its rank now runs on another GPU), and why it was slow."""
+    ``moved``: its rank now runs on another GPU; ``job_ended``: the rank is no longer an
+    active rank of a running job; ``stale``: its job stopped sending timings), and why it
+    was slow."""
     since = stored["above_since_ms"] if stored["above_since_ms"] is not None else now_ms
-    node, gpu = where
+    node, gpu = where  # (None, None) once the job left the placement
     emit_event(
         c,
         "rank.recovered",

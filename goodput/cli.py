@@ -290,7 +290,8 @@ def _read_history(source: str) -> dict[str, Any]:
             with urllib.request.urlopen(request, timeout=30) as response:
                 body = response.read(10_000_000)
         else:
-            body = Path(source).read_bytes()
+            with Path(source).open("rb") as fh:
+                body = fh.read(10_000_000)
         doc = json.loads(body)
     except (OSError, ValueError) as exc:  # urllib's errors are OSErrors
         raise ValueError(f"cannot read the straggler history at {source}: {exc}") from exc

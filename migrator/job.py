@@ -638,6 +638,11 @@ class Job:
         if self.resume_from is not None:
             # A spare gets its state from a rank, never from the checkpoint.
             payload = checkpoint.load(self.resume_from, rank=self.rank)
+            if payload.get("world_size", self.world_size) != self.world_size:
+                raise checkpoint.CheckpointError(
+                    f"{self.resume_from} holds a job of {payload['world_size']} ranks; this "
+                    f"one has {self.world_size}: launch it with --nproc {payload['world_size']}"
+                )
             self._next = checkpoint.restore(payload, self.registry, self.rank)
             # "layouts": the key's name in checkpoints written before it was renamed.
             saved = payload.get("bucket_plans", payload.get("layouts"))

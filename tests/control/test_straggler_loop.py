@@ -189,3 +189,20 @@ def test_a_gain_below_the_cost_is_declined_once_and_a_recovery_clears(registered
     assert end["peers_median_s"] == 1.0 and end["reason"] == "unknown"
     (episode,) = episodes
     assert episode["started"]["compute_s"] == 1.3 and episode["ended"] == end
+
+
+def test_an_episode_ends_when_its_job_stops_sending_timings(registered: Store) -> None:
+    """A straggler whose job went quiet (no heartbeat within the agent timeout) is not left
+    open for ever, where its span would grow in the history: ``rank.recovered``, ``stale``."""
+    loop, _ = make_loop(registered, straggler_window_s=0, straggler_move_cost_s=86_400)
+    heartbeat(registered, compute_1=1.3)
+    loop.tick(NOW)
+    assert len(outbox(registered, "rank.straggling")) == 1
+    quiet = NOW + int(loop.agent_timeout_s * 1000) + 5000
+    loop.tick(quiet)
+    loop.tick(quiet + 5000)  # once only
+    (end,) = outbox(registered, "rank.recovered")
+    assert (end["ended_by"], end["above_since_ms"], end["ended_ms"]) == ("stale", NOW, quiet)
+    with registered.engine.connect() as c:
+        state = {t["rank"]: t for t in db.timing_rows(c, job_id="j")}[1]
+    assert not state["straggling"] and state["above_since_ms"] is None
