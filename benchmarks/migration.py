@@ -257,6 +257,42 @@ def bandwidth(nbytes: int = 256 * 2**20, reps: int = 3) -> float:
 # -- (c) wrapper overhead ---------------------------------------------------------------------
 
 
+_STORE_HOST = """
+import sys, time
+from datetime import timedelta
+import torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                      timeout=timedelta(seconds=60))
+print(store.port, flush=True)
+sys.stdin.read()
+"""
+
+
+_HOSTS: list[subprocess.Popen[bytes]] = []
+
+
+def job_store(*, own_process: bool) -> dist.TCPStore:
+    """The job's key-value store for an in-process A/B: a client of a store hosted by a
+    process of its own, as in a launched job (the agent hosts it; a rank's every write goes
+    over a socket to another process), or, with ``own_process=False``, the store's server in
+    this very process (its thread then takes the interpreter lock to answer each write, which
+    the rank pays for and a launched job's rank does not). The process ends when this one
+    exits (its stdin closes); it is kept until then, as the job's threads still use it."""
+    if not own_process:
+        store = dist.TCPStore(
+            "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
+        )
+        return store
+    host = subprocess.Popen(
+        [sys.executable, "-c", _STORE_HOST], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    assert host.stdout is not None
+    port = int(host.stdout.readline())
+    _HOSTS.append(host)
+    client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+    return client
+
+
 def medians_in_turn(
     first: Callable[[], float], second: Callable[[], float], steps: int
 ) -> tuple[float, float]:
@@ -271,7 +307,7 @@ def medians_in_turn(
 
 
 def overhead(
-    steps: int = 100, rounds: int = 5, *, ddp: bool = False
+    steps: int = 100, rounds: int = 5, *, ddp: bool = False, store_apart: bool = True
 ) -> tuple[list[float], list[float], list[float], list[float]]:
     """Per round: plain and wrapped seconds per step (medians, step by step interleaved),
     the boundary check alone (1000 calls) and the same with step timing (each call after a
@@ -279,16 +315,16 @@ def overhead(
 
     ``ddp``: the plain loop runs DDP with gradients as bucket views on a copy of the model,
     the wrapped one ``job.ddp`` (the same, and its timing) on the model; else both
-    ``job.all_reduce`` each gradient."""
+    ``job.all_reduce`` each gradient. ``store_apart``: the job's store in a process of its
+    own, as in a launched job (:func:`job_store`; it outlives the job's threads, and ends
+    with this process)."""
     import copy
 
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from migrator import Job
 
-    store = dist.TCPStore(
-        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
-    )
+    store = job_store(own_process=store_apart)
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(1024, 1024), torch.nn.Tanh(), torch.nn.Linear(1024, 1024)
@@ -392,9 +428,7 @@ def gpt_overhead(steps: int = 30, rounds: int = 5) -> tuple[list[float], list[fl
     from demo.gpt import GPT, corpus
     from migrator import Job, ShardedIndices
 
-    store = dist.TCPStore(
-        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
-    )
+    store = job_store(own_process=True)
     text = corpus(200_000)
     chars = sorted(set(text))
     data = torch.tensor([chars.index(c) for c in text], dtype=torch.long)
@@ -1065,15 +1099,17 @@ def main() -> None:
         return
     print(
         "(c) per-step cost of the wrapper, step timing on (1-rank group, 3x1024 MLP, batch 64, "
-        "Adam), 5 rounds"
+        "Adam), 5 rounds; the job's store in a process of its own, as the agent hosts it (and "
+        "once in this process, as earlier runs of this benchmark had it)"
     )
     figures["wrapper"] = {}
-    for ddp in (False, True):
-        plain, wrapped, boundary, timed = overhead(ddp=ddp)
+    for ddp, apart in ((False, True), (True, True), (True, False)):
+        plain, wrapped, boundary, timed = overhead(ddp=ddp, store_apart=apart)
         extra = [100 * (w - p) / p for p, w in zip(plain, wrapped, strict=True)]
         share = [100 * b / p for p, b in zip(plain, timed, strict=True)]
         timing = [100 * (t - b) / p for p, b, t in zip(plain, boundary, timed, strict=True)]
         what = "job.ddp against DDP (bucket views)" if ddp else "job.all_reduce per gradient"
+        what += "" if apart else ", the store's server in this process"
         print(
             f"    {what}: plain loop {min(plain) * 1e3:.3f}-{max(plain) * 1e3:.3f} ms/step, "
             f"wrapped {min(wrapped) * 1e3:.3f}-{max(wrapped) * 1e3:.3f} ms/step: "
@@ -1087,7 +1123,7 @@ def main() -> None:
             f"< 1 %), of which the timing {min(timing):+.2f} to {max(timing):+.2f} %",
             flush=True,
         )
-        key = "ddp" if ddp else "all_reduce"
+        key = ("ddp" if ddp else "all_reduce") + ("" if apart else "_store_in_process")
         figures["wrapper"][key] = {
             "plain_s": plain,
             "wrapped_s": wrapped,
