@@ -30,7 +30,6 @@ file.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -42,7 +41,7 @@ from migrator import protocol as P
 from migrator.handover import mirror_at
 from migrator.membership import Membership
 from migrator.shards import FORMAT as SHARDED
-from migrator.shards import is_sharded, load_shard
+from migrator.shards import is_sharded, load_shard, replace_atomically
 from migrator.state import Registry, peek_step, restore_rank_state
 
 __all__ = ["CheckpointError", "StopCheckpointer", "load", "restore", "write"]
@@ -60,17 +59,6 @@ class CheckpointError(MigrationError):
 
 def checkpoint_file(directory: Path, step: int) -> Path:
     return directory / f"step-{step:08d}.pt"
-
-
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:  # a file system without directory handles
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def write(
@@ -107,16 +95,8 @@ def write(
     }
     directory.mkdir(parents=True, exist_ok=True)
     final = checkpoint_file(directory, step)
-    tmp = directory / f".{final.name}.{os.getpid()}.tmp"
-    with open(tmp, "wb") as fh:
-        torch.save(payload, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, final)
-    latest = directory / f".latest.{os.getpid()}.tmp"
-    latest.write_text(final.name + "\n")
-    os.replace(latest, directory / "latest")
-    _fsync_dir(directory)
+    replace_atomically(final, lambda fh: torch.save(payload, fh))
+    replace_atomically(directory / "latest", lambda fh: fh.write(f"{final.name}\n".encode()))
     return final
 
 

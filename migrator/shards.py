@@ -26,8 +26,9 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -36,6 +37,7 @@ __all__ = [
     "is_sharded",
     "latest_step",
     "load_shard",
+    "replace_atomically",
     "seal",
     "shard_dir",
     "write_shard",
@@ -64,7 +66,9 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def _replace_atomically(final: Path, write: Any) -> None:
+def replace_atomically(final: Path, write: Callable[[BinaryIO], Any]) -> None:
+    """Write ``final`` through ``write(file)`` under a temporary name, fsync it, rename it into
+    place and fsync its directory: a reader sees the old file or the whole new one."""
     tmp = final.parent / f".{final.name}.{os.getpid()}.tmp"
     with open(tmp, "wb") as fh:
         write(fh)
@@ -100,7 +104,7 @@ def write_shard(
         "tensors": tensors,
         "rank_state": rank_state,
     }
-    _replace_atomically(final, lambda fh: torch.save(payload, fh))
+    replace_atomically(final, lambda fh: torch.save(payload, fh))
     return final
 
 
@@ -135,13 +139,11 @@ def seal(directory: Path, *, step: int, world_size: int, info: dict[str, Any]) -
         "world_size": world_size,
         "info": {**info, "written_at": time.time()},
     }
-    _replace_atomically(
-        folder / "manifest.json", lambda fh: fh.write(json.dumps(manifest).encode())
-    )
+    replace_atomically(folder / "manifest.json", lambda fh: fh.write(json.dumps(manifest).encode()))
     current = latest_step(directory)
     if current is not None and current >= step:
         return False
-    _replace_atomically(directory / "latest", lambda fh: fh.write(f"{folder.name}\n".encode()))
+    replace_atomically(directory / "latest", lambda fh: fh.write(f"{folder.name}\n".encode()))
     return True
 
 

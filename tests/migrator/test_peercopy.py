@@ -170,27 +170,22 @@ def test_rank_lost_with_its_buddy_stops_at_the_last_disk_copy_and_resumes_bitwis
         "manifest.json",
         *(f"rank-{r:05d}.pt" for r in range(4)),
     ]
-    wrong = launch(
-        tmp_path / "two",
-        nproc=2,
-        spares=0,
-        steps=9,
-        mode="fsdp",
-        script_args=args,
-        checkpoint_dir=ckpt,
-        resume_from=ckpt,
-    )
+
+    def resume(out: str, nproc: int) -> Run:
+        return launch(
+            tmp_path / out,
+            nproc=nproc,
+            spares=0,
+            steps=9,
+            mode="fsdp",
+            script_args=args,
+            checkpoint_dir=ckpt,
+            resume_from=ckpt,
+        )
+
+    wrong = resume("two", 2)
     assert wrong.code != 0 and "holds a job of 4 ranks; this one has 2" in wrong.agent.message
-    resumed = launch(
-        tmp_path / "resumed",
-        nproc=4,
-        spares=0,
-        steps=9,
-        mode="fsdp",
-        script_args=args,
-        checkpoint_dir=ckpt,
-        resume_from=ckpt,
-    )
+    resumed = resume("resumed", 4)
     assert resumed.code == 0, resumed.agent.message
     base, rows = _rows(base_copies), _rows(resumed)
     assert sorted({step for _, step in rows}) == [4, 5, 6, 7, 8]
