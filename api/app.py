@@ -73,6 +73,8 @@ def create_app(settings: Settings | None = None, *, store: Store | None = None) 
         token_cache=TokenCache(ttl_s=TOKEN_CACHE_S),
         webhook_guard=guard_for(settings),
     )
+    if settings.replica_id:
+        state.replica_id = settings.replica_id
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -85,7 +87,8 @@ def create_app(settings: Settings | None = None, *, store: Store | None = None) 
         if DEV_TOKEN in state.token_scopes:
             log.warning("no tokens configured: development token '%s' has every scope", DEV_TOKEN)
         tasks = [asyncio.create_task(_retention(settings, opened), name="retention")]
-        tasks += await start_control(state, own_process=owns_store and settings.control_process)
+        if not settings.control_by_serve:  # else one for all workers: forewarn serve's
+            tasks += await start_control(state, own_process=owns_store and settings.control_process)
         if settings.retrain_every_h is not None:
             tasks.append(asyncio.create_task(retrain_on_schedule(state), name="retrain"))
         if settings.webhook_dispatch:

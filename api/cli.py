@@ -7,6 +7,7 @@ import ipaddress
 import logging
 import os
 import sys
+import uuid
 from typing import Any
 
 __all__ = ["configure", "run"]
@@ -56,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from api.app import create_app
+    from api.control_service import start_control_beside
     from api.settings import Settings
     from store import Store
 
@@ -96,9 +98,20 @@ def run(args: argparse.Namespace) -> int:
         "proxy_headers": False,
     }
     if args.workers > 1:
-        # Each worker process builds its own app from the same FOREWARN_* environment.
+        # Each worker process builds its own app from the same FOREWARN_* environment: one
+        # replica (one name), and the control loop started here once, not once a worker.
         Store.open(settings.resolved_database_url()).close()  # migrate once, before the fork
-        uvicorn.run("api.app:create_app", factory=True, workers=args.workers, **options)
+        replica = settings.replica_id or uuid.uuid4().hex[:12]
+        os.environ["FOREWARN_REPLICA_ID"] = replica
+        stop = None
+        if settings.control_enabled:
+            os.environ["FOREWARN_CONTROL_BY_SERVE"] = "true"
+            stop = start_control_beside(settings, replica)
+        try:
+            uvicorn.run("api.app:create_app", factory=True, workers=args.workers, **options)
+        finally:
+            if stop is not None:
+                stop()
     else:
         uvicorn.run(create_app(settings), **options)
     return 0

@@ -16,6 +16,7 @@ import contextlib
 import logging
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -28,7 +29,14 @@ from api.state import AppState
 from control.loop import ControlLoop
 from forewarn import heap
 
-__all__ = ["install_control", "load_model", "model_lifecycle", "start_control"]
+__all__ = [
+    "ControlProcess",
+    "install_control",
+    "load_model",
+    "model_lifecycle",
+    "start_control",
+    "start_control_beside",
+]
 
 log = logging.getLogger("forewarn.control")
 
@@ -107,6 +115,46 @@ async def start_control(state: AppState, *, own_process: bool) -> list[asyncio.T
         await loop.run()
 
     return [asyncio.create_task(control(), name="control")]
+
+
+def start_control_beside(settings: Settings, replica: str) -> Callable[[], None]:
+    """Run the service's one :class:`ControlProcess` from a thread of this process (``forewarn
+    serve --workers N``: its workers start none, ``control_by_serve``); returns the function
+    that stops it. Its watchdog reads the status the loop publishes from the store, as a
+    worker's would."""
+    from store import Store
+    from store import control as control_db
+
+    url = settings.resolved_database_url()
+    store = Store.open(url, migrate=False)
+
+    def status() -> dict[str, Any]:
+        with store.engine.connect() as connection:
+            return control_db.read_status(connection) or {}
+
+    child = ControlProcess(
+        url, replica, status=status, stalled_after_s=max(10.0, 10 * settings.control_tick_s)
+    )
+    loop = asyncio.new_event_loop()
+    task = loop.create_task(child.run(), name="control")
+
+    def run() -> None:
+        asyncio.set_event_loop(loop)
+        with contextlib.suppress(asyncio.CancelledError):
+            loop.run_until_complete(task)
+        loop.close()
+
+    # The child is forked from this thread and dies with it (PR_SET_PDEATHSIG is the
+    # thread's), so the thread lives until stop() has stopped the child.
+    thread = threading.Thread(target=run, name="control", daemon=True)
+    thread.start()
+
+    def stop() -> None:
+        loop.call_soon_threadsafe(task.cancel)
+        thread.join(timeout=ControlProcess.STOP_TIMEOUT_S + 5)
+        store.close()
+
+    return stop
 
 
 class ControlProcess:

@@ -131,6 +131,16 @@ class Settings(BaseSettings):
     running by the service), so that scoring the fleet never holds the interpreter that
     answers ingest and the dashboard; ``false``: in a thread of the service."""
 
+    control_by_serve: bool = False
+    """Set by ``forewarn serve --workers N`` for its worker processes: the serve command runs
+    the service's one control process (started again, watched and stopped as a service does),
+    so no worker starts one; they show the loop from what it publishes, as any replica."""
+
+    replica_id: str | None = None
+    """This service's name among replicas, as its control loop names itself in the status it
+    publishes (default: a new random one at each start; ``forewarn serve --workers N`` gives
+    its workers one, so that they are one replica)."""
+
     control_tick_s: float = Field(default=5.0, gt=0)
     """Interval of the control loop: score the fleet, apply the policy."""
 

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -176,9 +176,15 @@ class LiveService:
 
 
 def start_service(
-    database_url: str, log_path: Path, *, port: int | None = None, timeout_s: float = 30.0
+    database_url: str,
+    log_path: Path,
+    *,
+    port: int | None = None,
+    timeout_s: float = 30.0,
+    extra: Sequence[str] = (),
 ) -> LiveService:
-    """Start ``forewarn serve`` as its own process (a real uvicorn) and wait until ready."""
+    """Start ``forewarn serve`` as its own process (a real uvicorn) and wait until ready;
+    ``extra``: more of its options."""
     port = port or free_port()
     tokens = {"ingest": "test-ingest-token", "read": "test-read-token", "admin": "test-admin-token"}
     env = {
@@ -203,6 +209,7 @@ def start_service(
                 database_url,
                 "--log-level",
                 "warning",
+                *extra,
             ],
             env=env,
             stdout=log,

@@ -5,6 +5,7 @@ SQLite)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -148,3 +149,51 @@ def test_forewarn_control_runs_alone_and_stops_on_sigterm(tmp_path: Path) -> Non
     finally:
         if process.poll() is None:
             process.kill()
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (children, theirs, ...)."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(FileNotFoundError, IndexError):  # gone meanwhile
+                parents[int(entry)] = parent_of(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        above = todo.pop()
+        below = [p for p, parent in parents.items() if parent == above]
+        found += below
+        todo += below
+    return found
+
+
+def command_line(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode()
+    except FileNotFoundError:
+        return ""
+
+
+def test_workers_make_one_replica_with_one_control_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``forewarn serve --workers 2``: one control process, the serve command's child (not
+    one a worker), and every worker shows it as its own replica's loop."""
+    url = f"sqlite:///{tmp_path / 'control.db'}"
+    monkeypatch.setenv("FOREWARN_CONTROL_TICK_S", "0.5")
+    service = start_service(url, tmp_path / "service.log", timeout_s=120, extra=("--workers", "2"))
+    child = 0
+    try:
+        wait_for("the loop to lead", lambda: leads(service), 90)
+        wait_ticks(service, 2)
+        child = int(status(url)["pid"])
+        assert parent_of(child) == service.process.pid
+        below = descendants(service.process.pid)
+        controls = [p for p in below if " control --replica " in command_line(p)]
+        assert controls == [child], [command_line(p) for p in below]
+        # each answer comes from either worker: all of them name the loop their replica's
+        assert all(leads(service) for _ in range(8))
+    finally:
+        service.stop()
+    wait_for("the control process to end with the service", lambda: not alive(child), 30)
