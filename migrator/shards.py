@@ -28,9 +28,10 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "FORMAT",
@@ -93,6 +94,8 @@ def write_shard(
     ``meta``: the registry's non-tensor state and manifest (:meth:`Registry.meta`);
     ``tensors``: its tensors in the manifest's order, in host memory.
     """
+    import torch  # here: the agent reads latest_step, and never imports torch
+
     final = _rank_file(directory, step, rank)
     final.parent.mkdir(parents=True, exist_ok=True)
     payload = {
@@ -169,6 +172,8 @@ def load_shard(path: Path, rank: int) -> dict[str, Any]:
     folder = (
         path if (path / "manifest.json").exists() else path / (path / "latest").read_text().strip()
     )
+    import torch
+
     manifest = json.loads((folder / "manifest.json").read_text())
     if not 0 <= rank < manifest["world_size"]:
         raise ValueError(f"the checkpoint has {manifest['world_size']} ranks; this is rank {rank}")
