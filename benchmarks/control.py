@@ -10,8 +10,9 @@ every ``--tick-s`` with the shipped model. Reported:
 - sample arrival -> risk updated: for every committed batch, the time until the end of the
   first tick whose arrival cursor covers it.
 
-Part T (``--part t``, the tick alone, SQLite): a fleet of ``--gpus`` GPUs, ``--interval-s``
-seconds of its samples at 1 Hz stored before each tick (what a tick at that interval reads),
+Part T (``--part t``, the tick alone, SQLite or ``--backend postgres``): a fleet of
+``--gpus`` GPUs, ``--interval-s`` seconds of its samples at 1 Hz stored before each tick
+(what a tick at that interval reads),
 ``--ticks`` ticks with nothing else running; per tick the phases (read, score, write and
 decide) and the tick against its interval. The size question: does one control process hold
 a fleet of this size at this interval (``--gpus 100000``)?
@@ -24,7 +25,8 @@ migration's ``requested`` time, the tick that saw the crossing) -> ``acknowledge
 agent's report received), from the service's own timestamps.
 
     .venv/bin/python benchmarks/control.py [--gpus 16384] [--seconds 30] [--tick-s 1]
-    .venv/bin/python benchmarks/control.py --part t --gpus 100000 [--interval-s 5] [--ticks 4]
+    .venv/bin/python benchmarks/control.py --part t --gpus 100000 [--interval-s 5] [--ticks 4] \\
+        [--backend postgres]
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from typing import Any
 
 import httpx
 import orjson
-from _common import ROOT, free_port
+from _common import ROOT, free_port, postgres_url, reset_postgres
 
 from control.loop import ControlLoop
 from control.policy import Policy
@@ -292,12 +294,19 @@ def part_b(gpus: int, jobs: int, seconds: float, tick_s: float) -> dict[str, Any
             log.close()
 
 
-def part_t(gpus: int, interval_s: float, ticks: int) -> dict[str, Any]:
+def part_t(gpus: int, interval_s: float, ticks: int, backend: str = "sqlite") -> dict[str, Any]:
     import gc
 
     model = registry.load_default(ROOT / "models")
     with tempfile.TemporaryDirectory() as tmp:
-        store = Store.open(f"sqlite:///{tmp}/bench.db")
+        url = f"sqlite:///{tmp}/bench.db"
+        if backend == "postgres":
+            pg = postgres_url()
+            if pg is None:
+                raise SystemExit("no PostgreSQL answers (FOREWARN_BENCH_POSTGRES_URL)")
+            reset_postgres(pg)
+            url = pg
+        store = Store.open(url)
         source = SimulatedSource(gpus, seed=1)
         seconds = int(interval_s)
         t = time.time() - (ticks + 1) * seconds - 5
@@ -322,6 +331,7 @@ def part_t(gpus: int, interval_s: float, ticks: int) -> dict[str, Any]:
     median = {n: pct([r[n] for r in rows], 50) for n in rows[0]}
     return {
         "gpus": gpus,
+        "backend": backend,
         "interval_s": interval_s,
         "rows_per_tick": gpus * seconds,
         "ticks": rows,
@@ -339,14 +349,16 @@ def main() -> None:
     ap.add_argument("--part", choices=["a", "b", "both", "t"], default="both")
     ap.add_argument("--interval-s", type=float, default=5.0, help="t: the tick's interval")
     ap.add_argument("--ticks", type=int, default=4, help="t: ticks timed")
+    ap.add_argument("--backend", choices=["sqlite", "postgres"], default="sqlite", help="t only")
     args = ap.parse_args()
     out: dict[str, Any] = {}
     if args.part == "t":
         print(
-            f"(t) the tick alone: {args.gpus:,} GPUs, {args.interval_s:g} s of samples a tick",
+            f"(t) the tick alone: {args.gpus:,} GPUs, {args.interval_s:g} s of samples a tick, "
+            f"{args.backend}",
             flush=True,
         )
-        out["tick"] = part_t(args.gpus, args.interval_s, args.ticks)
+        out["tick"] = part_t(args.gpus, args.interval_s, args.ticks, args.backend)
         print(json.dumps(out["tick"]["median"] | {"share": out["tick"]["share_of_interval"]}))
         return
     if args.part in ("a", "both"):
