@@ -100,12 +100,7 @@ async def start_control(state: AppState, *, own_process: bool) -> list[asyncio.T
     if not settings.control_enabled or store is None:
         return []
     if own_process:
-        child = ControlProcess(
-            settings.resolved_database_url(),
-            state.replica_id,
-            status=state.loop_status,
-            stalled_after_s=max(10.0, 10 * settings.control_tick_s),
-        )
+        child = ControlProcess.of(settings, state.replica_id, status=state.loop_status)
         return [asyncio.create_task(child.run(), name="control")]
 
     async def control() -> None:
@@ -125,16 +120,13 @@ def start_control_beside(settings: Settings, replica: str) -> Callable[[], None]
     from store import Store
     from store import control as control_db
 
-    url = settings.resolved_database_url()
-    store = Store.open(url, migrate=False)
+    store = Store.open(settings.resolved_database_url(), migrate=False)
 
     def status() -> dict[str, Any]:
         with store.engine.connect() as connection:
             return control_db.read_status(connection) or {}
 
-    child = ControlProcess(
-        url, replica, status=status, stalled_after_s=max(10.0, 10 * settings.control_tick_s)
-    )
+    child = ControlProcess.of(settings, replica, status=status)
     loop = asyncio.new_event_loop()
     task = loop.create_task(child.run(), name="control")
 
@@ -191,6 +183,19 @@ class ControlProcess:
         self.process: asyncio.subprocess.Process | None = None
         self.starts = 0
         self.killed_stalled = 0
+
+    @classmethod
+    def of(
+        cls, settings: Settings, replica: str, *, status: Callable[[], dict[str, Any]]
+    ) -> ControlProcess:
+        """The service's control process under ``settings``: stalled after 10 ticks, and at
+        least 10 s."""
+        return cls(
+            settings.resolved_database_url(),
+            replica,
+            status=status,
+            stalled_after_s=max(10.0, 10 * settings.control_tick_s),
+        )
 
     def command(self) -> list[str]:
         return [

@@ -174,7 +174,6 @@ class PeerCopies:
         self._broken: set[bool] = set()
         self.disk = disk
         self.disk_every = disk_every
-        self.disk_s = 0.0  # the last disk copy's time in its thread
 
     def ring(self) -> list[int]:
         """The job's ring (:func:`read_ring`), read once."""
@@ -306,7 +305,6 @@ class PeerCopies:
         """Write this rank's copy to the sharded checkpoint of its step; the first rank to
         find every rank's file in place seals it (:func:`migrator.shards.seal`)."""
         assert self.disk is not None
-        t0 = time.perf_counter()
         try:
             shards.write_shard(
                 self.disk,
@@ -325,7 +323,6 @@ class PeerCopies:
                     log.info("sharded checkpoint of step %d sealed in %s", copy.step, self.disk)
         except (RuntimeError, OSError) as exc:  # a full disk, a store gone: training goes on
             log.warning("disk copy of step %d not written: %s", copy.step, exc)
-        self.disk_s = time.perf_counter() - t0
 
     def _receive(self, group: Any, ward: int, step: int) -> None:
         got: dict[str, Any] = {}

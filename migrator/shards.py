@@ -52,8 +52,21 @@ def shard_dir(directory: Path, step: int) -> Path:
     return directory / f"step-{step:08d}"
 
 
-def _rank_file(directory: Path, step: int, rank: int) -> Path:
-    return shard_dir(directory, step) / f"rank-{rank:05d}.pt"
+def _rank_file(folder: Path, rank: int) -> Path:
+    """Rank ``rank``'s file in a step's folder (:func:`shard_dir`)."""
+    return folder / f"rank-{rank:05d}.pt"
+
+
+def _sealed_folder(path: Path) -> Path | None:
+    """The sealed step folder at ``path``: ``path`` itself, or the one the ``latest`` in it
+    names; None when neither holds a manifest."""
+    if (path / "manifest.json").exists():
+        return path
+    try:
+        folder = path / (path / "latest").read_text().strip()
+    except OSError:
+        return None
+    return folder if (folder / "manifest.json").exists() else None
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -96,7 +109,7 @@ def write_shard(
     """
     import torch  # here: the agent reads latest_step, and never imports torch
 
-    final = _rank_file(directory, step, rank)
+    final = _rank_file(shard_dir(directory, step), rank)
     final.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "format": FORMAT,
@@ -133,7 +146,7 @@ def seal(directory: Path, *, step: int, world_size: int, info: dict[str, Any]) -
     place: the caller checked) and point ``latest`` at it unless it names a later one.
     Returns whether ``latest`` moved."""
     folder = shard_dir(directory, step)
-    missing = [r for r in range(world_size) if not _rank_file(directory, step, r).exists()]
+    missing = [r for r in range(world_size) if not _rank_file(folder, r).exists()]
     if missing:
         raise FileNotFoundError(f"ranks {missing} have no file in {folder}")
     manifest = {
@@ -153,12 +166,7 @@ def seal(directory: Path, *, step: int, world_size: int, info: dict[str, Any]) -
 def is_sharded(path: Path) -> bool:
     """Whether ``path`` (a directory holding ``latest``, or a ``step-<c>`` folder) is a sharded
     checkpoint."""
-    if (path / "manifest.json").exists():
-        return True
-    latest = path / "latest"
-    if not latest.exists():
-        return False
-    return (path / latest.read_text().strip() / "manifest.json").exists()
+    return _sealed_folder(path) is not None
 
 
 def load_shard(path: Path, rank: int) -> dict[str, Any]:
@@ -169,16 +177,17 @@ def load_shard(path: Path, rank: int) -> dict[str, Any]:
         FileNotFoundError: no sealed checkpoint there, or no file of that rank.
         ValueError: the checkpoint is of another world size than the rank asks.
     """
-    folder = (
-        path if (path / "manifest.json").exists() else path / (path / "latest").read_text().strip()
-    )
     import torch
+
+    folder = _sealed_folder(path)
+    if folder is None:
+        raise FileNotFoundError(f"no sealed sharded checkpoint at {path}")
 
     manifest = json.loads((folder / "manifest.json").read_text())
     if not 0 <= rank < manifest["world_size"]:
         raise ValueError(f"the checkpoint has {manifest['world_size']} ranks; this is rank {rank}")
     payload: dict[str, Any] = torch.load(
-        folder / f"rank-{rank:05d}.pt", map_location="cpu", weights_only=False
+        _rank_file(folder, rank), map_location="cpu", weights_only=False
     )
     if payload.get("format") != FORMAT or payload["step"] != manifest["step"]:
         raise ValueError(f"{folder}: rank {rank}'s file is not of step {manifest['step']}")

@@ -37,6 +37,7 @@ from typing import Any
 import orjson
 from sqlalchemy import Engine
 
+from api.routes._common import now_ms as wall_ms
 from api.webhooks.rules import disable_reason, wants
 from api.webhooks.sender import AttemptResult, Sender
 from api.webhooks.signing import signature_headers
@@ -78,10 +79,6 @@ class DispatchConfig:
             poll_interval_s=settings.webhook_poll_interval_s,
             lease_s=settings.webhook_lease_s,
         )
-
-
-def _now_ms() -> int:
-    return int(time.time() * 1000)
 
 
 def next_attempt_ms(
@@ -193,14 +190,14 @@ class Dispatcher:
         they appear; otherwise only read what is held (an idle service writes nothing)."""
         now = time.monotonic()
         with self.engine.connect() as connection:
-            if now < self._renew_at and not wstore.claimable(connection, now_ms=_now_ms()):
+            if now < self._renew_at and not wstore.claimable(connection, now_ms=wall_ms()):
                 return wstore.held_webhooks(connection, owner=self.owner)
         with self.engine.begin() as connection:
             held = wstore.claim_webhooks(
                 connection,
                 owner=self.owner,
                 lease_ms=int(self.config.lease_s * 1000),
-                now_ms=_now_ms(),
+                now_ms=wall_ms(),
             )
         self._renew_at = now + self.config.lease_s / 3
         self._lease_deadline = now + self.config.lease_s
@@ -238,9 +235,7 @@ class Dispatcher:
         for webhook in self._held.values():
             wanted = [e for e in events if wants(webhook, e)]
             with self.engine.begin() as connection:
-                wstore.queue_late(
-                    connection, webhook, wanted, owner=self.owner, now_ms=_now_ms()
-                )
+                wstore.queue_late(connection, webhook, wanted, owner=self.owner, now_ms=wall_ms())
         for event in events:
             self._late.pop(event["seq"], None)
             log.info("outbox event %s committed late; queued", event["id"])
@@ -273,7 +268,7 @@ class Dispatcher:
         accepted: list[wstore.Success] = []  # recorded in batches: one commit, not one each
         try:
             for delivery in due:
-                now_ms = _now_ms()
+                now_ms = wall_ms()
                 if delivery["next_attempt_ms"] > now_ms:
                     return min((delivery["next_attempt_ms"] - now_ms) / 1000, idle_s)
                 current = self._held.get(webhook_id)
@@ -288,7 +283,7 @@ class Dispatcher:
                     accepted.append(
                         wstore.Success(
                             **delivery,
-                            attempt_ms=_now_ms() - result.latency_ms,
+                            attempt_ms=wall_ms() - result.latency_ms,
                             latency_ms=result.latency_ms,
                             status_code=result.status_code,
                         )
@@ -299,9 +294,7 @@ class Dispatcher:
                     continue
                 if not await self._flush(accepted):
                     return None
-                outcome, disabled = await to_thread_to_end(
-                    self._record, current, delivery, result
-                )
+                outcome, disabled = await to_thread_to_end(self._record, current, delivery, result)
                 if not outcome["held"] or disabled:
                     if disabled:
                         log.warning(
@@ -338,7 +331,7 @@ class Dispatcher:
                 wanted,
                 owner=self.owner,
                 new_cursor=new_cursor,
-                now_ms=_now_ms(),
+                now_ms=wall_ms(),
             )
 
     def _due(self, webhook_id: str) -> list[wstore.DueDelivery]:
@@ -367,7 +360,7 @@ class Dispatcher:
         """Store the failed or given-up attempt; disable the subscription in the same
         transaction when its failures reach ``disable_after`` (announced as
         ``webhook.disabled``). Returns what was recorded and whether it disabled it."""
-        now_ms = _now_ms()
+        now_ms = wall_ms()
         retry_at = None
         if not result.ok:
             retry_at = next_attempt_ms(

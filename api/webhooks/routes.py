@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Request
 
 from api.deps import SettingsDep, StoreDep, require
+from api.routes._common import now_ms
 from api.state import app_state
 from api.webhooks.guard import TargetGuard
 from api.webhooks.models import (
@@ -40,10 +40,6 @@ ADMIN = [require("admin")]
 
 def _guard(request: Request) -> TargetGuard:
     return app_state(request.app).webhook_guard
-
-
-def _now_ms() -> int:
-    return int(time.time() * 1000)
 
 
 async def _in_tx(store: Store, fn: Any, *args: Any, **kwargs: Any) -> Any:
@@ -84,7 +80,7 @@ async def create(body: WebhookCreate, request: Request, store: StoreDep) -> Webh
         store,
         wstore.create_webhook,
         webhook_id=new_webhook_id(),
-        now_ms=_now_ms(),
+        now_ms=now_ms(),
         url=body.url,
         event_types=body.event_types,
         secret=generate_secret(),
@@ -119,7 +115,7 @@ async def patch(
     if changes.get("url") is not None:
         await _guard(request).resolve(changes["url"])
     changes = {k: v for k, v in changes.items() if v is not None or k in ("job_id", "node")}
-    row = await _in_tx(store, wstore.update_webhook, webhook_id, now_ms=_now_ms(), **changes)
+    row = await _in_tx(store, wstore.update_webhook, webhook_id, now_ms=now_ms(), **changes)
     return WebhookPublic.of(_found(row, webhook_id))
 
 
@@ -145,7 +141,7 @@ async def rotate(
         webhook_id,
         secret=generate_secret(),
         grace_ms=int(grace_s * 1000),
-        now_ms=_now_ms(),
+        now_ms=now_ms(),
     )
     return WebhookCreated.of(_found(row, webhook_id))
 
