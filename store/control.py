@@ -792,16 +792,22 @@ def publish_status(connection: Connection, status: dict[str, Any]) -> None:
     set_state(connection, STATUS_KEY, dumps(status))
 
 
-def read_status(connection: Connection) -> dict[str, Any] | None:
-    """The status the leading loop published last; None before its first tick."""
-    text = get_state(connection, STATUS_KEY)
+def _state_object(connection: Connection, key: str) -> dict[str, Any] | None:
+    """The JSON object stored under ``key``; None when absent, or not a JSON object (written
+    by hand, or cut short: the next tick rewrites it)."""
+    text = get_state(connection, key)
     if not text:
         return None
     try:
-        status = orjson.loads(text)
-    except orjson.JSONDecodeError:  # written by hand, or cut short: the next tick rewrites it
+        value = orjson.loads(text)
+    except orjson.JSONDecodeError:
         return None
-    return status if isinstance(status, dict) else None
+    return value if isinstance(value, dict) else None
+
+
+def read_status(connection: Connection) -> dict[str, Any] | None:
+    """The status the leading loop published last; None before its first tick."""
+    return _state_object(connection, STATUS_KEY)
 
 
 WATCH_KEY = "straggler_watch"
@@ -826,13 +832,10 @@ def add_watched(connection: Connection, *, ranks: int, now_ms: int, cap_ms: int)
 
 def read_watched(connection: Connection) -> dict[str, int] | None:
     """The rank time judged so far (:func:`add_watched`); None before the first."""
-    text = get_state(connection, WATCH_KEY)
-    if not text:
-        return None
+    doc = _state_object(connection, WATCH_KEY)
     try:
-        doc = orjson.loads(text)
-        return {k: int(doc[k]) for k in ("rank_ms", "since_ms", "last_ms")}
-    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+        return None if doc is None else {k: int(doc[k]) for k in ("rank_ms", "since_ms", "last_ms")}
+    except (KeyError, TypeError, ValueError):
         return None
 
 
