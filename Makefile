@@ -36,8 +36,13 @@ pytest: $(STAMP)
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 $(PYTEST_ARGS)
 
 ## bench: every benchmark, each printing ratios against a baseline measured in the same run.
-bench: $(STAMP)
+bench: $(VENV)/.bench-stamp
 	@set -e; for b in benchmarks/*.py; do echo "== $$b"; $(BIN)/python $$b; done
+
+# torchft, the line benchmarks/torchft_restart.py measures Forewarn's recovery against.
+$(VENV)/.bench-stamp: $(STAMP)
+	$(BIN)/python -m pip install -q -e '.[dev,bench]'
+	touch $@
 
 clean:
 	rm -rf $(VENV) var .pytest_cache .mypy_cache .ruff_cache

@@ -621,18 +621,20 @@ def peer_copies(
 LAYOUT_NAMES = ("replicated", "hsdp", "hsdp_tp", "fsdp2", "peer_copy")
 
 
-def layout_cases(tmp: Path, size: int, layout: str) -> dict:
+def layout_cases(tmp: Path, size: int, layout: str, *, move: bool = True) -> dict:
     """A 4-rank job of ``layout``: a preventive move of rank 1 (the pause the ranks measure,
     and the stall from the source's last completed step to the new rank's first, that
-    step's compute included) and a SIGKILL of rank 1 (kill to the failed step completed on a
-    survivor, or why it was refused)."""
+    step's compute included; not with ``move=False``) and a SIGKILL of rank 1 (kill to the
+    failed step completed on a survivor, or why it was refused)."""
     out: dict = {"layout": layout}
     extra = ["--layout", layout]
-    plan = FaultPlan().migrate_at(1, AT, reason="preventive")
-    agent, code, _, lines = launch(
-        tmp / "move", size, steps=STEPS, plan=plan, spares=1, extra=extra, nproc=4
-    )
-    rep = agent.reports[0] if agent.reports and code == 0 else None
+    rep = None
+    if move:
+        plan = FaultPlan().migrate_at(1, AT, reason="preventive")
+        agent, code, _, lines = launch(
+            tmp / "move", size, steps=STEPS, plan=plan, spares=1, extra=extra, nproc=4
+        )
+        rep = agent.reports[0] if agent.reports and code == 0 else None
     if rep is not None and rep.step is not None:
         done = {x["step"]: x["done"] for x in lines if x.get("rank") == 1 and "done" in x}
         stall = (
