@@ -77,7 +77,8 @@ from control.policy import (
 from forewarn.errors import Conflict
 from forewarn.threads import to_thread_to_end
 from predictor.budget import AlarmBudget
-from predictor.floor import FLOOR_SCORE, floored
+from predictor.floor import FLOOR_RULES, FLOOR_SCORE, floored
+from predictor.floor_budget import FloorBudget
 from store import Store
 from store import control as db
 from store.outbox import emit_event
@@ -89,6 +90,8 @@ log = logging.getLogger("forewarn.control")
 REFRESH_MS = 30_000
 BUDGET_KEY = "alarm_budget"
 """``control_state`` key of the alarm budget's confirmed healthy time (JSON)."""
+FLOOR_BUDGET_KEY = "floor_budget"
+"""``control_state`` key of the floor rules' confirmed alarms on healthy GPUs (JSON)."""
 BUDGET_KEEP_EVERY_MS = 60_000
 """A GPU's stored score is rewritten at least this often even when nothing in it changed."""
 
@@ -193,6 +196,7 @@ class TickPlan:
         audited: the decisions audited so far, by episode (replaces the loop's).
         discard: GPUs that failed this tick (their alarm-budget slots are discarded).
         budget_kept: (healthy blocks, when) if this tick wrote the alarm budget's state.
+        floor_kept: the demoted floor rules, if this tick wrote the floor budget's state.
     """
 
     gpus: dict[tuple[str, int], GpuState] = field(default_factory=dict)
@@ -202,6 +206,7 @@ class TickPlan:
     audited: dict[tuple[Any, ...], str] = field(default_factory=dict)
     discard: list[tuple[str, int]] = field(default_factory=list)
     budget_kept: tuple[float, int | None] | None = None
+    floor_kept: list[str] | None = None
     breaker_reset_ms: int = 0
 
     def state(self, gpus: dict[tuple[str, int], GpuState], key: tuple[str, int]) -> Any:
@@ -276,6 +281,9 @@ class ControlLoop:
         self.last_tick_s = 0.0
         self.threshold_in_force: float | None = None
         self.budget: AlarmBudget | None = None
+        self.floor_budget: FloorBudget | None = None
+        self._floor: np.ndarray | None = None  # this tick's floor, per row of its scores
+        self._floor_demoted: list[str] = []  # the demoted rules as last kept in the store
         self._budget_slots: dict[tuple[str, int], int] = {}
         self._budget_kept: tuple[float, int | None] = (0.0, None)  # (blocks, when) last written
         self.last_phases: dict[str, float] = {}
@@ -322,6 +330,7 @@ class ControlLoop:
         The leadership epoch is raised first, in its own transaction: a tick of an earlier
         leader either committed before it (and is read below) or finds the new epoch."""
         self.budget = None
+        self.floor_budget = None
         self.epoch = None  # a take-over that fails part-way leaves the replica fenced out
         with self.store.begin() as c:
             epoch = db.bump_epoch(c)
@@ -482,6 +491,9 @@ class ControlLoop:
             "model_threshold": float(self.model.threshold) if self.model is not None else None,
             "threshold_in_force": self.threshold_in_force,
             "alarm_budget": self.budget.summary() if self.budget is not None else None,
+            "floor_budget": (
+                self.floor_budget.summary() if self.floor_budget is not None else None
+            ),
             "last_tick_s": self.last_tick_s,
             "phases": self.last_phases,
             "durations": self.durations.state(),
@@ -503,17 +515,27 @@ class ControlLoop:
             slots = [self._budget_slots[k] for k in plan.discard if k in self._budget_slots]
             if slots:
                 self.budget.discard(slots)
+                if self.floor_budget is not None:
+                    self.floor_budget.discard(slots)
         if plan.budget_kept is not None:
             self._budget_kept = plan.budget_kept
+        if plan.floor_kept is not None:
+            self._floor_demoted = plan.floor_kept
 
     def _threshold(
         self, c: Any, plan: TickPlan, policy: Policy, scores: pd.DataFrame | None, now_ms: int
     ) -> float:
         """The threshold in force this tick: the policy's, else the alarm budget's (judged by
-        what it knew before this tick; then this tick's risks are folded in), else the card's."""
+        what it knew before this tick; then this tick's risks are folded in), else the card's.
+
+        Sets this tick's floor (``self._floor``): the rules that trip, less those the alarm
+        budget's :class:`FloorBudget` no longer counts as a floor on this fleet (judged, too,
+        by what it knew before this tick). Without an alarm budget every rule is a floor."""
         card = float(self.model.threshold) if self.model is not None else 1.0
+        self._floor = None if scores is None else scores["floor"].to_numpy(dtype=bool)
         if policy.threshold is not None or policy.alarm_budget is None:
             self.budget = None
+            self.floor_budget = None
             self.threshold_in_force = card if policy.threshold is None else policy.threshold
             return self.threshold_in_force
         if self.budget is None or self.budget.budget != policy.alarm_budget:
@@ -525,13 +547,14 @@ class ControlLoop:
                 slots.setdefault((n, int(g)), len(slots))
                 for n, g in zip(scores["node"].tolist(), scores["gpu"].tolist(), strict=True)
             ]
+            assert self.floor_budget is not None
+            masks = scores["floor_rules"].to_numpy(dtype=np.int64)
+            self._floor = (masks & self.floor_budget.active_mask) != 0
             risk = np.full(len(slots), np.nan)
             # A GPU the rules floor counts at the top of the scale: the rules' false alarms
             # use up the budget too, and the model's threshold leaves room for them.
             risk[index] = np.where(
-                scores["floor"].to_numpy(dtype=bool),
-                FLOOR_SCORE,
-                scores["model_risk"].to_numpy(dtype=np.float64),
+                self._floor, FLOOR_SCORE, scores["model_risk"].to_numpy(dtype=np.float64)
             )
             healthy = np.ones(len(slots), dtype=bool)
             stale_ms = policy.stale_after_s * 1000
@@ -541,6 +564,9 @@ class ControlLoop:
                 if st.failed and key in slots:
                     healthy[slots[key]] = False
             self.budget.observe(risk, now_ms=now_ms, healthy=healthy)
+            tripped = np.full(len(slots), -1, dtype=np.int64)
+            tripped[index] = masks
+            self.floor_budget.observe(tripped, now_ms=now_ms, healthy=healthy)
             self._keep_budget(c, plan, now_ms)
         self.threshold_in_force = threshold
         return threshold
@@ -551,29 +577,41 @@ class ControlLoop:
         store by this or an earlier leader (a restart or a new leader does not fall back to
         the card's threshold, or to a provisional fit, all over again)."""
         budget = AlarmBudget(per_1000_gpu_days, fallback=card)
-        kept = self.budget.state() if self.budget is not None else None
-        if kept is None:
-            text = db.get_state(c, BUDGET_KEY)
-            try:
-                kept = json.loads(text) if text else None
-            except ValueError:
-                log.warning("the kept alarm-budget state is unreadable; starting afresh")
+        kept = self.budget.state() if self.budget is not None else _kept(c, BUDGET_KEY)
         if isinstance(kept, dict) and not budget.restore(kept):
             log.warning("the kept alarm-budget state does not fit this version; starting afresh")
+        rules = FloorBudget(per_1000_gpu_days)
+        kept = (
+            self.floor_budget.state()
+            if self.floor_budget is not None
+            else _kept(c, FLOOR_BUDGET_KEY)
+        )
+        if isinstance(kept, dict) and not rules.restore(kept):
+            log.warning("the kept floor-budget state does not fit this version; starting afresh")
+        self.floor_budget = rules
+        self._floor_demoted = [d["rule"] for d in rules.demoted()]
         self._budget_slots = {}
         self._budget_kept = (budget.healthy_blocks, None)
         return budget
 
     def _keep_budget(self, c: Any, plan: TickPlan, now_ms: int) -> None:
         """Write the budget's confirmed healthy time to the store when it grew (blocks are
-        confirmed once an hour per GPU), at most once a minute."""
+        confirmed once an hour per GPU), at most once a minute; the floor budget's with it,
+        and at once when the rules it demotes changed."""
         assert self.budget is not None
+        if self.floor_budget is not None:
+            demoted = [d["rule"] for d in self.floor_budget.demoted()]
+            if demoted != self._floor_demoted:
+                db.set_state(c, FLOOR_BUDGET_KEY, json.dumps(self.floor_budget.state()))
+                plan.floor_kept = demoted
         blocks, at_ms = self._budget_kept
         if self.budget.healthy_blocks == blocks:
             return
         if at_ms is not None and now_ms - at_ms < BUDGET_KEEP_EVERY_MS:
             return
         db.set_state(c, BUDGET_KEY, json.dumps(self.budget.state()))
+        if self.floor_budget is not None:
+            db.set_state(c, FLOOR_BUDGET_KEY, json.dumps(self.floor_budget.state()))
         plan.budget_kept = (self.budget.healthy_blocks, now_ms)
 
     def _apply_scores(
@@ -607,12 +645,15 @@ class ControlLoop:
         gpus = self.gpus
         if scores is not None:
             # The rules are a floor: hard evidence alarms at the threshold in force.
-            acted = floored(scores["model_risk"], scores["floor"], threshold)
+            acted = floored(scores["model_risk"], self._floor, threshold)
+            said = scores["reasons"].tolist()
+            if self.floor_budget is not None and not self.floor_budget.active.all():
+                said = [_demoted_said(r, self.floor_budget.active) for r in said]
             for node, gpu, risk, reasons, last_ms in zip(
                 scores["node"].tolist(),
                 scores["gpu"].tolist(),
                 acted.tolist(),
-                scores["reasons"].tolist(),
+                said,
                 scores["last_seen_ms"].tolist(),
                 strict=True,
             ):
@@ -944,3 +985,24 @@ class ControlLoop:
     def _risk_of(self, c: Any, key: tuple[str, int]) -> dict[str, Any]:
         rows = [r for r in db.risk_rows(c, node=key[0]) if r["gpu"] == key[1]]
         return rows[0] if rows else {}
+
+
+def _kept(c: Any, key: str) -> Any:
+    """The JSON a leader kept under ``key`` in ``control_state`` (None: none, or unreadable)."""
+    text = db.get_state(c, key)
+    try:
+        return json.loads(text) if text else None
+    except ValueError:
+        log.warning("the kept %s state is unreadable; starting afresh", key)
+        return None
+
+
+def _demoted_said(reasons: list[str], active: np.ndarray) -> list[str]:
+    """A GPU's reasons with each rule that is not a floor on this fleet said so."""
+    off = {f"rule {r.name}:" for r, a in zip(FLOOR_RULES, active, strict=True) if not a}
+    return [
+        f"{r} - not a floor on this fleet (its false alarms exceed the alarm budget)"
+        if r.startswith(tuple(off))
+        else r
+        for r in reasons
+    ]

@@ -22,6 +22,8 @@ from predictor.budget import AlarmBudget, logit, replay
 from predictor.dataset import Dataset
 from predictor.features import FEATURE_NAMES, FEATURES, RULES
 from predictor.floor import FLOOR_SCORE, floor_hits
+from predictor.floor_budget import FloorBudget, floor_mask
+from predictor.floor_budget import replay as replay_floor
 from predictor.model import RiskModel
 from predictor.scored import Scored, score_dataset
 
@@ -96,8 +98,8 @@ def _scorers(model: RiskModel, cause_floor: float) -> dict[str, Callable[[np.nda
             out[hot] = _SUBJECT[np.argmax(contrib, axis=1)]
         return out
 
-    def floor(x: np.ndarray) -> np.ndarray:
-        return np.asarray(floor_hits(x).any(axis=1), dtype=np.float64)
+    def floor(x: np.ndarray) -> np.ndarray:  # the tripped rules (> 0: any), floor_mask's bits
+        return floor_mask(floor_hits(x)).astype(np.float64)
 
     out: dict[str, Callable[[np.ndarray], Any]] = {
         "model_raw": raw,
@@ -238,25 +240,34 @@ def _floor_figures(
 ) -> dict[str, Any]:
     """The model with the rules as a floor (:mod:`predictor.floor`), met live by the budget:
     the budget observes a floored row at :data:`FLOOR_SCORE` (the rules' false alarms use up
-    the budget too), and a floored row is alarmed at any threshold. Beside it the rules at
-    the same operating point (the best rule setting within its realised false-alarm rate)
-    and at their own (any rule), caught per failure kind."""
+    the budget too), and a floored row is alarmed at any threshold; a rule whose own false
+    alarms exceed the budget stops being a floor as the live loop's :class:`FloorBudget`
+    decides, replayed in time order. Beside it the rules at the same operating point (the
+    best rule setting within its realised false-alarm rate) and at their own (any rule),
+    caught per failure kind."""
     rows = table.rows
-    hit = rows["floor"].to_numpy() > 0
     raw = rows["model_raw"].to_numpy()
     f = scored.failures[scored.failures["slot"] >= 0]
+    failures = (f["ts_ms"].to_numpy(np.int64), f["slot"].to_numpy(np.int64))
+    masks = rows["floor"].to_numpy().astype(np.int64)
+    rules = FloorBudget(budget)
+    active = replay_floor(
+        rules, rows["ts_ms"].to_numpy(), rows["slot"].to_numpy(), masks, failures=failures
+    )
+    hit = (masks & active) != 0
     live = AlarmBudget(budget, fallback=fallback)
     thr = replay(
         live,
         rows["ts_ms"].to_numpy(),
         rows["slot"].to_numpy(),
         np.where(hit, FLOOR_SCORE, raw),
-        failures=(f["ts_ms"].to_numpy(np.int64), f["slot"].to_numpy(np.int64)),
+        failures=failures,
     )
     margin = logit(raw) - logit(thr)
     rows["model_floor_budget"] = np.where(hit, np.fmax(margin, 0.0), margin)
     at_budget = evaluate.metrics(table, "model_floor_budget", 0.0, cause="cause", causes=CAUSES)
     at_budget["threshold_final"] = live.threshold
+    at_budget["floor_budget"] = rules.summary()
     fa = at_budget["false_alarms_per_1000_gpu_days"] or 0.0
     within = [
         (n, m)
@@ -425,6 +436,9 @@ def _budget_lines(summary: dict[str, Any]) -> list[str]:
             f"{_pct(floor['recall_with_precursors'])}, "
             f"FA/1k GPU-d {_num(floor['false_alarms_per_1000_gpu_days'], 6, 2).strip()}"
         )
+        demoted = [d["rule"] for d in floor.get("floor_budget", {}).get("demoted", [])]
+        if demoted:
+            out.append(f"    not a floor at the end (over the budget): {', '.join(demoted)}")
         out.append(f"    {'kind':12} {'failures':>8} {'floor':>6} {'rules@FA':>8} {'rules':>6}")
         for kind, d in summary["floor_vs_rules_by_kind"].items():
             at = "-" if d["rules_at_rate"] is None else str(d["rules_at_rate"])

@@ -30,6 +30,7 @@ import pandas as pd
 
 from predictor.features import compute
 from predictor.floor import floor_hits, floor_kinds, floor_reasons, floored
+from predictor.floor_budget import floor_mask
 from predictor.model import RiskModel
 from predictor.reasons import MAX_REASONS
 from predictor.state import GpuWindowState, SampleBlock
@@ -83,9 +84,11 @@ class Scorer:
             a frame with ``node``, ``gpu``, ``risk`` (calibrated probability of a failure
             within the model's horizon, raised to the model's threshold where a rule of
             :mod:`predictor.floor` trips), ``model_risk`` (the model's own, before the floor),
-            ``floor`` (a rule trips), ``floor_kinds`` (the failure kinds the tripped rules
-            foretell), ``alarm`` (risk >= the model's threshold), ``reasons`` (list of up to
-            ``max_reasons`` sentences, the tripped rules first; empty below the floor),
+            ``floor`` (a rule trips), ``floor_rules`` (which: bit ``j`` for rule ``j`` of
+            :data:`predictor.floor.FLOOR_RULES`), ``floor_kinds`` (the failure kinds the
+            tripped rules foretell), ``alarm`` (risk >= the model's threshold), ``reasons``
+            (list of up to ``max_reasons`` sentences, the tripped rules first; empty below
+            the floor),
             ``score`` (the booster's own output, before the calibration map: the
             scale :class:`predictor.budget.AlarmBudget` keeps its threshold on),
             ``last_seen_ms`` and ``staleness_s``.
@@ -134,6 +137,7 @@ def score_fleet(
             "risk": risk,
             "model_risk": own,
             "floor": hit,
+            "floor_rules": floor_mask(hits),
             "floor_kinds": floor_kinds(x, hits),
             "score": raw,
             "alarm": risk >= model.threshold,

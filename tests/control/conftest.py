@@ -13,16 +13,19 @@ import pytest
 from control import orchestrator
 from control.loop import ControlLoop
 from control.policy import Policy
+from predictor.floor import FLOOR_RULES
 from store import Store
 from store import control as db
 from tests.conftest import start_service
 from tests.control.scene import POLICY, WEAR_PARAMS, Scene
 
+RULE_NAMES = [r.name for r in FLOOR_RULES]
+
 
 class FakeScorer:
     """Stands in for ``predictor.scoring.Scorer``: ``risk[(node, gpu)]`` is what the model
     scores, ``floor[(node, gpu)]`` the rule that trips there (the floor of
-    :mod:`predictor.floor`), if any."""
+    :mod:`predictor.floor`: its name, then what it says after a colon), if any."""
 
     def __init__(self) -> None:
         self.risk: dict[tuple[str, int], float] = {}
@@ -46,6 +49,10 @@ class FakeScorer:
                 ],
                 "model_risk": [self.risk[k] for k in keys],
                 "floor": hit,
+                "floor_rules": [
+                    1 << RULE_NAMES.index(self.floor[k].split(":")[0]) if h else 0
+                    for k, h in zip(keys, hit, strict=True)
+                ],
                 "alarm": [self.risk[k] >= 0.5 or h for k, h in zip(keys, hit, strict=True)],
                 "reasons": [
                     ([f"rule {self.floor[k]}"] if h else [])

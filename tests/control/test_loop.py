@@ -263,6 +263,48 @@ def test_the_floors_false_alarms_use_up_the_alarm_budget(registered: Store) -> N
     assert run(700) > run(0)
 
 
+def test_a_rule_that_spends_the_budget_on_healthy_gpus_stops_being_a_floor(
+    registered: Store,
+) -> None:
+    """Hot nodes: thermal slowdown on 16 healthy GPUs from the first tick. They alarm once (the
+    floor raises them, nothing is known yet), then the rule is no longer a floor on this fleet:
+    the model decides them, their reasons say so, the loop's status names the rule, and a
+    restarted service's first tick does not floor them again. A GPU with a row remap pending
+    is still floored."""
+    loop, scorer = make_loop(registered, hysteresis=1, alarm_budget=2.0)
+    for g in range(1024):
+        scorer.risk[(f"h{g // 8}", g % 8)] = 0.01
+    for g in range(16):
+        scorer.floor[(f"h{g // 8}", g % 8)] = "thermal: thermal slowdown (thermal)"
+    scorer.floor[("n0", 1)] = "remap: row remap pending or failed (memory)"
+    loop.tick(NOW)
+    with registered.engine.connect() as c:
+        rows = {(r["node"], r["gpu"]): r for r in db.risk_rows(c)}
+    assert rows[("h0", 0)]["alarm"] and rows[("n0", 1)]["alarm"]
+    loop.tick(NOW + 60_000)
+    with registered.engine.connect() as c:
+        rows = {(r["node"], r["gpu"]): r for r in db.risk_rows(c)}
+        status = db.read_status(c)
+        kept = db.get_state(c, "floor_budget")
+    hot = rows[("h0", 0)]
+    assert not hot["alarm"] and hot["risk"] == 0.01
+    assert "not a floor on this fleet" in hot["reasons"][0]
+    assert rows[("n0", 1)]["alarm"] and rows[("n0", 1)]["reasons"][0].startswith("rule remap")
+    assert status is not None
+    assert [d["rule"] for d in status["floor_budget"]["demoted"]] == ["thermal"]
+    assert "risk.cleared" in outbox_types(registered)
+    assert kept is not None and "thermal" in kept
+    loop.leadership.release()  # a restarted service does not floor them again
+    again, scorer2 = make_loop(registered, hysteresis=1, alarm_budget=2.0)
+    scorer2.risk.update(scorer.risk)
+    scorer2.floor.update(scorer.floor)
+    again.tick(NOW + 120_000)
+    with registered.engine.connect() as c:
+        rows = {(r["node"], r["gpu"]): r for r in db.risk_rows(c)}
+    assert not rows[("h0", 0)]["alarm"] and rows[("n0", 1)]["alarm"]
+    again.leadership.release()
+
+
 def test_the_loop_follows_the_model_in_force_and_records_which_model_scored(
     registered: Store, tmp_path
 ) -> None:  # type: ignore[no-untyped-def]

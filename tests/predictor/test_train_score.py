@@ -103,6 +103,7 @@ def test_scorer_gives_risk_and_reasons_for_the_failing_gpu(tiny_model, tiny: Dat
         "risk",
         "model_risk",
         "floor",
+        "floor_rules",
         "floor_kinds",
         "score",
         "alarm",
