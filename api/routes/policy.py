@@ -31,6 +31,11 @@ class PolicyPublic(BaseModel):
     alarm_budget: dict[str, Any] | None
     """With ``policy.alarm_budget``: what its threshold stands on (``warm``: confirmed healthy
     GPU-time only; otherwise provisional or the card's)."""
+    floor_budget: dict[str, Any] | None
+    """With ``policy.alarm_budget``: the floor's rules that are not a floor on this fleet
+    (``demoted``: each rule, its false alarms per 1,000 GPU-days over confirmed healthy time,
+    the GPUs it tripped on in the hours not yet confirmed), because their own alarms on healthy
+    GPUs exceed the budget; their GPUs are alarmed by the model alone."""
     breaker_tripped_at: str | None
     updated_at: str | None
 
@@ -47,6 +52,7 @@ def _read(store: Any, settings: Any) -> dict[str, Any]:
         "model_threshold": loop.get("model_threshold"),
         "threshold_in_force": loop.get("threshold_in_force"),
         "alarm_budget": loop.get("alarm_budget"),
+        "floor_budget": loop.get("floor_budget"),
         "breaker_tripped_at": iso(int(tripped)) if tripped else None,
         "updated_at": iso(updated["updated_ms"]) if updated else None,
     }

@@ -4,7 +4,9 @@ unplanned and planned (drain) paths, the breaker. Risks come from a fake scorer.
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
+from api.routes.policy import _read as policy_read
 from control.loop import ControlLoop
 from control.policy import Policy
 from store import Store
@@ -294,6 +296,8 @@ def test_a_rule_that_spends_the_budget_on_healthy_gpus_stops_being_a_floor(
     assert [d["rule"] for d in status["floor_budget"]["demoted"]] == ["thermal"]
     assert "risk.cleared" in outbox_types(registered)
     assert kept is not None and "thermal" in kept
+    shown = policy_read(registered, SimpleNamespace(policy=Policy()))  # GET /v1/policy
+    assert [d["rule"] for d in shown["floor_budget"]["demoted"]] == ["thermal"]
     loop.leadership.release()  # a restarted service does not floor them again
     again, scorer2 = make_loop(registered, hysteresis=1, alarm_budget=2.0)
     scorer2.risk.update(scorer.risk)
