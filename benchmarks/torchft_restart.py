@@ -1,25 +1,30 @@
 """Unplanned recovery against torchft's process restart, the same state and ranks, one run.
 
-    .venv/bin/python benchmarks/torchft_restart.py [--sizes 10MB,100MB] [--repeat 3]
+    .venv/bin/python benchmarks/torchft_restart.py [--sizes 10MB,100MB,1GB] [--repeat 3]
+        [--layouts replicated,hsdp,hsdp_tp,fsdp2,peer_copy]
 
-The goal this measures (docs/migration.md): an unplanned loss recovered by Forewarn faster
-than torchft recovers it by restarting the lost process. Both lines train the benchmark's MLP
-(``benchmarks/migration.py``'s ``model_for``: 1024-wide layers, Adam, about the state size
-given) on 4 data-parallel ranks over gloo on this machine, and SIGKILL the rank (torchft: the
-replica group) holding index 1 mid-run:
+The goal this measures (issue 28): an unplanned loss recovered by Forewarn, on every layout,
+faster than torchft recovers it by restarting the lost process. Every line trains the
+benchmark's MLP (``benchmarks/migration.py``'s ``model_for``: 1024-wide layers, Adam, about
+the state size given) on 4 ranks over gloo on this machine and SIGKILLs the rank holding index
+1 mid-run; the lines take turns within each round, so that all see the same load:
 
-- **Forewarn** (``forewarn launch``'s agent, 4 ranks + 1 warm spare, ``job.ddp``): seconds
-  from the kill to the failed step completed on the survivors, the step redone included, with
-  the spare in the lost rank's place (the full world), as ``migration.py --parts e`` reports;
-- **torchft** (0.2.0: a lighthouse in this process, 4 replica groups of one rank each,
-  ``torchft.ddp.PureDistributedDataParallel`` (the all-reduce per gradient: its
-  ``DistributedDataParallel`` fails an assertion when an all-reduce breaks, 0.2.0 with this
-  torch) and its ``Manager``, a healthy
-  replica serving the state over HTTP): the killed process is started again at once (what
-  torchelastic or a Kubernetes restart policy does, here without their own delay); two
-  figures, from the kill to (1) the first step the three survivors commit without it (the
-  job goes on smaller: a quarter fewer samples a step) and (2) the first step committed with
-  the restarted replica in it, healed from a survivor (the full world again).
+- **Forewarn**, per layout (``migration.py --parts e``'s jobs: replicated DDP, HSDP 2 x 2,
+  HSDP + TP 2 x 1 x 2, FSDP2, FSDP2 with peer copies every 2 steps; 4 ranks + 1 warm spare):
+  seconds from the kill to the failed step completed on the survivors, the step redone
+  included, with the spare in the lost rank's place (the full world), or the refusal (FSDP2
+  without a replica or peer copies stops for a checkpoint restart);
+- **torchft** 0.2.0, the layout it recovers without a checkpoint: 4 replica groups of one rank
+  each (a lighthouse in this process; ``torchft.ddp.PureDistributedDataParallel``, the
+  all-reduce per gradient, because its ``DistributedDataParallel`` fails an assertion in its
+  communication hook when an all-reduce breaks, 0.2.0 with this torch; its ``Manager`` with
+  the timeouts of torchft's own example, gloo 5 s and 30 s; at least 3 replica groups; a
+  healthy replica serves the state over HTTP). The killed process is started again at once
+  (what torchelastic or a Kubernetes restart policy does, without their own delay), its
+  group's store kept as torchrun's agent keeps it. Two figures, from the kill to (1) the first
+  step the three survivors commit without it (the job goes on smaller: a quarter fewer
+  samples a step) and (2) the first step committed with the restarted replica in it, healed
+  from a survivor (the full world again).
 
 ``--json FILE`` writes the figures with the load average at the start and the end.
 """
@@ -45,7 +50,7 @@ import torch.distributed as dist
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from migration import SIZES, layout_cases, model_for  # noqa: E402
+from migration import LAYOUT_NAMES, SIZES, layout_cases, model_for  # noqa: E402
 
 REPLICAS = 4
 KILLED = 1
@@ -53,7 +58,7 @@ KILL_AT = 5  # the killed replica's committed step at which it is killed
 GIVE_UP_S = 180.0  # one torchft case's limit
 # torchft's own example (train_ddp.py) on CPU: gloo's timeout 5 s, the manager's 30 s; the job
 # goes on with 3 of the 4 replica groups
-PG_TIMEOUT_S, MANAGER_TIMEOUT_S = 5.0, 30.0
+PG_TIMEOUT_S, MANAGER_TIMEOUT_S = 5.0, 30.0  # --torchft-pg-timeout-s overrides the first
 MIN_REPLICAS = REPLICAS - 1
 
 
@@ -79,7 +84,7 @@ def replica(args: argparse.Namespace) -> None:
         adam.load_state_dict(sd["optim"])
 
     manager = Manager(
-        pg=ProcessGroupGloo(timeout=timedelta(seconds=PG_TIMEOUT_S)),
+        pg=ProcessGroupGloo(timeout=timedelta(seconds=args.pg_timeout_s)),
         min_replica_size=MIN_REPLICAS,
         load_state_dict=load_state_dict,
         state_dict=state_dict,
@@ -132,7 +137,7 @@ def _rows(path: Path) -> list[dict]:
     return out
 
 
-def torchft_case(tmp: Path, size: int) -> dict:
+def torchft_case(tmp: Path, size: int, pg_timeout_s: float = PG_TIMEOUT_S) -> dict:
     """4 replica groups; replica 1 SIGKILLed at its step KILL_AT and started again at once."""
     from torchft.coordination import LighthouseServer
 
@@ -163,6 +168,8 @@ def torchft_case(tmp: Path, size: int) -> dict:
             str(ports[i]),
             "--stop",
             str(stop),
+            "--torchft-pg-timeout-s",
+            str(pg_timeout_s),
         ]
         with log.open("w") as f:
             return subprocess.Popen(
@@ -178,12 +185,19 @@ def torchft_case(tmp: Path, size: int) -> dict:
     try:
         while time.monotonic() < deadline:
             time.sleep(0.01)
+            gone = [i for i, p in enumerate(procs) if p.poll() is not None]
+            if gone:
+                out["failed"] = f"replica {gone[0]} exited with {procs[gone[0]].returncode}"
+                return out
             if not (tmp / "go").exists():
                 if all(any("started" in r for r in _rows(log)) for log in logs):
                     (tmp / "go").touch()
                 continue
             if t_kill is None:
-                if any(r.get("step", -1) >= KILL_AT for r in _rows(logs[KILLED])):
+                rows = _rows(logs[KILLED])
+                if any(
+                    r.get("step", -1) >= KILL_AT and r["participants"] == REPLICAS for r in rows
+                ):
                     t_kill = time.time()
                     procs[KILLED].send_signal(signal.SIGKILL)
                     procs[KILLED].wait()
@@ -235,6 +249,11 @@ def _spread(values: list[float]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="10MB,100MB", help="among 10MB,100MB,1GB")
+    ap.add_argument(
+        "--layouts",
+        default=",".join(LAYOUT_NAMES),
+        help="Forewarn's layouts to kill a rank of (default: all of them)",
+    )
     ap.add_argument("--repeat", type=int, default=3, help="runs per case (default 3)")
     ap.add_argument("--json", type=Path, help="write the figures measured to this file")
     ap.add_argument("--replica", type=int, default=-1, help=argparse.SUPPRESS)
@@ -242,56 +261,85 @@ def main() -> None:
     ap.add_argument("--lighthouse", default="", help=argparse.SUPPRESS)
     ap.add_argument("--store-port", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--stop", default="", help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--torchft-pg-timeout-s",
+        dest="pg_timeout_s",
+        type=float,
+        default=PG_TIMEOUT_S,
+        help="torchft's gloo timeout (default 5, its example's; a step of the 1GB state on "
+        "this machine can take longer)",
+    )
     args = ap.parse_args()
     if args.replica >= 0:
         replica(args)
         return
     try:
-        import torchft
+        import torchft  # noqa: F401
     except ImportError:
-        sys.exit("torchft is not installed: .venv/bin/pip install 'torchft==0.2.0'")
+        sys.exit("torchft is not installed: .venv/bin/pip install 'torchft==0.2.0' (make bench)")
+    layouts = [x for x in args.layouts.split(",") if x]
+    unknown = sorted(set(layouts) - set(LAYOUT_NAMES))
+    if unknown:
+        ap.error(f"unknown layout(s) {unknown}; among {','.join(LAYOUT_NAMES)}")
 
     load_before = os.getloadavg()
     print(
-        f"unplanned loss of 1 of 4 data-parallel ranks (gloo, this machine), {args.repeat} "
-        f"run(s) a case (min-max); torchft {getattr(torchft, '__version__', '0.2.0')} with "
-        "its defaults, the killed replica restarted at once; load average "
-        f"{load_before[0]:.2f}"
+        f"unplanned loss of 1 of 4 ranks (gloo, this machine), {args.repeat} run(s) a case, "
+        "min-max, the lines in turn; torchft 0.2.0: gloo timeout "
+        f"{args.pg_timeout_s:g} s, manager {MANAGER_TIMEOUT_S:.0f} s, at least {MIN_REPLICAS} "
+        f"replica groups, the killed one restarted at once; load average {load_before[0]:.2f}"
     )
     print(
-        f"    {'state':>6} {'Forewarn kill->done s':>22} {'torchft survivors s':>20} "
-        f"{'torchft full world s':>21} {'restart->code s':>16}"
+        "    Forewarn: kill to the failed step completed, the spare in the lost rank's place; "
+        "torchft: kill to the survivors' first step without it, and to the first step with "
+        "the restarted replica healed (the full world)"
     )
     tmp = Path(tempfile.mkdtemp(prefix="forewarn-torchft-"))
-    figures: dict = {"load_average_before": load_before, "rows": []}
+    figures: dict = {"load_average_before": load_before, "sizes": []}
     for label, size in [x for x in SIZES if x[0] in args.sizes.split(",")]:
-        ours: list[float] = []
+        ours: dict[str, list[float]] = {x: [] for x in layouts}
+        refused: dict[str, str] = {}
         ft: list[dict] = []
-        for i in range(args.repeat):  # the two lines in turn, so that both see the same load
-            row = layout_cases(tmp / f"ours-{label}-{i}", size, "replicated", move=False)
-            if row.get("kill_to_done_s") is not None:
-                ours.append(row["kill_to_done_s"])
-            ft.append(torchft_case(tmp / f"torchft-{label}-{i}", size))
+        for i in range(args.repeat):  # every line once a round, so that all see the same load
+            for layout in layouts:
+                row = layout_cases(tmp / f"{layout}-{label}-{i}", size, layout, move=False)
+                if row.get("kill_to_done_s") is not None:
+                    ours[layout].append(row["kill_to_done_s"])
+                elif "kill_refused" in row:
+                    refused[layout] = row["kill_refused"]
+            ft.append(torchft_case(tmp / f"torchft-{label}-{i}", size, args.pg_timeout_s))
         surv = [r["survivors_s"] for r in ft if r.get("survivors_s") is not None]
         full = [r["full_world_s"] for r in ft if r.get("full_world_s") is not None]
         code = [r["restart_to_code_s"] for r in ft if r.get("restart_to_code_s") is not None]
+        print(f"    {label}:")
+        for layout in layouts:
+            got = ours[layout]
+            ratio = (
+                f"{statistics.median(got) / statistics.median(full):.3f} of torchft's full world"
+                if got and full
+                else ""
+            )
+            said = _spread(got) if got else f"refused: {refused.get(layout, 'failed')}"
+            print(f"      Forewarn {layout:<10} {said:>24} s   {ratio}", flush=True)
         print(
-            f"    {label:>6} {_spread(ours):>22} {_spread(surv):>20} {_spread(full):>21} "
-            f"{_spread(code):>16}",
+            f"      torchft survivors {_spread(surv):>23} s   (3 of 4 ranks: a quarter fewer "
+            f"samples a step until the restart)\n"
+            f"      torchft full world {_spread(full):>22} s   (of which process start to "
+            f"code {_spread(code)} s)",
             flush=True,
         )
         for r in ft:
             if "failed" in r:
-                print(f"           torchft run failed: {r['failed']} (logs: {r.get('logs')})")
-        if ours and full:
-            ratio = statistics.median(ours) / statistics.median(full)
-            print(f"           Forewarn / torchft full world (medians): {ratio:.3f}", flush=True)
-        figures["rows"].append({"state": label, "forewarn_kill_to_done_s": ours, "torchft": ft})
+                print(f"      torchft run failed: {r['failed']} (logs: {r.get('logs')})")
+        figures["sizes"].append(
+            {"state": label, "forewarn_kill_to_done_s": ours, "refused": refused, "torchft": ft}
+        )
     figures["load_average_after"] = os.getloadavg()
     print(f"    load average at the end {figures['load_average_after'][0]:.2f}")
     if args.json:
         args.json.write_text(json.dumps(figures, indent=1) + "\n")
-    shutil.rmtree(tmp, ignore_errors=True)
+    if not any("failed" in r for size in figures["sizes"] for r in size["torchft"]):
+        shutil.rmtree(tmp, ignore_errors=True)  # else the failed runs' logs are kept there
 
 
 if __name__ == "__main__":
