@@ -648,7 +648,7 @@ def layout_cases(tmp: Path, size: int, layout: str, *, move: bool = True) -> dic
     if code == 0 and agent.reports:
         out["kill_to_done_s"] = _kill_to_done(lines, AT)
     else:
-        out["kill_refused"] = (agent.message or "failed").split(":")[0][:60]
+        out["kill_refused"] = (agent.message or "failed").split(";")[0][:60]
     shutil.rmtree(tmp, ignore_errors=True)
     return out
 

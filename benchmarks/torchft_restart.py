@@ -319,8 +319,8 @@ def main() -> None:
                 if got and full
                 else ""
             )
-            said = _spread(got) if got else f"refused: {refused.get(layout, 'failed')}"
-            print(f"      Forewarn {layout:<10} {said:>24} s   {ratio}", flush=True)
+            said = f"{_spread(got):>24} s" if got else f"refused: {refused.get(layout, 'failed')}"
+            print(f"      Forewarn {layout:<10} {said}   {ratio}", flush=True)
         print(
             f"      torchft survivors {_spread(surv):>23} s   (3 of 4 ranks: a quarter fewer "
             f"samples a step until the restart)\n"
