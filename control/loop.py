@@ -567,6 +567,11 @@ class ControlLoop:
             tripped = np.full(len(slots), -1, dtype=np.int64)
             tripped[index] = masks
             self.floor_budget.observe(tripped, now_ms=now_ms, healthy=healthy)
+            # A rule demoted now: the blocks it floored were its alarms, not the model's; they
+            # leave the budget's healthy time, so the model's threshold is not held at the top.
+            freed, weight = self.floor_budget.released()
+            self.budget.discard(freed.tolist())
+            self.budget.forget(FLOOR_SCORE, weight)
             self._keep_budget(c, plan, now_ms)
         self.threshold_in_force = threshold
         return threshold
@@ -645,7 +650,8 @@ class ControlLoop:
         gpus = self.gpus
         if scores is not None:
             # The rules are a floor: hard evidence alarms at the threshold in force.
-            acted = floored(scores["model_risk"], self._floor, threshold)
+            floor = self._floor if self._floor is not None else scores["floor"].to_numpy(bool)
+            acted = floored(scores["model_risk"], floor, threshold)
             said = scores["reasons"].tolist()
             if self.floor_budget is not None and not self.floor_budget.active.all():
                 said = [_demoted_said(r, self.floor_budget.active) for r in said]

@@ -152,6 +152,16 @@ class AlarmBudget:
         for _, values in self._pending:
             values[idx[idx < len(values)]] = np.nan
 
+    def forget(self, score: float, weight: float) -> None:
+        """Take up to ``weight`` confirmed GPU-blocks off the bin of ``score``: the floor's
+        alarms (counted at its score) of a rule no longer a floor, which were not the
+        model's (:meth:`predictor.floor_budget.FloorBudget.released`)."""
+        if weight <= 0:
+            return
+        i = int(np.flatnonzero(_histogram(logit(np.array([score]))))[0])
+        self._hist[i] = max(0.0, self._hist[i] - float(weight))
+        self._threshold = None
+
     def _close(self, block: int) -> None:
         end_ms = (block + 1) * self.block_ms
         self._pending.append((end_ms, self._cur.copy()))
@@ -277,11 +287,13 @@ def replay(
     slot: np.ndarray,
     score: np.ndarray,
     failures: tuple[np.ndarray, np.ndarray] | None = None,
+    forget: tuple[np.ndarray, np.ndarray, float] | None = None,
 ) -> np.ndarray:
     """The threshold each scored row met when it was scored, replaying rows in time order
     through ``budget`` (a row is judged by what the budget knew before its tick; then its
     tick is observed). ``failures`` = (ts_ms, slot) of known failures, discarded when they
-    happen, as the live service learns of them."""
+    happen, as the live service learns of them; ``forget`` = (ts_ms, weight, score): confirmed
+    blocks taken off ``score``'s bin at those times (:meth:`AlarmBudget.forget`)."""
     ts_ms = np.asarray(ts_ms, dtype=np.int64)
     slot = np.asarray(slot, dtype=np.int64)
     score = np.asarray(score, dtype=np.float64)
@@ -296,13 +308,21 @@ def replay(
     f_order = np.argsort(np.asarray(f_ts, dtype=np.int64), kind="stable")
     f_ts = np.asarray(f_ts, dtype=np.int64)[f_order]
     f_slot = np.asarray(f_slot, dtype=np.int64)[f_order]
-    fi = 0
+    g_ts, g_w, g_score = (np.zeros(0, np.int64), np.zeros(0), 0.0) if forget is None else forget
+    g_order = np.argsort(np.asarray(g_ts, dtype=np.int64), kind="stable")
+    g_ts = np.asarray(g_ts, dtype=np.int64)[g_order]
+    g_w = np.asarray(g_w, dtype=np.float64)[g_order]
+    fi = gi = 0
     for idx in np.split(order, cuts):
         t = int(ts_ms[idx[0]])
         hi = int(np.searchsorted(f_ts, t, side="right"))
         if hi > fi:
             budget.discard(f_slot[fi:hi][f_slot[fi:hi] >= 0])
             fi = hi
+        hi = int(np.searchsorted(g_ts, t, side="right"))
+        if hi > gi:
+            budget.forget(g_score, float(g_w[gi:hi].sum()))
+            gi = hi
         out[idx] = budget.threshold
         vec = np.full(n_slots, np.nan)
         vec[slot[idx]] = score[idx]

@@ -18,17 +18,24 @@ as a floor on this fleet once its own alarms are more than the budget explains:
   budget: ``P(Poisson(share x blocks) >= k) < alpha``, ``share`` being the budget per GPU-block;
 - **early**, before anything is confirmed (the fleet's first hours, when a rule that trips on
   every hot node would otherwise alarm on each of them): over the blocks not yet confirmed, the
-  rule tripped on at least ``spread`` GPUs that are still up, plus two for every GPU that
-  failed within those blocks, and that many is as improbable under the budget. A GPU with
-  precursors is up until it fails, and on a fleet where GPUs fail often several are at once;
-  the failures seen in the same hours say how many, about one foretold failure to come for
-  each one seen (a precursor's lead is shorter than ``confirm_s``) and one for each failure
-  whose GPU the window still holds. One failing GPU, or a few, never demote a rule early; a
-  rule that trips on many GPUs at once that do not then fail is the fleet's normal.
+  rule tripped on at least ``spread`` GPUs that are still up, plus two for every GPU it had
+  tripped on that failed within those blocks, and that many is as improbable under the
+  budget. A GPU with precursors is up until it fails, and on a fleet where GPUs fail often
+  several are at once; the rule's own foretold failures in the same hours say how many, about
+  one to come for each one seen (a precursor's lead is shorter than ``confirm_s``) and one
+  more. One failing GPU, or a few, never demote a rule early; a rule that trips on many GPUs
+  at once that do not then fail is the fleet's normal.
+
+The alarms a rule raised before it was demoted were the rule's, not the model's:
+:meth:`FloorBudget.released` names the GPUs a newly demoted rule had floored in the blocks not
+yet confirmed, and the loop (and the evaluation's replay) drops those blocks from the alarm
+budget's healthy time, so that a rule demoted after a few hours does not leave the model's
+own threshold at the top of the scale.
 
 A demoted rule is still evidence: its sentence stays among a GPU's reasons, and the model
-decides that GPU's alarm. A rule is a floor again once its counts no longer say otherwise (the
-early count forgets a block when it is confirmed; the confirmed count decays).
+decides that GPU's alarm. A rule is a floor again once neither count is above what the budget
+expects (``P(Poisson >= count) >= 0.5``; the early count forgets a block when it is confirmed,
+the confirmed count decays), so that it does not come and go by the hour.
 
 Example::
 
@@ -54,6 +61,7 @@ from predictor.floor import FLOOR_RULES
 __all__ = ["FloorBudget", "floor_mask", "replay"]
 
 _ALL = (1 << len(FLOOR_RULES)) - 1
+_STAY_DOWN = 0.5  # a demoted rule stays so while its count is above the budget's median
 
 
 def floor_mask(hits: np.ndarray) -> np.ndarray:
@@ -110,7 +118,10 @@ class FloorBudget:
         self._cur = np.zeros(0, dtype=np.int64)  # this block's tripped rules per slot
         self._seen = np.zeros(0, dtype=bool)  # slots observed healthy in this block
         self._pending: deque[tuple[int, np.ndarray, np.ndarray]] = deque()
-        self._failed: deque[tuple[int, int]] = deque()  # (block, GPUs that failed in it)
+        # (block, per rule: GPUs it had tripped on that failed in that block)
+        self._failed: deque[tuple[int, np.ndarray]] = deque()
+        self._reported = np.ones(n, dtype=bool)  # the rules active at the last released()
+        self._down = np.zeros(n, dtype=bool)  # the rules demoted when last judged
         self._now_ms: int | None = None
         self._kept_early: dict[str, int] = {}  # rules demoted early by an earlier leader: until
         self._active: np.ndarray | None = None
@@ -148,7 +159,8 @@ class FloorBudget:
         idx = np.unique(np.fromiter((int(i) for i in slots), dtype=np.int64))
         if not len(idx):
             return
-        self._failed.append((self._block or 0, len(idx)))
+        tripped = self._unconfirmed()
+        self._failed.append((self._block or 0, _bits(tripped[idx[idx < len(tripped)]])))
         for cur, seen in [(self._cur, self._seen)] + [(c, s) for _, c, s in self._pending]:
             ok = idx[idx < len(cur)]
             cur[ok] = 0
@@ -171,18 +183,21 @@ class FloorBudget:
 
     # -- reading -------------------------------------------------------------------------
 
-    def _early(self) -> tuple[np.ndarray, float]:
-        """Per rule, the GPUs it tripped on in the blocks not yet confirmed, and those
-        blocks' healthy GPU-block count."""
-        gpus = self._cur.copy()
-        blocks = float(self._seen.sum())
+    def _unconfirmed(self) -> np.ndarray:
+        """Per slot, the rules it tripped in the blocks not yet confirmed."""
+        gpus = np.where(self._seen, self._cur, 0)
         for _, cur, seen in self._pending:
             n = min(len(cur), len(gpus))
             gpus[:n] |= np.where(seen[:n], cur[:n], 0)
             if len(cur) > n:
                 gpus = np.r_[gpus, np.where(seen[n:], cur[n:], 0)]
-            blocks += float(seen.sum())
-        return _bits(gpus), blocks
+        return gpus
+
+    def _early(self) -> tuple[np.ndarray, float]:
+        """Per rule, the GPUs it tripped on in the blocks not yet confirmed, and those
+        blocks' healthy GPU-block count."""
+        blocks = float(self._seen.sum()) + sum(float(seen.sum()) for _, _, seen in self._pending)
+        return _bits(self._unconfirmed()), blocks
 
     @property
     def active(self) -> np.ndarray:
@@ -191,22 +206,41 @@ class FloorBudget:
             early_gpus, early_blocks = self._early()
             out = np.ones(len(FLOOR_RULES), dtype=bool)
             for j in range(len(FLOOR_RULES)):
+                # Demoted at alpha; a demoted rule is a floor again only once neither count
+                # is above what the budget expects, so that it does not come and go by the hour.
+                down = bool(self._down[j])
+                alpha = _STAY_DOWN if down else self.alpha
                 confirmed = self._hits[j] >= 1 and _improbable(
-                    self._hits[j], self.share * self._blocks, self.alpha
+                    self._hits[j], self.share * self._blocks, alpha
                 )
-                early = early_gpus[j] >= self.early_spread and _improbable(
-                    early_gpus[j], self.share * early_blocks, self.alpha
+                spread = 1 if down else self.early_spread[j]
+                early = early_gpus[j] >= spread and _improbable(
+                    early_gpus[j], self.share * early_blocks, alpha
                 )
                 kept = self._kept_early.get(FLOOR_RULES[j].name, 0) > (self._now_ms or 0)
                 out[j] = not (confirmed or early or kept)
+            self._down = ~out
             self._active = out
         return self._active
 
     @property
-    def early_spread(self) -> int:
-        """The fewest GPUs a rule must trip on in the unconfirmed blocks to be demoted there:
-        ``spread``, and two for every GPU that failed within them."""
-        return self.spread + 2 * sum(n for _, n in self._failed)
+    def early_spread(self) -> np.ndarray:
+        """Per rule, the fewest GPUs it must trip on in the unconfirmed blocks to be demoted
+        there: ``spread``, and two for every GPU it tripped on that failed within them."""
+        failed = sum((n for _, n in self._failed), np.zeros(len(FLOOR_RULES)))
+        return self.spread + 2 * failed
+
+    def released(self) -> tuple[np.ndarray, float]:
+        """What the rules demoted since the last call had floored, whose alarms were the
+        rule's, not the model's: the slots they tripped on in the blocks not yet confirmed,
+        and their confirmed GPU-blocks (weighted)."""
+        now = self.active
+        newly = self._reported & ~now
+        self._reported = now.copy()
+        if not newly.any():
+            return np.zeros(0, dtype=np.int64), 0.0
+        bits = int(sum(1 << int(j) for j in np.flatnonzero(newly)))
+        return np.flatnonzero(self._unconfirmed() & bits), float(self._hits[newly].sum())
 
     @property
     def active_mask(self) -> int:
@@ -237,7 +271,9 @@ class FloorBudget:
             "demoted": self.demoted(),
             "alpha": self.alpha,
             "spread": self.spread,
-            "early_spread": self.early_spread,
+            "early_spread": dict(
+                zip([r.name for r in FLOOR_RULES], self.early_spread.tolist(), strict=True)
+            ),
             "healthy_gpu_blocks": self._blocks,
         }
 
@@ -254,7 +290,7 @@ class FloorBudget:
             r.name: until
             for j, r in enumerate(FLOOR_RULES)
             if until is not None
-            and early_gpus[j] >= self.early_spread
+            and early_gpus[j] >= self.early_spread[j]
             and _improbable(early_gpus[j], self.share * early_blocks, self.alpha)
         }
         early.update({k: v for k, v in self._kept_early.items() if k not in early})
@@ -310,17 +346,24 @@ def replay(
     slot: np.ndarray,
     masks: np.ndarray,
     failures: tuple[np.ndarray, np.ndarray] | None = None,
-) -> np.ndarray:
+) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
     """The rules that were a floor for each row (a bit mask) when it was scored, replaying
     rows in time order through ``rules`` as :func:`predictor.budget.replay` replays the alarm
     budget: a row is judged by what ``rules`` knew before its tick, then its tick is observed;
-    ``failures`` = (ts_ms, slot) are discarded when they happen."""
+    ``failures`` = (ts_ms, slot) are discarded when they happen. Also (ts_ms, slot) of the
+    GPUs each demotion released (:meth:`FloorBudget.released`), for the alarm budget's replay
+    to discard as the loop does, and (ts_ms, confirmed GPU-blocks) to take off the top of its
+    scale."""
     ts_ms = np.asarray(ts_ms, dtype=np.int64)
     slot = np.asarray(slot, dtype=np.int64)
     masks = np.asarray(masks, dtype=np.int64)
     out = np.zeros(len(ts_ms), dtype=np.int64)
+    freed_ts: list[np.ndarray] = []
+    freed_slot: list[np.ndarray] = []
+    forgot: list[tuple[int, float]] = []
     if not len(ts_ms):
-        return out
+        none = np.zeros(0, np.int64)
+        return out, (none, none), (none, np.zeros(0))
     order = np.argsort(ts_ms, kind="stable")
     cuts = np.flatnonzero(np.diff(ts_ms[order])) + 1
     n_slots = int(slot.max()) + 1
@@ -339,4 +382,19 @@ def replay(
         vec = np.full(n_slots, -1, dtype=np.int64)
         vec[slot[idx]] = masks[idx]
         rules.observe(vec, now_ms=t)
-    return out
+        freed, weight = rules.released()
+        if len(freed):
+            freed_ts.append(np.full(len(freed), t + 1, dtype=np.int64))  # before the next tick
+            freed_slot.append(freed)
+        if weight:
+            forgot.append((t + 1, weight))
+    slots = (
+        (np.concatenate(freed_ts), np.concatenate(freed_slot))
+        if freed_ts
+        else (np.zeros(0, np.int64), np.zeros(0, np.int64))
+    )
+    forget = (
+        np.array([t for t, _ in forgot], dtype=np.int64),
+        np.array([w for _, w in forgot], dtype=np.float64),
+    )
+    return out, slots, forget

@@ -251,7 +251,7 @@ def _floor_figures(
     failures = (f["ts_ms"].to_numpy(np.int64), f["slot"].to_numpy(np.int64))
     masks = rows["floor"].to_numpy().astype(np.int64)
     rules = FloorBudget(budget)
-    active = replay_floor(
+    active, released, forgot = replay_floor(
         rules, rows["ts_ms"].to_numpy(), rows["slot"].to_numpy(), masks, failures=failures
     )
     hit = (masks & active) != 0
@@ -261,7 +261,8 @@ def _floor_figures(
         rows["ts_ms"].to_numpy(),
         rows["slot"].to_numpy(),
         np.where(hit, FLOOR_SCORE, raw),
-        failures=failures,
+        failures=(np.r_[failures[0], released[0]], np.r_[failures[1], released[1]]),
+        forget=(forgot[0], forgot[1], FLOOR_SCORE),
     )
     margin = logit(raw) - logit(thr)
     rows["model_floor_budget"] = np.where(hit, np.fmax(margin, 0.0), margin)

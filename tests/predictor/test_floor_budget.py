@@ -55,7 +55,8 @@ def test_a_few_gpus_are_not_enough_nor_those_that_failed() -> None:
     rules.observe(masks(1024, {g: "remap" for g in range(1, 7)}), now_ms=T0 + 60_000)
     rules.discard([1, 2, 3])  # three of them failed: 3 more up are what 3 failures explain
     assert "remap" in active(rules)
-    assert rules.early_spread == 3 + 2 * 3
+    spread = dict(zip([r.name for r in FLOOR_RULES], rules.early_spread, strict=True))
+    assert spread["remap"] == 3 + 2 * 3 and spread["thermal"] == 3  # its own failures only
     rules.observe(masks(1024, {g: "remap" for g in range(4, 14)}), now_ms=T0 + 120_000)
     assert "remap" not in active(rules)  # 10 up: more than the failures explain
 
@@ -97,11 +98,14 @@ def test_replay_judges_each_row_by_what_was_known_before_its_tick() -> None:
     ts = np.repeat([T0, T0 + 60_000], 1024)
     slot = np.tile(np.arange(1024), 2)
     m = np.tile(masks(1024, {g: "thermal" for g in range(16)}), 2)
-    out = replay(FloorBudget(2.0), ts, slot, m)
+    out, released, forgot = replay(FloorBudget(2.0), ts, slot, m)
     first, second = out[:1024], out[1024:]
     assert np.all(first & BIT["thermal"])
     assert not np.any(second & BIT["thermal"])
     assert np.all(second & BIT["remap"])
+    assert sorted(released[1].tolist()) == list(range(16))  # their blocks: the rule's alarms
+    assert np.all(released[0] == T0 + 1)
+    assert not len(forgot[0])  # nothing confirmed to take back
 
 
 def test_an_early_demotion_is_kept_until_its_evidence_would_be_confirmed() -> None:
