@@ -752,16 +752,20 @@ SIZES = [("10MB", 10**7), ("100MB", 10**8), ("1GB", 10**9)]
 STEPS, AT = 7, 3  # steps per run; the step a move or a failure happens at
 
 
-def _lines(log_dir: Path) -> list[dict]:
+def json_lines(path: Path) -> list[dict]:
+    """The JSON objects a log holds one a line (none if it is not there yet)."""
     out = []
-    for f in sorted(log_dir.glob("slot*.log")):
-        for line in f.read_text(errors="replace").splitlines():
-            if line.startswith("{"):
-                try:
-                    out.append(json.loads(line))
-                except json.JSONDecodeError:
-                    continue
+    for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
+        if line.startswith("{"):
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
     return out
+
+
+def _lines(log_dir: Path) -> list[dict]:
+    return [x for f in sorted(log_dir.glob("slot*.log")) for x in json_lines(f)]
 
 
 def _kill_to_done(lines: list[dict], step: int) -> float | None:

@@ -50,7 +50,7 @@ import torch.distributed as dist
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from migration import LAYOUT_NAMES, SIZES, layout_cases, model_for  # noqa: E402
+from migration import LAYOUT_NAMES, SIZES, json_lines, layout_cases, model_for  # noqa: E402
 
 REPLICAS = 4
 KILLED = 1
@@ -126,17 +126,6 @@ def replica(args: argparse.Namespace) -> None:
 # -- the torchft case ---------------------------------------------------------------------------
 
 
-def _rows(path: Path) -> list[dict]:
-    out = []
-    for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
-        if line.startswith("{"):
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return out
-
-
 def torchft_case(tmp: Path, size: int, pg_timeout_s: float = PG_TIMEOUT_S) -> dict:
     """4 replica groups; replica 1 SIGKILLed at its step KILL_AT and started again at once."""
     from torchft.coordination import LighthouseServer
@@ -190,11 +179,11 @@ def torchft_case(tmp: Path, size: int, pg_timeout_s: float = PG_TIMEOUT_S) -> di
                 out["failed"] = f"replica {gone[0]} exited with {procs[gone[0]].returncode}"
                 return out
             if not (tmp / "go").exists():
-                if all(any("started" in r for r in _rows(log)) for log in logs):
+                if all(any("started" in r for r in json_lines(log)) for log in logs):
                     (tmp / "go").touch()
                 continue
             if t_kill is None:
-                rows = _rows(logs[KILLED])
+                rows = json_lines(logs[KILLED])
                 if any(
                     r.get("step", -1) >= KILL_AT and r["participants"] == REPLICAS for r in rows
                 ):
@@ -203,7 +192,7 @@ def torchft_case(tmp: Path, size: int, pg_timeout_s: float = PG_TIMEOUT_S) -> di
                     procs[KILLED].wait()
                     procs[KILLED] = start(KILLED, restarted_log)
                 continue
-            back = [r for r in _rows(restarted_log) if r.get("participants") == REPLICAS]
+            back = [r for r in json_lines(restarted_log) if r.get("participants") == REPLICAS]
             if back:
                 break
         if t_kill is None or not back:
@@ -211,14 +200,15 @@ def torchft_case(tmp: Path, size: int, pg_timeout_s: float = PG_TIMEOUT_S) -> di
             return out
         survivors = [i for i in range(REPLICAS) if i != KILLED]
         after = [
-            [r for r in _rows(logs[i]) if "step" in r and r["done"] > t_kill] for i in survivors
+            [r for r in json_lines(logs[i]) if "step" in r and r["done"] > t_kill]
+            for i in survivors
         ]
         shrunk = [[r for r in rows if r["participants"] < REPLICAS] for rows in after]
         if all(shrunk):  # the first step every survivor committed without the lost replica
             step = max(rows[0]["step"] for rows in shrunk)
             done = [r["done"] for rows in shrunk for r in rows if r["step"] == step]
             out["survivors_s"] = max(done) - t_kill if len(done) == len(survivors) else None
-        started = next((r["started"] for r in _rows(restarted_log) if "started" in r), None)
+        started = next((r["started"] for r in json_lines(restarted_log) if "started" in r), None)
         out["restart_to_code_s"] = started - t_kill if started else None
         out["full_world_s"] = back[0]["done"] - t_kill
         out["healed_to_step"] = back[0]["step"]  # the survivors' step, not 1: state received

@@ -43,12 +43,12 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
 
-__all__ = ["AlarmBudget", "logit", "replay"]
+__all__ = ["AlarmBudget", "logit", "replay", "ticks"]
 
 _EDGES = np.linspace(-30.0, 30.0, 6001)  # logit bins of 0.01
 _CENTRES = (_EDGES[:-1] + _EDGES[1:]) / 2
@@ -281,6 +281,41 @@ class AlarmBudget:
         return True
 
 
+def ticks(
+    ts_ms: np.ndarray,
+    failures: tuple[np.ndarray, np.ndarray] | None = None,
+    events: tuple[np.ndarray, np.ndarray] | None = None,
+) -> Iterator[tuple[int, np.ndarray, np.ndarray, np.ndarray]]:
+    """Rows in time order, a tick at a time, as a live loop meets them: per distinct time
+    ``t``, the rows' indexes, the failed slots and the ``events`` values (both ``(ts_ms,
+    value)``) that happened since the previous tick, up to ``t``."""
+    ts_ms = np.asarray(ts_ms, dtype=np.int64)
+    if not len(ts_ms):
+        return
+    order = np.argsort(ts_ms, kind="stable")
+    cuts = np.flatnonzero(np.diff(ts_ms[order])) + 1
+    f_ts, f_val = _in_time_order(failures, np.int64)
+    e_ts, e_val = _in_time_order(events, np.float64)
+    fi = ei = 0
+    for idx in np.split(order, cuts):
+        t = int(ts_ms[idx[0]])
+        fj = int(np.searchsorted(f_ts, t, side="right"))
+        ej = int(np.searchsorted(e_ts, t, side="right"))
+        failed = f_val[fi:fj]
+        yield t, idx, failed[failed >= 0], e_val[ei:ej]
+        fi, ei = fj, ej
+
+
+def _in_time_order(
+    pairs: tuple[np.ndarray, np.ndarray] | None, dtype: type
+) -> tuple[np.ndarray, np.ndarray]:
+    if pairs is None:
+        return np.zeros(0, np.int64), np.zeros(0, dtype)
+    ts = np.asarray(pairs[0], dtype=np.int64)
+    order = np.argsort(ts, kind="stable")
+    return ts[order], np.asarray(pairs[1], dtype=dtype)[order]
+
+
 def replay(
     budget: AlarmBudget,
     ts_ms: np.ndarray,
@@ -294,35 +329,15 @@ def replay(
     tick is observed). ``failures`` = (ts_ms, slot) of known failures, discarded when they
     happen, as the live service learns of them; ``forget`` = (ts_ms, weight, score): confirmed
     blocks taken off ``score``'s bin at those times (:meth:`AlarmBudget.forget`)."""
-    ts_ms = np.asarray(ts_ms, dtype=np.int64)
     slot = np.asarray(slot, dtype=np.int64)
     score = np.asarray(score, dtype=np.float64)
-    out = np.full(len(ts_ms), np.nan)
-    if not len(ts_ms):
-        return out
-    order = np.argsort(ts_ms, kind="stable")
-    t_sorted = ts_ms[order]
-    cuts = np.flatnonzero(np.diff(t_sorted)) + 1
-    n_slots = int(slot.max()) + 1
-    f_ts, f_slot = (np.zeros(0, np.int64), np.zeros(0, np.int64)) if failures is None else failures
-    f_order = np.argsort(np.asarray(f_ts, dtype=np.int64), kind="stable")
-    f_ts = np.asarray(f_ts, dtype=np.int64)[f_order]
-    f_slot = np.asarray(f_slot, dtype=np.int64)[f_order]
-    g_ts, g_w, g_score = (np.zeros(0, np.int64), np.zeros(0), 0.0) if forget is None else forget
-    g_order = np.argsort(np.asarray(g_ts, dtype=np.int64), kind="stable")
-    g_ts = np.asarray(g_ts, dtype=np.int64)[g_order]
-    g_w = np.asarray(g_w, dtype=np.float64)[g_order]
-    fi = gi = 0
-    for idx in np.split(order, cuts):
-        t = int(ts_ms[idx[0]])
-        hi = int(np.searchsorted(f_ts, t, side="right"))
-        if hi > fi:
-            budget.discard(f_slot[fi:hi][f_slot[fi:hi] >= 0])
-            fi = hi
-        hi = int(np.searchsorted(g_ts, t, side="right"))
-        if hi > gi:
-            budget.forget(g_score, float(g_w[gi:hi].sum()))
-            gi = hi
+    out = np.full(len(slot), np.nan)
+    n_slots = int(slot.max()) + 1 if len(slot) else 0
+    weights = None if forget is None else (forget[0], forget[1])
+    for t, idx, failed, weight in ticks(ts_ms, failures, weights):
+        budget.discard(failed)
+        if len(weight):
+            budget.forget(forget[2] if forget is not None else 0.0, float(weight.sum()))
         out[idx] = budget.threshold
         vec = np.full(n_slots, np.nan)
         vec[slot[idx]] = score[idx]

@@ -56,6 +56,7 @@ from typing import Any
 import numpy as np
 from scipy.special import gammainc
 
+from predictor.budget import ticks
 from predictor.floor import FLOOR_RULES
 
 __all__ = ["FloorBudget", "floor_mask", "replay"]
@@ -354,30 +355,15 @@ def replay(
     GPUs each demotion released (:meth:`FloorBudget.released`), for the alarm budget's replay
     to discard as the loop does, and (ts_ms, confirmed GPU-blocks) to take off the top of its
     scale."""
-    ts_ms = np.asarray(ts_ms, dtype=np.int64)
     slot = np.asarray(slot, dtype=np.int64)
     masks = np.asarray(masks, dtype=np.int64)
-    out = np.zeros(len(ts_ms), dtype=np.int64)
+    out = np.zeros(len(slot), dtype=np.int64)
     freed_ts: list[np.ndarray] = []
     freed_slot: list[np.ndarray] = []
     forgot: list[tuple[int, float]] = []
-    if not len(ts_ms):
-        none = np.zeros(0, np.int64)
-        return out, (none, none), (none, np.zeros(0))
-    order = np.argsort(ts_ms, kind="stable")
-    cuts = np.flatnonzero(np.diff(ts_ms[order])) + 1
-    n_slots = int(slot.max()) + 1
-    f_ts, f_slot = (np.zeros(0, np.int64), np.zeros(0, np.int64)) if failures is None else failures
-    f_order = np.argsort(np.asarray(f_ts, dtype=np.int64), kind="stable")
-    f_ts = np.asarray(f_ts, dtype=np.int64)[f_order]
-    f_slot = np.asarray(f_slot, dtype=np.int64)[f_order]
-    fi = 0
-    for idx in np.split(order, cuts):
-        t = int(ts_ms[idx[0]])
-        hi = int(np.searchsorted(f_ts, t, side="right"))
-        if hi > fi:
-            rules.discard(f_slot[fi:hi][f_slot[fi:hi] >= 0])
-            fi = hi
+    n_slots = int(slot.max()) + 1 if len(slot) else 0
+    for t, idx, failed, _ in ticks(ts_ms, failures):
+        rules.discard(failed)
         out[idx] = rules.active_mask
         vec = np.full(n_slots, -1, dtype=np.int64)
         vec[slot[idx]] = masks[idx]

@@ -502,7 +502,13 @@ function renderText() {
     const tripped = !!policy.breaker_tripped_at;
     const breaker = tripped ? `<span class="badge bad">breaker tripped</span>` : `<span class="badge ok">breaker closed</span>`;
     const thr = data.threshold !== null ? ` threshold ${fmtPct(data.threshold)}` : "";
-    policyHtml = `${dry} ${breaker}<span class="muted">${esc(thr)}</span>`;
+    // Floor rules whose own false alarms exceed the alarm budget on this fleet: the model
+    // alone alarms on the GPUs they trip (GET /v1/policy, floor_budget.demoted).
+    const demoted = (policy.floor_budget?.demoted || []).map((d) => d.rule);
+    const floorOff = demoted.length
+      ? ` <span class="badge warn" data-stat="floor-demoted" title="rules whose false alarms on healthy GPUs exceed the alarm budget on this fleet: not a floor here, the model decides the GPUs they trip">not a floor here: ${esc(demoted.join(", "))}</span>`
+      : "";
+    policyHtml = `${dry} ${breaker}${floorOff}<span class="muted">${esc(thr)}</span>`;
   }
   setHtml("#fleet-summary", `
     <span class="stat">GPUs <strong>${items.length.toLocaleString("en")}</strong></span>
