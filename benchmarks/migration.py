@@ -186,6 +186,7 @@ def launch(
     extra: Sequence[str] = (),
     nproc: int = 2,
     checkpoint_dir: Path | None = None,
+    resume_from: Path | None = None,
 ) -> tuple[Agent, int, float, list[dict]]:
     shutil.rmtree(tmp, ignore_errors=True)
     cmd = [
@@ -209,17 +210,13 @@ def launch(
             pause_timeout_s=0.5,
             env={"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
             checkpoint_dir=checkpoint_dir,
+            resume_from=resume_from,
         )
     )
     t = time.perf_counter()
     code = agent.run()
     wall = time.perf_counter() - t
-    lines = []
-    for f in sorted(tmp.glob("slot*.log")):
-        for line in f.read_text().splitlines():
-            if line.startswith("{"):
-                lines.append(json.loads(line))
-    return agent, code, wall, lines
+    return agent, code, wall, _lines(tmp)
 
 
 # -- (a) bandwidth ----------------------------------------------------------------------------
@@ -651,6 +648,35 @@ def layout_cases(tmp: Path, size: int, layout: str, *, move: bool = True) -> dic
         out["kill_refused"] = (agent.message or "failed").split(";")[0][:60]
     shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def disk_restart(tmp: Path, size: int) -> dict:
+    """Checkpoint-restart of the peer-copy job itself (4 ranks, FSDP2, copies every 2 steps,
+    to disk every 4): rank 1 and its buddy SIGKILLed together 2 steps after a disk copy, the
+    job stops at that copy, and is launched again with ``--resume``: seconds from the kill to
+    the stop, and from the new launch to the failed step done again (its start, every rank's
+    load of its own file and the steps redone)."""
+    k, every, fail = 2, 4, 6
+    ckpt = tmp / "ckpt"
+    extra = ["--layout", "peer_copy", "--peer-copy", str(k), "--disk-copy", str(every)]
+    plan = FaultPlan().fail_at(1, fail).fail_at(2, fail)
+    agent, code, _, lines = launch(
+        tmp / "a", size, steps=fail + 1, plan=plan, spares=1, extra=extra, nproc=4,
+        checkpoint_dir=ckpt,
+    )  # fmt: skip
+    stopped = time.time()
+    kill = [x["t"] for x in lines if "fault" in x]
+    if code == 0 or not kill or not (ckpt / "latest").exists():
+        return {"failed": (agent.message or "the job did not stop")[:80]}
+    t = time.time()
+    _, code, _, lines = launch(
+        tmp / "b", size, steps=fail + 1, plan=None, spares=0, extra=extra, nproc=4,
+        checkpoint_dir=ckpt, resume_from=ckpt,
+    )  # fmt: skip
+    done = [x["done"] for x in lines if x.get("step") == fail and "done" in x]
+    if code != 0 or not done:
+        return {"failed": "the resumed job did not reach the failed step"}
+    return {"stop_s": stopped - min(kill), "restart_s": max(done) - t}
 
 
 # -- (f) the stall with and without the group formed ahead -----------------------------------
@@ -1098,8 +1124,25 @@ def main() -> None:
                 flush=True,
             )
         ckpt, _, _ = checkpoint_restart(tmp / "layout-ckpt", size)
-        print(f"    checkpoint-restart (2 ranks, DDP), seconds lost: {num(ckpt)}\n", flush=True)
-        figures["layouts"] = {"bandwidth": bw, "rows": rows, "checkpoint_restart_s": ckpt}
+        print(f"    checkpoint-restart (2 ranks, DDP), seconds lost: {num(ckpt)}", flush=True)
+        own = disk_restart(tmp / "layout-disk", size)
+        said = (
+            f"{own['stop_s'] + own['restart_s']:.2f} (the stop {own['stop_s']:.2f}, the "
+            f"restart to the failed step {own['restart_s']:.2f})"
+            if "failed" not in own
+            else f"failed: {own['failed']}"
+        )
+        print(
+            "    checkpoint-restart of the peer-copy job from its own disk copies (4 ranks, "
+            f"every 4 steps; rank 1 and its buddy lost 2 steps after one), seconds lost: {said}\n",
+            flush=True,
+        )
+        figures["layouts"] = {
+            "bandwidth": bw,
+            "rows": rows,
+            "checkpoint_restart_s": ckpt,
+            "own_disk_restart": own,
+        }
     if "c" not in args.parts.split(","):
         _write(args.json, figures)
         return
