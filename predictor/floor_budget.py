@@ -329,7 +329,9 @@ class FloorBudget:
         self._hits, self._blocks = hits, blocks
         self._kept_early = dict(early)
         self._at_ms = None if state.get("at_ms") is None else int(state["at_ms"])
+        # What it demotes now was released by the leader that kept it: not again.
         self._active = None
+        self._reported = self.active.copy()
         return True
 
 

@@ -87,6 +87,7 @@ def test_the_confirmed_counts_survive_a_restart() -> None:
     again = FloorBudget(2.0, spread=10_000)
     assert again.restore(rules.state())
     assert "remap" not in active(again)
+    assert again.released()[1] == 0.0  # released by the leader that kept it, not again
     assert not again.restore({**rules.state(), "rules": ["dbe"]})
     assert not again.restore({**rules.state(), "hits": [-1.0] * len(FLOOR_RULES)})
     assert not again.restore({**rules.state(), "block_ms": 60_000})
