@@ -11,20 +11,26 @@ a fleet of hot nodes), and nothing the model does brings it back.
 :class:`FloorBudget` counts each rule's alarms on healthy GPUs the way the alarm budget counts
 healthy time (one GPU-block of ``block_s`` in which the rule tripped is one alarm; a block is
 healthy ``confirm_s`` after its end unless its GPU failed meanwhile) and stops treating a rule
-as a floor on this fleet once its own alarms are more than the budget explains:
+as a floor on this fleet once its own alarms flood the budget: more than ``over`` (10) times
+the budget explains. A rule a few times over the budget stays a floor: a row remap pending is
+precise evidence that costs a few false alarms, and dropping it loses the memory failures the
+rules at the same rate catch (measured: leave-one-family-out folds where ``remap`` alone ran at
+3-4 times a budget of 2 lost 2-3 memory failures when held to the budget itself); a hot node's
+thermal slowdown at 150 times the budget is a flood.
 
 - **confirmed**: over the confirmed healthy GPU-blocks (weighted down with ``half_life_days``
-  as the alarm budget's), the rule's count ``k`` is improbable for a rule that keeps to the
-  budget: ``P(Poisson(share x blocks) >= k) < alpha``, ``share`` being the budget per GPU-block;
+  as the alarm budget's), the rule's count ``k`` is improbable for a rule within ``over`` times
+  the budget: ``P(Poisson(over x share x blocks) >= k) < alpha``, ``share`` being the budget
+  per GPU-block;
 - **early**, before anything is confirmed (the fleet's first hours, when a rule that trips on
   every hot node would otherwise alarm on each of them): over the blocks not yet confirmed, the
   rule tripped on at least ``spread`` GPUs that are still up, plus two for every GPU it had
-  tripped on that failed within those blocks, and that many is as improbable under the
-  budget. A GPU with precursors is up until it fails, and on a fleet where GPUs fail often
-  several are at once; the rule's own foretold failures in the same hours say how many, about
-  one to come for each one seen (a precursor's lead is shorter than ``confirm_s``) and one
-  more. One failing GPU, or a few, never demote a rule early; a rule that trips on many GPUs
-  at once that do not then fail is the fleet's normal.
+  tripped on that failed within those blocks, and that many is as improbable within
+  ``over`` times the budget. A GPU with precursors is up until it fails, and on a fleet where
+  GPUs fail often several are at once; the rule's own foretold failures in the same hours say
+  how many, about one to come for each one seen (a precursor's lead is shorter than
+  ``confirm_s``) and one more. One failing GPU, or a few, never demote a rule early; a rule
+  that trips on many GPUs at once that do not then fail is the fleet's normal.
 
 The alarms a rule raised before it was demoted were the rule's, not the model's:
 :meth:`FloorBudget.released` names the GPUs a newly demoted rule had floored in the blocks not
@@ -33,9 +39,9 @@ budget's healthy time, so that a rule demoted after a few hours does not leave t
 own threshold at the top of the scale.
 
 A demoted rule is still evidence: its sentence stays among a GPU's reasons, and the model
-decides that GPU's alarm. A rule is a floor again once neither count is above what the budget
-expects (``P(Poisson >= count) >= 0.5``; the early count forgets a block when it is confirmed,
-the confirmed count decays), so that it does not come and go by the hour.
+decides that GPU's alarm. A rule is a floor again once neither count is above what ``over``
+times the budget expects (``P(Poisson >= count) >= 0.5``; the early count forgets a block
+when it is confirmed, the confirmed count decays), so that it does not come and go by the hour.
 
 Example::
 
@@ -87,7 +93,8 @@ class FloorBudget:
     Args:
         false_alarms_per_1000_gpu_days: the operator's budget (the alarm budget's).
         block_s, confirm_s, half_life_days: as :class:`predictor.budget.AlarmBudget`'s.
-        alpha: how improbable under the budget a rule's count must be to demote it.
+        alpha: how improbable a rule's count must be, within ``over`` times the budget, to
+            demote it.
         spread: the fewest GPUs a rule must trip on to be demoted before any confirmation.
     """
 
@@ -100,6 +107,7 @@ class FloorBudget:
         half_life_days: float = 14.0,
         alpha: float = 0.01,
         spread: int = 3,
+        over: float = 10.0,
     ) -> None:
         if false_alarms_per_1000_gpu_days <= 0:
             raise ValueError("the budget must be positive")
@@ -111,6 +119,8 @@ class FloorBudget:
         self.spread = int(spread)
         self.share = self.budget / 1000.0 * block_s / 86400.0
         """The budget per GPU-block: the probability a healthy GPU-block may alarm."""
+        self.over = float(over)
+        self._flood = self.over * self.share  # per GPU-block: a rule's alarms above it flood
         n = len(FLOOR_RULES)
         self._hits = np.zeros(n)  # confirmed healthy GPU-blocks each rule tripped in (decayed)
         self._blocks = 0.0  # confirmed healthy GPU-blocks (decayed)
@@ -212,11 +222,11 @@ class FloorBudget:
                 down = bool(self._down[j])
                 alpha = _STAY_DOWN if down else self.alpha
                 confirmed = self._hits[j] >= 1 and _improbable(
-                    self._hits[j], self.share * self._blocks, alpha
+                    self._hits[j], self._flood * self._blocks, alpha
                 )
                 spread = 1 if down else self.early_spread[j]
                 early = early_gpus[j] >= spread and _improbable(
-                    early_gpus[j], self.share * early_blocks, alpha
+                    early_gpus[j], self._flood * early_blocks, alpha
                 )
                 kept = self._kept_early.get(FLOOR_RULES[j].name, 0) > (self._now_ms or 0)
                 out[j] = not (confirmed or early or kept)
@@ -271,6 +281,7 @@ class FloorBudget:
         return {
             "demoted": self.demoted(),
             "alpha": self.alpha,
+            "over": self.over,
             "spread": self.spread,
             "early_spread": dict(
                 zip([r.name for r in FLOOR_RULES], self.early_spread.tolist(), strict=True)
@@ -292,7 +303,7 @@ class FloorBudget:
             for j, r in enumerate(FLOOR_RULES)
             if until is not None
             and early_gpus[j] >= self.early_spread[j]
-            and _improbable(early_gpus[j], self.share * early_blocks, self.alpha)
+            and _improbable(early_gpus[j], self._flood * early_blocks, self.alpha)
         }
         early.update({k: v for k, v in self._kept_early.items() if k not in early})
         return {

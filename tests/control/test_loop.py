@@ -245,8 +245,8 @@ def test_hard_evidence_crosses_at_any_threshold_with_the_rule_named(registered: 
 def test_the_floors_false_alarms_use_up_the_alarm_budget(registered: Store) -> None:
     """A floored GPU counts at the top of the budget's scale: with a rule that trips on one
     healthy GPU of 2,100 every hour, the model's own threshold rises above the healthy tail it
-    would otherwise sit in; a rule that trips on three at once is no floor (its alarms exceed
-    the budget) and leaves the model's threshold where it was."""
+    would otherwise sit in; a rule that trips on 21 at once is no floor (its alarms flood the
+    budget) and leaves the model's threshold where it was."""
     import numpy as np
 
     def run(floor_every: int) -> float:
@@ -263,11 +263,11 @@ def test_the_floors_false_alarms_use_up_the_alarm_budget(registered: Store) -> N
         assert threshold is not None
         return threshold
 
-    plain, one, three = run(0), run(2100), run(700)
+    plain, one, flood = run(0), run(2100), run(100)
     assert one > 10 * plain  # one GPU of 2,100: the rule stays a floor, its alarms count
-    # three GPUs at once, 17 times the budget: the rule is no longer a floor from the first
+    # 21 GPUs at once, 120 times the budget: the rule is no longer a floor from the first
     # tick, and its first alarms were its own, not the model's (released from the budget)
-    assert abs(three - plain) < 1e-3 * plain
+    assert abs(flood - plain) < 1e-3 * plain
 
 
 def test_a_rule_that_spends_the_budget_on_healthy_gpus_stops_being_a_floor(
