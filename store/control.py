@@ -502,7 +502,9 @@ def store_timings(
 ) -> None:
     """Replace the step timing of every rank of ``job_id`` in ``timings`` (the columns of
     :class:`forewarn.wire.RankTimings`), keeping each rank's straggler state; ranks the
-    heartbeat no longer lists are dropped."""
+    heartbeat no longer lists are dropped, except a straggler's: its episode is ended by the
+    control loop (moved, stale or its job ended), which a heartbeat that left the rank out
+    for a moment (during its move) must not lose."""
     ranks = list(timings["rank"])
     names = ("job_id", "rank", *_TIMING_COLUMNS, "straggling")
     mark = "?" if connection.dialect.name == "sqlite" else "%s"
@@ -523,7 +525,9 @@ def store_timings(
     )
     keep = set(ranks)
     listed = connection.execute(
-        select(rank_timings.c.rank).where(rank_timings.c.job_id == job_id)
+        select(rank_timings.c.rank).where(
+            rank_timings.c.job_id == job_id, rank_timings.c.straggling.is_(False)
+        )
     ).scalars()
     gone = [r for r in listed if r not in keep]
     if gone:

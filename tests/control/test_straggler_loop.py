@@ -206,3 +206,27 @@ def test_an_episode_ends_when_its_job_stops_sending_timings(registered: Store) -
     with registered.engine.connect() as c:
         state = {t["rank"]: t for t in db.timing_rows(c, job_id="j")}[1]
     assert not state["straggling"] and state["above_since_ms"] is None
+
+
+def test_a_heartbeat_that_leaves_a_straggler_out_does_not_lose_its_episode(
+    registered: Store,
+) -> None:
+    """During its move a straggler's rank can be missing from one heartbeat's timings: its row
+    (and its open episode) stays, so the loop still ends the episode (here: stale) instead of
+    a later heartbeat starting the rank afresh with the episode never ended."""
+    loop, _ = make_loop(registered, straggler_window_s=0, straggler_move_cost_s=86_400)
+    heartbeat(registered, compute_1=1.3)
+    loop.tick(NOW)
+    assert len(outbox(registered, "rank.straggling")) == 1
+    only_0 = RankTimings(
+        window=20, step=101, total_steps=1100, rank=[0], compute_s=[1.0], wait_s=[0.3],
+        step_s=[1.4],
+    )  # fmt: skip
+    with registered.begin() as c:
+        db.store_timings(c, job_id="j", timings=only_0.model_dump(), received_ms=NOW + 1000)
+        kept = {t["rank"]: t for t in db.timing_rows(c, job_id="j")}
+    assert kept[1]["straggling"]
+    quiet = NOW + int(loop.agent_timeout_s * 1000) + 5000
+    loop.tick(quiet)
+    (end,) = outbox(registered, "rank.recovered")
+    assert end["rank"] == 1
