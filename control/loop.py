@@ -594,7 +594,7 @@ class ControlLoop:
         if isinstance(kept, dict) and not rules.restore(kept):
             log.warning("the kept floor-budget state does not fit this version; starting afresh")
         self.floor_budget = rules
-        self._floor_demoted = [d["rule"] for d in rules.demoted()]
+        self._floor_demoted = _names_off(rules.active)
         self._budget_slots = {}
         self._budget_kept = (budget.healthy_blocks, None)
         return budget
@@ -604,20 +604,18 @@ class ControlLoop:
         confirmed once an hour per GPU), at most once a minute; the floor budget's with it,
         and at once when the rules it demotes changed."""
         assert self.budget is not None
+        blocks, at_ms = self._budget_kept
+        due = self.budget.healthy_blocks != blocks and (
+            at_ms is None or now_ms - at_ms >= BUDGET_KEEP_EVERY_MS
+        )
+        if due:
+            db.set_state(c, BUDGET_KEY, json.dumps(self.budget.state()))
+            plan.budget_kept = (self.budget.healthy_blocks, now_ms)
         if self.floor_budget is not None:
-            demoted = [d["rule"] for d in self.floor_budget.demoted()]
-            if demoted != self._floor_demoted:
+            demoted = _names_off(self.floor_budget.active)
+            if due or demoted != self._floor_demoted:
                 db.set_state(c, FLOOR_BUDGET_KEY, json.dumps(self.floor_budget.state()))
                 plan.floor_kept = demoted
-        blocks, at_ms = self._budget_kept
-        if self.budget.healthy_blocks == blocks:
-            return
-        if at_ms is not None and now_ms - at_ms < BUDGET_KEEP_EVERY_MS:
-            return
-        db.set_state(c, BUDGET_KEY, json.dumps(self.budget.state()))
-        if self.floor_budget is not None:
-            db.set_state(c, FLOOR_BUDGET_KEY, json.dumps(self.floor_budget.state()))
-        plan.budget_kept = (self.budget.healthy_blocks, now_ms)
 
     def _apply_scores(
         self,
@@ -650,8 +648,8 @@ class ControlLoop:
         gpus = self.gpus
         if scores is not None:
             # The rules are a floor: hard evidence alarms at the threshold in force.
-            floor = self._floor if self._floor is not None else scores["floor"].to_numpy(bool)
-            acted = floored(scores["model_risk"], floor, threshold)
+            assert self._floor is not None  # set by _threshold from the same scores
+            acted = floored(scores["model_risk"], self._floor, threshold)
             said = scores["reasons"].tolist()
             if self.floor_budget is not None and not self.floor_budget.active.all():
                 said = [_demoted_said(r, self.floor_budget.active) for r in said]
@@ -1003,9 +1001,14 @@ def _kept(c: Any, key: str) -> Any:
         return None
 
 
+def _names_off(active: np.ndarray) -> list[str]:
+    """The floor rules that ``active`` (one bool per rule) says are not a floor."""
+    return [r.name for r, a in zip(FLOOR_RULES, active, strict=True) if not a]
+
+
 def _demoted_said(reasons: list[str], active: np.ndarray) -> list[str]:
     """A GPU's reasons with each rule that is not a floor on this fleet said so."""
-    off = {f"rule {r.name}:" for r, a in zip(FLOOR_RULES, active, strict=True) if not a}
+    off = {f"rule {name}:" for name in _names_off(active)}
     return [
         f"{r} - not a floor on this fleet (its false alarms exceed the alarm budget)"
         if r.startswith(tuple(off))
