@@ -56,7 +56,7 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -79,6 +79,7 @@ from forewarn.threads import to_thread_to_end
 from predictor.budget import AlarmBudget
 from predictor.floor import FLOOR_RULES, FLOOR_SCORE, floored
 from predictor.floor_budget import FloorBudget
+from predictor.state import VALUE_COLUMNS, SampleBlock
 from store import Store
 from store import control as db
 from store.outbox import emit_event
@@ -113,13 +114,24 @@ class ArrivalCursor:
         self.hole_wait_s = hole_wait_s
         self._stuck_since: float | None = None
 
-    def fresh(self, seqs: list[int]) -> np.ndarray:
+    def fresh(self, seqs: Sequence[int] | np.ndarray) -> np.ndarray:
         """Mask of the rows not consumed yet."""
+        if not self.seen:
+            return np.ones(len(seqs), dtype=bool)
         return np.fromiter((s not in self.seen for s in seqs), dtype=bool, count=len(seqs))
 
-    def consume(self, seqs: list[int], *, now: float | None = None) -> None:
+    def consume(self, seqs: Sequence[int] | np.ndarray, *, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
-        self.seen.update(seqs)
+        ordered = np.unique(np.asarray(seqs, dtype=np.int64))
+        if not self.seen and len(ordered):
+            # The common case, a tick's rows without holes: move over them at once.
+            gaps = np.flatnonzero(ordered != self.position + 1 + np.arange(len(ordered)))
+            run = int(gaps[0]) if len(gaps) else len(ordered)
+            if run:
+                self.position += run
+                self._stuck_since = None
+            ordered = ordered[run:]
+        self.seen.update(ordered.tolist())
         while self.seen:
             if self.position + 1 in self.seen:
                 self.seen.discard(self.position + 1)
@@ -254,8 +266,10 @@ class ControlLoop:
         leadership: Leadership | None = None,
         scorer: Any = None,
         clock: Callable[[], float] = time.time,
+        read_limit: int = 2_000_000,
     ) -> None:
         self.store = store
+        self.read_limit = read_limit
         self.model = model
         self.lifecycle = lifecycle
         self.defaults = defaults
@@ -287,6 +301,7 @@ class ControlLoop:
         self._budget_slots: dict[tuple[str, int], int] = {}
         self._budget_kept: tuple[float, int | None] = (0.0, None)  # (blocks, when) last written
         self.last_phases: dict[str, float] = {}
+        self.last_read = 0  # samples the last tick read
         self.durations = TickDurations()
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -414,12 +429,23 @@ class ControlLoop:
         now_ms = self.now_ms() if now_ms is None else now_ms
         self._follow_lifecycle()
         with self.store.engine.connect() as c:
-            samples, sample_seqs = db.samples_after(c, self.samples.position)
+            read = db.sample_arrays_after(
+                c, self.samples.position, VALUE_COLUMNS, limit=self.read_limit
+            )
             events, event_seqs = db.events_after(c, self.events.position)
+        sample_seqs = read.seq
+        samples = SampleBlock(read.ts_ms, read.node, read.gpu, read.values)
+        self.last_read = len(sample_seqs)
+        if self.last_read >= self.read_limit:
+            log.warning(
+                "the tick read its limit of %d samples: the loop is behind the fleet's samples "
+                "and scores them late (raise read_limit or partition the fleet)",
+                self.read_limit,
+            )
         # Frames are sorted by time; their index is each row's position in arrival order.
         fresh = self.samples.fresh(sample_seqs)
         if not fresh.all():
-            samples = samples[fresh[samples.index.to_numpy()]]
+            samples = samples[fresh]
         efresh = self.events.fresh(event_seqs)
         if not efresh.all():
             events = events[efresh[events.index.to_numpy()]]
@@ -428,7 +454,7 @@ class ControlLoop:
         if self.scorer is not None:
             clock = max(now_ms, self.scorer.state.now_ms or 0)
             if len(samples):
-                clock = max(clock, int(samples["ts_ms"].max()))
+                clock = max(clock, int(samples.ts_ms.max()))
             if len(events):
                 clock = max(clock, int(events["ts_ms"].max()))
             self.scorer.update(samples, events, now_ms=clock)
@@ -496,6 +522,8 @@ class ControlLoop:
             ),
             "last_tick_s": self.last_tick_s,
             "phases": self.last_phases,
+            "samples_read": self.last_read,
+            "behind": self.last_read >= self.read_limit,
             "durations": self.durations.state(),
         }
 

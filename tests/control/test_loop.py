@@ -344,3 +344,57 @@ def test_the_loop_follows_the_model_in_force_and_records_which_model_scored(
     life.rollback()
     loop.tick(NOW + 2000)
     assert loop.model_id == "forewarn-risk-20260102T000000Z"
+
+
+def test_a_tick_at_its_read_limit_says_it_is_behind_and_the_next_ticks_catch_up(
+    registered: Store,
+) -> None:
+    """Every sample reaches the scorer once, with the values stored (NULL as NaN), however
+    many ticks the backlog takes; a tick that read its limit says so in the loop's status."""
+    from datetime import UTC, datetime
+
+    import numpy as np
+
+    from predictor.state import VALUE_COLUMNS
+    from store.writes import sample_row
+    from tests.factories import sample
+
+    loop, scorer = make_loop(registered)
+    loop.read_limit = 10
+    blocks: list = []  # type: ignore[type-arg]
+    update = scorer.update
+
+    def record(samples, events=None, *, now_ms):  # type: ignore[no-untyped-def]
+        blocks.append(samples)
+        update(samples, events, now_ms=now_ms)
+
+    scorer.update = record  # type: ignore[method-assign]
+    rows = [
+        sample(
+            node="n0",
+            gpu=g,
+            ts=datetime.fromtimestamp(NOW / 1000 - 30 + k, UTC),
+            temp_gpu_c=40.0 + k,
+        )
+        for k in range(6)
+        for g in range(4)
+    ]
+    registered.write(samples=[sample_row(r) for r in rows])
+    behind = []
+    for k in range(4):
+        loop.tick(NOW + k * 1000)
+        behind.append(loop.status(NOW)["behind"])
+    assert [len(b) for b in blocks] == [10, 10, 4, 0]
+    assert behind == [True, True, False, False]
+    got = {
+        (n, int(g), int(t)): v
+        for b in blocks
+        for n, g, t, v in zip(b.node, b.gpu, b.ts_ms, b.values, strict=True)
+    }
+    assert len(got) == 24
+    at = {name: VALUE_COLUMNS.index(name) for name in VALUE_COLUMNS}
+    for r in rows:
+        v = got[(r.node, r.gpu, int(r.ts.timestamp() * 1000))]
+        assert v[at["temp_gpu_c"]] == r.temp_gpu_c and v[at["ecc_sbe_volatile"]] == 2
+        assert v[at["remap_pending"]] == 0.0  # a boolean as 0/1
+        assert np.isnan(v[at["ecc_sbe_aggregate"]])  # not reported: NULL

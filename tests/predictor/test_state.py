@@ -216,3 +216,41 @@ def test_ecc_evidence_ends_with_a_life_however_rows_are_split(cuts) -> None:
     since = compute(parts)[:, FEATURE_NAMES.index("since_dbe_s")]
     assert since[0] == since[1] == 7 * 86400.0  # its life's DBEs: none
     assert since[2] == 9 * 60.0
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 7, 64])
+def test_folding_in_chunks_of_gpus_gives_the_same_state(monkeypatch, chunk_rows) -> None:
+    """A large tick is folded in chunks of whole GPUs (their temporaries stay small); the state
+    is the same as from one chunk, counters, resets, nulls, gaps and vanished readings included."""
+    import predictor.state as state_module
+
+    rng = np.random.default_rng(chunk_rows)
+    n = 400
+    frame = pd.DataFrame(
+        {
+            "ts_ms": T0 + rng.integers(0, 60, n) * 1_000,
+            "node": [f"n{i}" for i in rng.integers(0, 6, n)],
+            "gpu": rng.integers(0, 8, n),
+            "ecc_sbe_volatile": pd.array(
+                np.where(rng.random(n) < 0.1, None, rng.integers(0, 9, n)), dtype="Int64"
+            ),
+            "temp_gpu_c": np.where(rng.random(n) < 0.2, np.nan, 50 + rng.normal(size=n)),
+            "throttle_reasons": pd.array(rng.choice([0, 0x20, 0x4], n), dtype="Int64"),
+        }
+    )
+    states = []
+    for rows in (1 << 30, chunk_rows):
+        monkeypatch.setattr(state_module, "_CHUNK_ROWS", rows)
+        s = GpuWindowState()
+        s.update(frame[frame["ts_ms"] < T0 + 30_000], now_ms=T0 + 30_000)
+        s.update(frame[frame["ts_ms"] >= T0 + 30_000], now_ms=T0 + 60_000)
+        states.append(s)
+    whole, chunked = states
+    for name in ("acc", "last_counter", "latest", "last_time", "reported", "vanished_now"):
+        np.testing.assert_allclose(
+            getattr(whole, name)[: whole.size],
+            getattr(chunked, name)[: chunked.size],
+            rtol=1e-12,
+            equal_nan=True,
+            err_msg=name,
+        )
