@@ -122,7 +122,9 @@ class ArrivalCursor:
 
     def consume(self, seqs: Sequence[int] | np.ndarray, *, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
-        ordered = np.unique(np.asarray(seqs, dtype=np.int64))
+        ordered = np.asarray(seqs, dtype=np.int64)
+        if len(ordered) > 1 and not (ordered[1:] > ordered[:-1]).all():
+            ordered = np.unique(ordered)  # the store reads them in order: rarely needed
         if not self.seen and len(ordered):
             # The common case, a tick's rows without holes: move over them at once.
             gaps = np.flatnonzero(ordered != self.position + 1 + np.arange(len(ordered)))
@@ -744,10 +746,11 @@ class ControlLoop:
                     (now_ms if st.crossed_ms is None else st.crossed_ms) if crossed else None
                 )
                 # Most scores repeat (a sum of trees is a step function): a row is written
-                # when anything in it changed, and at least every REFRESH_MS.
+                # when anything in it changed (its reasons included), and at least every
+                # REFRESH_MS.
                 written, written_ms = st.written, st.written_ms
-                shown = (float(risk), alarm, stale, streak, crossed, failed)
-                if shown != written or now_ms - written_ms >= REFRESH_MS or reasons:
+                shown = (float(risk), alarm, stale, streak, crossed, failed, tuple(reasons))
+                if shown != written or now_ms - written_ms >= REFRESH_MS:
                     written, written_ms = shown, now_ms
                     rows.append(
                         {
