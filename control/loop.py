@@ -89,6 +89,8 @@ __all__ = ["ArrivalCursor", "ControlLoop", "Deposed", "GpuState", "TickPlan"]
 log = logging.getLogger("forewarn.control")
 
 REFRESH_MS = 30_000
+WARM_PAGE_ROWS = 500_000
+"""Samples a take-over's warm reads at a time (about half a GB of the driver's rows)."""
 BUDGET_KEY = "alarm_budget"
 """``control_state`` key of the alarm budget's confirmed healthy time (JSON)."""
 FLOOR_BUDGET_KEY = "floor_budget"
@@ -383,18 +385,42 @@ class ControlLoop:
         self.epoch = epoch
 
     def _warm(self, now_ms: int) -> None:
-        """Fold the window the store still holds into the scorer."""
+        """Fold the window the store still holds into the scorer, in time order, a page of
+        at most :data:`WARM_PAGE_ROWS` samples at a time: at 16,384 GPUs a second apart, the
+        default 15 minutes are 15 million rows, which read at once took minutes and tens of
+        GB."""
         since = now_ms - int(self.warm_window_s * 1000)
-        window = self.store.fleet_window(since_ms=since)
         with self.store.engine.connect() as c:
             events = db.events_window(c, since_ms=since)
+            fleet = max(1, self.store.gpu_count())
+        # Pages of fleet time: at one sample a GPU a second, each holds WARM_PAGE_ROWS rows.
+        span_ms = max(1000, WARM_PAGE_ROWS // fleet * 1000)
+        event_ts = events["ts_ms"].to_numpy(dtype=np.int64)
+        folded, lo = 0, since
+        assert self.scorer is not None
+        while True:
+            # The last page has no end: samples stamped after now (a collector's clock ahead).
+            hi = lo + span_ms if lo + span_ms <= now_ms else None
+            with self.store.engine.connect() as c:
+                page = db.sample_arrays_in(c, VALUE_COLUMNS, since_ms=lo, until_ms=hi)
+            at = (event_ts >= lo) & (event_ts < hi if hi is not None else True)
+            page_events = events[at] if len(events) else events
+            clock = max(self.scorer.state.now_ms or 0, min(now_ms, (hi or now_ms) - 1))
+            if len(page.ts_ms):
+                clock = max(clock, int(page.ts_ms.max()))
+            if len(page_events):
+                clock = max(clock, int(page_events["ts_ms"].max()))
+            if hi is None:
+                clock = max(clock, now_ms)
+            block = SampleBlock(page.ts_ms, page.node, page.gpu, page.values)
+            self.scorer.update(block, page_events, now_ms=clock)
+            folded += len(page.ts_ms)
+            if hi is None:
+                break
+            lo = hi
         # Rows numbered after the tops are read again by the cursors; the scorer ignores a
-        # sample it already holds (not newer than the GPU's newest), events are cut at the top.
-        clock = max(now_ms, int(window["ts_ms"].max()) if len(window) else 0)
-        if len(events):
-            clock = max(clock, int(events["ts_ms"].max()))
-        self.scorer.update(window, events, now_ms=clock)
-        log.info("scorer warmed from %d samples and %d events", len(window), len(events))
+        # sample it already holds (not newer than the GPU's newest).
+        log.info("scorer warmed from %d samples and %d events", folded, len(events))
 
     # -- one tick ---------------------------------------------------------------------------
 

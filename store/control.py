@@ -68,6 +68,7 @@ __all__ = [
     "risk_history",
     "risk_latest",
     "sample_arrays_after",
+    "sample_arrays_in",
     "samples_after",
 ]
 
@@ -318,13 +319,10 @@ def sample_arrays_after(
     as arrays: no frame, no per-row objects beyond the driver's own. At 100,000 GPUs a 5-s tick
     reads 500,000 rows; building a pandas frame from them cost more than the query.
     """
-    unknown = sorted(set(columns) - set(FRAME_COLUMNS))
-    if unknown:
-        raise ValueError(f"unknown sample column(s): {', '.join(unknown)}")
     seq = arrival_column(connection)
     mark = "?" if connection.dialect.name == "sqlite" else "%s"
     sql = (
-        f"SELECT {seq}, ts_ms, node, gpu, {', '.join(columns)} FROM samples "
+        f"SELECT {seq}, ts_ms, node, gpu, {_value_list(columns)} FROM samples "
         f"WHERE {seq} > {mark} ORDER BY {seq} LIMIT {mark}"
     )
     cursor_ = connection.connection.driver_connection.cursor()  # type: ignore[union-attr]
@@ -333,18 +331,48 @@ def sample_arrays_after(
         rows = cursor_.fetchall()
     finally:
         cursor_.close()
+    return _arrays(rows, len(columns), with_seq=True)
+
+
+def sample_arrays_in(
+    connection: Connection, columns: Sequence[str], *, since_ms: int, until_ms: int | None
+) -> SampleArrays:
+    """The samples with ``since_ms <= ts_ms < until_ms`` (None: no end), as
+    :func:`sample_arrays_after` gives them, in time order (``seq`` is empty)."""
+    mark = "?" if connection.dialect.name == "sqlite" else "%s"
+    sql = f"SELECT ts_ms, node, gpu, {_value_list(columns)} FROM samples WHERE ts_ms >= {mark}"
+    params: tuple[int, ...] = (since_ms,)
+    if until_ms is not None:
+        sql += f" AND ts_ms < {mark}"
+        params = (since_ms, until_ms)
+    cursor_ = connection.connection.driver_connection.cursor()  # type: ignore[union-attr]
+    try:
+        cursor_.execute(sql + " ORDER BY ts_ms", params)
+        rows = cursor_.fetchall()
+    finally:
+        cursor_.close()
+    return _arrays(rows, len(columns), with_seq=False)
+
+
+def _value_list(columns: Sequence[str]) -> str:
+    unknown = sorted(set(columns) - set(FRAME_COLUMNS))
+    if unknown:
+        raise ValueError(f"unknown sample column(s): {', '.join(unknown)}")
+    return ", ".join(columns)
+
+
+def _arrays(rows: list[Any], width: int, *, with_seq: bool) -> SampleArrays:
+    first = 1 if with_seq else 0
     if not rows:
         empty = np.zeros(0, dtype=np.int64)
-        return SampleArrays(
-            empty, empty, np.zeros(0, dtype=object), empty, np.zeros((0, len(columns)))
-        )
+        return SampleArrays(empty, empty, np.zeros(0, dtype=object), empty, np.zeros((0, width)))
     table = np.array(rows, dtype=object)
     return SampleArrays(
-        table[:, 0].astype(np.int64),
-        table[:, 1].astype(np.int64),
-        table[:, 2],
-        table[:, 3].astype(np.int64),
-        table[:, 4:].astype(np.float64),  # None -> NaN, booleans -> 0/1
+        table[:, 0].astype(np.int64) if with_seq else np.zeros(0, dtype=np.int64),
+        table[:, first].astype(np.int64),
+        table[:, first + 1],
+        table[:, first + 2].astype(np.int64),
+        table[:, first + 3 :].astype(np.float64),  # None -> NaN, booleans -> 0/1
     )
 
 

@@ -398,3 +398,58 @@ def test_a_tick_at_its_read_limit_says_it_is_behind_and_the_next_ticks_catch_up(
         assert v[at["temp_gpu_c"]] == r.temp_gpu_c and v[at["ecc_sbe_volatile"]] == 2
         assert v[at["remap_pending"]] == 0.0  # a boolean as 0/1
         assert np.isnan(v[at["ecc_sbe_aggregate"]])  # not reported: NULL
+
+
+def test_a_take_over_warms_the_scorer_page_by_page_as_from_the_whole_window(
+    store: Store, monkeypatch, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    """The warm reads the window a page of fleet time at a time (bounded memory on a large
+    fleet); the scorer ends where folding the whole window at once leaves it: counters,
+    a reset between pages, a GPU that recovered, readings that vanish."""
+    from datetime import UTC, datetime
+
+    import numpy as np
+
+    import control.loop as loop_module
+    from predictor import registry
+    from predictor.scoring import Scorer
+    from store.writes import sample_row
+    from tests.factories import sample
+
+    start = NOW - 200_000
+    rows = [
+        sample(
+            node=f"n{g // 4}",
+            gpu=g % 4,
+            ts=datetime.fromtimestamp((start + k * 1_000) / 1000, UTC),
+            # counts, a reset at k = 90; n1:0 stops counting at k = 100 and recovers at 120
+            ecc_sbe_volatile=min(k, 100) * g if g == 4 else (k % 90) * g,
+            temp_gpu_c=None if (k + g) % 11 == 0 else 50.0 + g,
+        )
+        for k in range(180)
+        for g in range(8)
+    ]
+    store.write(
+        samples=[sample_row(r) for r in rows],
+        events=[
+            ("n1", 0, start + 120_000, "gpu_recovered", -1, "back", "kmsg"),
+            ("n0", 1, start + 50_000, "xid", 63, "row remap", "kmsg"),
+        ],
+    )
+    model = registry.load_default(tmp_path)  # nothing there: the shipped model
+    whole = Scorer(model)
+    with store.engine.connect() as c:
+        events = db.events_window(c, since_ms=NOW - 190_000)
+    whole.update(store.fleet_window(since_ms=NOW - 190_000), events, now_ms=NOW)
+    monkeypatch.setattr(loop_module, "WARM_PAGE_ROWS", 100)  # pages of 12 s: 16 of them
+    loop = ControlLoop(store, model=model, defaults=Policy(), tick_s=1.0, warm_window_s=190)
+    loop.scorer = Scorer(model)
+    loop._warm(NOW)
+    paged = loop.scorer
+    assert paged.state.now_ms == whole.state.now_ms == NOW
+
+    def by_gpu(s: Scorer) -> np.ndarray:
+        order = np.lexsort((s.state.gpu_of[: s.state.size], s.state.node_of[: s.state.size]))
+        return s.features()[order]
+
+    np.testing.assert_allclose(by_gpu(paged), by_gpu(whole), rtol=1e-9, atol=1e-9, equal_nan=True)
