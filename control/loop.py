@@ -89,6 +89,8 @@ __all__ = ["ArrivalCursor", "ControlLoop", "Deposed", "GpuState", "TickPlan"]
 log = logging.getLogger("forewarn.control")
 
 REFRESH_MS = 30_000
+RISK_STEP = 1e-4
+"""A stored risk is rewritten before REFRESH_MS when it moved by about this much."""
 WARM_PAGE_ROWS = 500_000
 """Samples a take-over's warm reads at a time (about half a GB of the driver's rows)."""
 BUDGET_KEY = "alarm_budget"
@@ -771,11 +773,19 @@ class ControlLoop:
                 crossed_ms = (
                     (now_ms if st.crossed_ms is None else st.crossed_ms) if crossed else None
                 )
-                # Most scores repeat (a sum of trees is a step function): a row is written
-                # when anything in it changed (its reasons included), and at least every
-                # REFRESH_MS.
+                # A row is written when anything in it changed (its reasons included; its risk
+                # by RISK_STEP or more), and at least every REFRESH_MS: the decayed sums move a
+                # calibrated risk a little every tick, on every GPU.
                 written, written_ms = st.written, st.written_ms
-                shown = (float(risk), alarm, stale, streak, crossed, failed, tuple(reasons))
+                shown = (
+                    round(float(risk) / RISK_STEP),
+                    alarm,
+                    stale,
+                    streak,
+                    crossed,
+                    failed,
+                    tuple(reasons),
+                )
                 if shown != written or now_ms - written_ms >= REFRESH_MS:
                     written, written_ms = shown, now_ms
                     rows.append(
