@@ -325,8 +325,12 @@ def part_t(gpus: int, interval_s: float, ticks: int, backend: str = "sqlite") ->
         for k in range(1, ticks + 1):
             store_seconds(t + k * seconds)
             loop.step(int((t + (k + 1) * seconds) * 1000))
-            rows.append({"tick_s": loop.last_tick_s, **loop.last_phases})
-            print(f"  tick {k}: " + ", ".join(f"{n} {v:.2f}" for n, v in rows[-1].items()))
+            rows.append({"tick_s": loop.last_tick_s, **loop.last_phases, "read": loop.last_read})
+            print(
+                f"  tick {k}: "
+                + ", ".join(f"{n} {v:.2f}" for n, v in rows[-1].items() if n != "read")
+                + f", samples read {loop.last_read:,}"
+            )
         store.close()
     median = {n: pct([r[n] for r in rows], 50) for n in rows[0]}
     return {
