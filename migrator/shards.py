@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -160,7 +161,37 @@ def seal(directory: Path, *, step: int, world_size: int, info: dict[str, Any]) -
     if current is not None and current >= step:
         return False
     replace_atomically(directory / "latest", lambda fh: fh.write(f"{folder.name}\n".encode()))
+    prune(directory, keep=KEEP_SEALED)
     return True
+
+
+KEEP_SEALED = 2
+"""Sealed sharded checkpoints a job's directory keeps: ``latest`` and the one before it."""
+
+
+def prune(directory: Path, *, keep: int) -> list[Path]:
+    """Remove the step folders older than the ``keep`` newest sealed ones, sealed or not (a
+    round a killed rank never finished, with its temporary files); returns those removed.
+
+    Safe while the job writes: sealing a step needs every rank's file of it, and each rank
+    writes its rounds in order, so no rank still writes a round older than a sealed one.
+    One-file checkpoints (``step-<c>.pt``) and anything else in the directory are left alone.
+    """
+    if keep < 1:
+        raise ValueError(f"keep {keep} must be at least 1")
+    folders: dict[int, Path] = {}
+    for entry in directory.glob("step-*"):
+        name = entry.name[5:]
+        if entry.is_dir() and len(name) == 8 and name.isdigit():
+            folders[int(name)] = entry
+    sealed = sorted(s for s, f in folders.items() if (f / "manifest.json").exists())
+    if len(sealed) <= keep:
+        return []
+    oldest_kept = sealed[-keep]
+    removed = [f for s, f in sorted(folders.items()) if s < oldest_kept]
+    for folder in removed:
+        shutil.rmtree(folder, ignore_errors=True)
+    return removed
 
 
 def is_sharded(path: Path) -> bool:

@@ -347,3 +347,50 @@ def test_preventive_move_at_a_copy_step_then_a_kill_replays_bitwise(
     for key, seen in rows.items():
         assert all(row["loss"] == base[key][0]["loss"] for row in seen), f"loss differs at {key}"
     assert_same_final(base_copies, run, nproc=4)
+
+
+def test_a_sealed_checkpoint_removes_the_rounds_before_the_one_it_keeps(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The directory keeps the newest two sealed checkpoints: older folders go, with a round a
+    killed rank left unfinished (its temporary file) among them; one-file checkpoints and
+    other files stay, and so does a round newer than ``latest`` still being written."""
+
+    def write(step: int, rank: int) -> None:
+        shards.write_shard(
+            tmp_path,
+            step=step,
+            rank=rank,
+            world_size=2,
+            meta={"manifest": [], "rank_state": b"x"},
+            tensors=[torch.zeros(2)],
+            rank_state=b"state",
+        )
+
+    for step in (4, 8):
+        write(step, 0), write(step, 1)
+        assert shards.seal(tmp_path, step=step, world_size=2, info={})
+    write(10, 0)  # rank 1 was killed writing step 10
+    (shards.shard_dir(tmp_path, 10) / ".rank-00001.pt.4242.tmp").write_bytes(b"half")
+    (tmp_path / "step-00000002.pt").write_bytes(b"a one-file checkpoint")
+    (tmp_path / "notes.txt").write_text("the operator's")
+    write(12, 0), write(12, 1)
+    write(16, 0)  # the next round, in progress
+    assert shards.seal(tmp_path, step=12, world_size=2, info={})
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == [
+        "latest",
+        "notes.txt",
+        "step-00000002.pt",
+        "step-00000008",
+        "step-00000010",
+        "step-00000012",
+        "step-00000016",
+    ]
+    write(16, 1)
+    assert shards.seal(tmp_path, step=16, world_size=2, info={})
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == [
+        "step-00000002.pt",
+        "step-00000012",
+        "step-00000016",
+    ]
+    assert shards.latest_step(tmp_path) == 16
+    assert checkpoint.load(tmp_path, rank=1)["step"] == 16
