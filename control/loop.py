@@ -472,7 +472,8 @@ class ControlLoop:
                 "and scores them late (raise read_limit or partition the fleet)",
                 self.read_limit,
             )
-        # Frames are sorted by time; their index is each row's position in arrival order.
+        # Samples come in arrival order; the events frame is sorted by time, its index each
+        # row's position in arrival order.
         fresh = self.samples.fresh(sample_seqs)
         if not fresh.all():
             samples = samples[fresh]
@@ -778,7 +779,7 @@ class ControlLoop:
                 # calibrated risk a little every tick, on every GPU.
                 written, written_ms = st.written, st.written_ms
                 shown = (
-                    round(float(risk) / RISK_STEP),
+                    round(float(risk) / RISK_STEP) if risk == risk else None,  # NaN: unknown
                     alarm,
                     stale,
                     streak,
