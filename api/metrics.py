@@ -142,7 +142,8 @@ def control_families(
 ) -> list[Metric]:
     """The control loop's families, from the status it published (:func:`store.control.
     read_status`) and the stored scores: ``forewarn_control_leader`` (1 on the replica whose
-    loop leads), and on that replica ``forewarn_scorer_tick_seconds`` (its loop's ticks) and
+    loop leads), and on that replica ``forewarn_scorer_tick_seconds`` (its loop's ticks),
+    ``forewarn_control_behind`` (its last tick read its limit of samples) and
     ``forewarn_gpu_risk{node,gpu}`` (``risks``: each scored GPU's latest risk)."""
     leader = GaugeMetricFamily(
         "forewarn_control_leader", "1 if this replica runs the control loop."
@@ -162,10 +163,15 @@ def control_families(
         buckets=buckets,
         sum_value=float(durations.get("sum", 0.0)),
     )
+    behind = GaugeMetricFamily(
+        "forewarn_control_behind",
+        "1 if the loop's last tick read its limit of samples: it scores the fleet late.",
+    )
+    behind.add_metric([], 1.0 if status.get("behind") else 0.0)
     risk = GaugeMetricFamily(
         "forewarn_gpu_risk", "Latest risk score per GPU.", labels=["node", "gpu"]
     )
     for node, gpu, value in risks:
         if value is not None:
             risk.add_metric([node, str(gpu)], float(value))
-    return [leader, ticks, risk]
+    return [leader, ticks, behind, risk]

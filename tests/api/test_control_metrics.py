@@ -1,0 +1,21 @@
+"""The control loop's Prometheus families, from the status its last tick published."""
+
+from __future__ import annotations
+
+from api.metrics import control_families
+
+
+def values(families) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    return {s.name: s.value for f in families for s in f.samples}
+
+
+def test_a_loop_behind_the_fleet_says_so_on_the_leader_only() -> None:
+    status = {"behind": True, "durations": {"le": [1.0], "per": [3], "count": 3, "sum": 1.5}}
+    leading = values(control_families(status, leads=True, risks=[("n0", 1, 0.2)]))
+    assert leading["forewarn_control_behind"] == 1.0
+    assert leading["forewarn_scorer_tick_seconds_count"] == 3
+    caught_up = values(control_families({"behind": False}, leads=True, risks=[]))
+    assert caught_up["forewarn_control_behind"] == 0.0
+    following = values(control_families(status, leads=False, risks=[]))
+    assert "forewarn_control_behind" not in following
+    assert following["forewarn_control_leader"] == 0.0
