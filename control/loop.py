@@ -394,7 +394,7 @@ class ControlLoop:
         since = now_ms - int(self.warm_window_s * 1000)
         with self.store.engine.connect() as c:
             events = db.events_window(c, since_ms=since)
-            fleet = max(1, self.store.gpu_count())
+        fleet = max(1, self.store.gpu_count())
         # Pages of fleet time: at one sample a GPU a second, each holds WARM_PAGE_ROWS rows.
         span_ms = max(1000, WARM_PAGE_ROWS // fleet * 1000)
         event_ts = events["ts_ms"].to_numpy(dtype=np.int64)
@@ -407,14 +407,9 @@ class ControlLoop:
                 page = db.sample_arrays_in(c, VALUE_COLUMNS, since_ms=lo, until_ms=hi)
             at = (event_ts >= lo) & (event_ts < hi if hi is not None else True)
             page_events = events[at] if len(events) else events
-            clock = max(self.scorer.state.now_ms or 0, min(now_ms, (hi or now_ms) - 1))
-            if len(page.ts_ms):
-                clock = max(clock, int(page.ts_ms.max()))
-            if len(page_events):
-                clock = max(clock, int(page_events["ts_ms"].max()))
-            if hi is None:
-                clock = max(clock, now_ms)
             block = SampleBlock(page.ts_ms, page.node, page.gpu, page.values)
+            end = now_ms if hi is None else hi - 1
+            clock = _clock(max(end, self.scorer.state.now_ms or 0), block, page_events)
             self.scorer.update(block, page_events, now_ms=clock)
             folded += len(page.ts_ms)
             if hi is None:
@@ -483,11 +478,7 @@ class ControlLoop:
         read_done = time.perf_counter()
         scores = None
         if self.scorer is not None:
-            clock = max(now_ms, self.scorer.state.now_ms or 0)
-            if len(samples):
-                clock = max(clock, int(samples.ts_ms.max()))
-            if len(events):
-                clock = max(clock, int(events["ts_ms"].max()))
+            clock = _clock(max(now_ms, self.scorer.state.now_ms or 0), samples, events)
             self.scorer.update(samples, events, now_ms=clock)
             if self.scorer.state.size:
                 scores = self.scorer.score()
@@ -1072,6 +1063,17 @@ def _kept(c: Any, key: str) -> Any:
 def _names_off(active: np.ndarray) -> list[str]:
     """The floor rules that ``active`` (one bool per rule) says are not a floor."""
     return [r.name for r, a in zip(FLOOR_RULES, active, strict=True) if not a]
+
+
+def _clock(at_least: int, samples: SampleBlock, events: pd.DataFrame) -> int:
+    """The scorer's clock for an update: ``at_least``, or the newest row's time if later (a
+    collector's clock ahead of ours)."""
+    clock = at_least
+    if len(samples):
+        clock = max(clock, int(samples.ts_ms.max()))
+    if len(events):
+        clock = max(clock, int(events["ts_ms"].max()))
+    return clock
 
 
 def _demoted_said(reasons: list[str], active: np.ndarray) -> list[str]:

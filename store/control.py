@@ -288,14 +288,7 @@ def samples_after(
         f"SELECT {seq}, {', '.join(FRAME_COLUMNS)} FROM samples "
         f"WHERE {seq} > {mark} ORDER BY {seq} LIMIT {mark}"
     )
-    # The driver's own cursor: at 16,384 rows a tick the SQLAlchemy row layer costs more than
-    # the query.
-    cursor_ = connection.connection.driver_connection.cursor()  # type: ignore[union-attr]
-    try:
-        cursor_.execute(sql, (cursor, limit))
-        rows = cursor_.fetchall()
-    finally:
-        cursor_.close()
+    rows = _fetch(connection, sql, (cursor, limit))
     seqs = [int(r[0]) for r in rows]
     frame = _frame([r[1:] for r in rows], list(FRAME_COLUMNS))
     # Sorted by time; the index keeps each row's position in arrival order (``seqs``).

@@ -197,6 +197,20 @@ def test_rank_lost_with_its_buddy_stops_at_the_last_disk_copy_and_resumes_bitwis
     assert (ckpt / "latest").read_text().strip() == "step-00000008"
 
 
+def write_rank_file(directory: Path, step: int, rank: int) -> None:
+    """Rank ``rank``'s file of a two-rank sharded checkpoint at ``step`` (a tensor of ones for
+    rank 1, zeros for rank 0)."""
+    shards.write_shard(
+        directory,
+        step=step,
+        rank=rank,
+        world_size=2,
+        meta={"manifest": [], "rank_state": b"x"},
+        tensors=[torch.full((2,), float(rank))],
+        rank_state=b"state",
+    )
+
+
 def test_disk_copies_go_with_the_round_holding_a_multiple_of_m_and_latest_moves_forward(
     tmp_path: Path,
 ) -> None:
@@ -231,25 +245,14 @@ def test_disk_copies_go_with_the_round_holding_a_multiple_of_m_and_latest_moves_
             disk_every=4,
         )
 
-    def write(step: int, rank: int) -> None:
-        shards.write_shard(
-            tmp_path,
-            step=step,
-            rank=rank,
-            world_size=2,
-            meta={"manifest": [], "rank_state": b"x"},
-            tensors=[torch.full((2,), float(rank))],
-            rank_state=b"state",
-        )
-
-    write(4, 0)
+    write_rank_file(tmp_path, 4, 0)
     with pytest.raises(FileNotFoundError, match=r"ranks \[1\]"):
         shards.seal(tmp_path, step=4, world_size=2, info={})
-    write(4, 1)
+    write_rank_file(tmp_path, 4, 1)
     assert (
         shards.seal(tmp_path, step=4, world_size=2, info={}) and shards.latest_step(tmp_path) == 4
     )
-    write(2, 0), write(2, 1)
+    write_rank_file(tmp_path, 2, 0), write_rank_file(tmp_path, 2, 1)
     assert not shards.seal(tmp_path, step=2, world_size=2, info={})  # an older step: no move
     assert shards.latest_step(tmp_path) == 4
     with pytest.raises(checkpoint.CheckpointError, match="each rank reads its own file"):
@@ -354,26 +357,15 @@ def test_a_sealed_checkpoint_removes_the_rounds_before_the_one_it_keeps(tmp_path
     killed rank left unfinished (its temporary file) among them; one-file checkpoints and
     other files stay, and so does a round newer than ``latest`` still being written."""
 
-    def write(step: int, rank: int) -> None:
-        shards.write_shard(
-            tmp_path,
-            step=step,
-            rank=rank,
-            world_size=2,
-            meta={"manifest": [], "rank_state": b"x"},
-            tensors=[torch.zeros(2)],
-            rank_state=b"state",
-        )
-
     for step in (4, 8):
-        write(step, 0), write(step, 1)
+        write_rank_file(tmp_path, step, 0), write_rank_file(tmp_path, step, 1)
         assert shards.seal(tmp_path, step=step, world_size=2, info={})
-    write(10, 0)  # rank 1 was killed writing step 10
+    write_rank_file(tmp_path, 10, 0)  # rank 1 was killed writing step 10
     (shards.shard_dir(tmp_path, 10) / ".rank-00001.pt.4242.tmp").write_bytes(b"half")
     (tmp_path / "step-00000002.pt").write_bytes(b"a one-file checkpoint")
     (tmp_path / "notes.txt").write_text("the operator's")
-    write(12, 0), write(12, 1)
-    write(16, 0)  # the next round, in progress
+    write_rank_file(tmp_path, 12, 0), write_rank_file(tmp_path, 12, 1)
+    write_rank_file(tmp_path, 16, 0)  # the next round, in progress
     assert shards.seal(tmp_path, step=12, world_size=2, info={})
     left = sorted(p.name for p in tmp_path.iterdir())
     assert left == [
@@ -385,7 +377,7 @@ def test_a_sealed_checkpoint_removes_the_rounds_before_the_one_it_keeps(tmp_path
         "step-00000012",
         "step-00000016",
     ]
-    write(16, 1)
+    write_rank_file(tmp_path, 16, 1)
     assert shards.seal(tmp_path, step=16, world_size=2, info={})
     assert sorted(p.name for p in tmp_path.glob("step-*")) == [
         "step-00000002.pt",
