@@ -83,7 +83,18 @@ def build_loop(settings: Settings, store: Any, replica: str) -> ControlLoop:
         ack_timeout_s=settings.ack_timeout_s,
         agent_timeout_s=settings.agent_timeout_s,
         lifecycle=model_lifecycle(settings),
+        partitioned=partitioned(settings, store),
     )
+
+
+def partitioned(settings: Settings, store: Any) -> bool:
+    """Whether the loop shares the scoring: asked for, on PostgreSQL (logged when not)."""
+    if not settings.partitioned_scoring:
+        return False
+    if store.engine.dialect.name != "postgresql":
+        log.warning("partitioned scoring needs PostgreSQL; this loop scores the whole fleet")
+        return False
+    return True
 
 
 async def start_control(state: AppState, *, own_process: bool) -> list[asyncio.Task[None]]:

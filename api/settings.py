@@ -144,6 +144,11 @@ class Settings(BaseSettings):
     control_tick_s: float = Field(default=5.0, gt=0)
     """Interval of the control loop: score the fleet, apply the policy."""
 
+    partitioned_scoring: bool = False
+    """Share the scoring among the replicas' control loops (``FOREWARN_PARTITIONED_SCORING``;
+    PostgreSQL only): each scores a share of the fleet's nodes, the leader merges the shares
+    and decides (docs/control.md, "Partitioned scoring"). Off: the leader scores the fleet."""
+
     model: Path | None = None
     """Model card to score with (``FOREWARN_MODEL``); default the newest in ``models_dir``."""
 

@@ -54,6 +54,7 @@ import bisect
 import json
 import logging
 import os
+import socket
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -66,6 +67,7 @@ import pandas as pd
 from control import orchestrator
 from control import straggler_watch as watch
 from control.leader import Leadership
+from control.partition import LIVE_TICKS, SHARD_COLUMNS, Share, decode, encode
 from control.policy import (
     Decision,
     Policy,
@@ -101,6 +103,8 @@ BUDGET_KEEP_EVERY_MS = 60_000
 """A GPU's stored score is rewritten at least this often even when nothing in it changed."""
 
 FATAL_EVENT_KINDS = frozenset({"gpu_lost", "power_loss", "thermal_shutdown"})
+
+_EMPTY_SHARD = pd.DataFrame({k: [] for k in SHARD_COLUMNS})
 
 
 class ArrivalCursor:
@@ -253,6 +257,9 @@ class ControlLoop:
             in force, built at each take-over); one given here is kept and warmed instead.
         clock: seconds since the epoch (default :func:`time.time`): a tick's time when
             :meth:`tick` is given none, and the take-over's.
+        partitioned: share the scoring with the other replicas' loops (:mod:`control.partition`;
+            PostgreSQL): this one scores its share of the fleet, as leader or follower, and the
+            leader merges the followers' scores before it decides.
     """
 
     def __init__(
@@ -273,8 +280,15 @@ class ControlLoop:
         scorer: Any = None,
         clock: Callable[[], float] = time.time,
         read_limit: int = 2_000_000,
+        partitioned: bool = False,
     ) -> None:
         self.store = store
+        self.partitioned = partitioned
+        self.member = f"{replica or socket.gethostname()}:{os.getpid()}"
+        self.share: Share | None = None  # this loop's share of the scoring, once it has one
+        self.live_ms = int(max(LIVE_TICKS * tick_s, 5.0) * 1000)
+        self._merged: dict[str, int] = {}  # each follower's newest scores merged (tick_ms)
+        self.last_partition: dict[str, Any] | None = None
         self.read_limit = read_limit
         self.model = model
         self.lifecycle = lifecycle
@@ -324,11 +338,24 @@ class ControlLoop:
                 await asyncio.sleep(max(0.0, self.tick_s - (time.monotonic() - started)))
         finally:
             await asyncio.to_thread(self.leadership.release)
+            if self.share is not None:
+                await asyncio.to_thread(self.leave)
+
+    def leave(self) -> None:
+        """Take this loop out of the partitioned scoring (it stops): the others share its
+        buckets at their next tick instead of after :data:`control.partition.LIVE_TICKS`."""
+        try:
+            with self.store.begin() as c:
+                db.leave(c, member=self.member)
+        except Exception:
+            log.exception("could not leave the partitioned scoring")
 
     def step(self, now_ms: int | None = None) -> bool:
         """Lead if possible, then tick; returns whether this replica leads."""
         was = self.leadership.is_leader
         if not self.leadership.acquire():
+            if self.sharing:
+                self.follow(now_ms)
             return False
         if not was:
             self.take_over()
@@ -342,6 +369,11 @@ class ControlLoop:
 
     def now_ms(self) -> int:
         return int(self.clock() * 1000)
+
+    @property
+    def sharing(self) -> bool:
+        """Whether this loop scores a share of the fleet (partitioned, with a model)."""
+        return self.partitioned and self.model is not None
 
     def take_over(self) -> None:
         """Warm the scorer from the store's window and reload each GPU's flags (and, at the
@@ -372,29 +404,41 @@ class ControlLoop:
                     last_alarm=row["alarm"],
                     crossed_ms=row["crossed_ms"],
                 )
-        self.samples = ArrivalCursor(sample_top)
-        self.events = ArrivalCursor(event_top)
         self._audited = {}
         self._failed_pending = {}
-        if self._own_scorer:
-            self.scorer = None
-            if self.model is not None:
-                from predictor.scoring import Scorer
+        self._merged = {}
+        if self.sharing:
+            # The scorer and cursors of this loop's share go on as they were as a follower.
+            if self.share is None:
+                self._start_share(sample_top, event_top)
+        else:
+            self.samples = ArrivalCursor(sample_top)
+            self.events = ArrivalCursor(event_top)
+            if self._own_scorer:
+                self.scorer = None
+                if self.model is not None:
+                    from predictor.scoring import Scorer
 
-                self.scorer = Scorer(self.model)
-        if self.scorer is not None:
-            self._warm(now_ms)
+                    self.scorer = Scorer(self.model)
+            if self.scorer is not None:
+                self._warm(now_ms)
         self.epoch = epoch
 
-    def _warm(self, now_ms: int) -> None:
+    def _warm(self, now_ms: int, buckets: np.ndarray | None = None) -> None:
         """Fold the window the store still holds into the scorer, in time order, a page of
         at most :data:`WARM_PAGE_ROWS` samples at a time: at 16,384 GPUs a second apart, the
         default 15 minutes are 15 million rows, which read at once took minutes and tens of
-        GB."""
+        GB. ``buckets``: only the nodes of these (a share of the fleet gained)."""
         since = now_ms - int(self.warm_window_s * 1000)
         with self.store.engine.connect() as c:
             events = db.events_window(c, since_ms=since)
+            if buckets is not None:
+                assert self.share is not None
+                events = events[self._in(c, events["node"].to_numpy(dtype=object), buckets)]
         fleet = max(1, self.store.gpu_count())
+        if buckets is not None:  # the share's part of the fleet, by bucket
+            fleet = max(1, fleet * len(buckets) // db.BUCKETS)
+        listed = None if buckets is None else buckets.tolist()
         # Pages of fleet time: at one sample a GPU a second, each holds WARM_PAGE_ROWS rows.
         span_ms = max(1000, WARM_PAGE_ROWS // fleet * 1000)
         event_ts = events["ts_ms"].to_numpy(dtype=np.int64)
@@ -404,7 +448,9 @@ class ControlLoop:
             # The last page has no end: samples stamped after now (a collector's clock ahead).
             hi = lo + span_ms if lo + span_ms <= now_ms else None
             with self.store.engine.connect() as c:
-                page = db.sample_arrays_in(c, VALUE_COLUMNS, since_ms=lo, until_ms=hi)
+                page = db.sample_arrays_in(
+                    c, VALUE_COLUMNS, since_ms=lo, until_ms=hi, buckets=listed
+                )
             at = (event_ts >= lo) & (event_ts < hi if hi is not None else True)
             page_events = events[at] if len(events) else events
             block = SampleBlock(page.ts_ms, page.node, page.gpu, page.values)
@@ -417,7 +463,149 @@ class ControlLoop:
             lo = hi
         # Rows numbered after the tops are read again by the cursors; the scorer ignores a
         # sample it already holds (not newer than the GPU's newest).
-        log.info("scorer warmed from %d samples and %d events", folded, len(events))
+        log.info(
+            "scorer warmed from %d samples and %d events%s",
+            folded,
+            len(events),
+            "" if buckets is None else f" ({len(buckets)} buckets gained)",
+        )
+
+    # -- partitioned scoring (control.partition) ----------------------------------------------
+
+    def _start_share(self, sample_top: int, event_top: int) -> None:
+        """Begin scoring a share: cursors at the tops given, a scorer with nothing in it (the
+        buckets this loop gains at its first tick are warmed then)."""
+        self.samples = ArrivalCursor(sample_top)
+        self.events = ArrivalCursor(event_top)
+        if self._own_scorer:
+            from predictor.scoring import Scorer
+
+            self.scorer = Scorer(self.model)
+        self.share = Share(self.member)
+
+    def _in(self, c: Any, nodes: np.ndarray, buckets: np.ndarray | None = None) -> np.ndarray:
+        """Mask of ``nodes`` in ``buckets`` (default: this loop's share), their buckets asked
+        of the database once per name."""
+        assert self.share is not None
+        unknown = self.share.unknown(nodes)
+        if unknown:
+            self.share.node_bucket.update(db.node_buckets(c, unknown))
+        if buckets is None:
+            return self.share.holds(nodes)
+        known = self.share.node_bucket
+        of = np.fromiter((known[n] for n in nodes), dtype=np.int64, count=len(nodes))
+        return np.isin(of, buckets)
+
+    def follow(self, now_ms: int | None = None) -> None:
+        """A follower's tick: score this loop's share and publish it for the leader."""
+        started = time.perf_counter()
+        now_ms = self.now_ms() if now_ms is None else now_ms
+        self._follow_lifecycle()
+        if self.share is None:
+            with self.store.engine.connect() as c:
+                self._start_share(db.max_sample_seq(c), db.max_event_seq(c))
+        assert self.scorer is not None
+        with self.store.engine.connect() as c:
+            status = db.read_status(c) or {}
+        threshold = status.get("threshold_in_force")
+        if isinstance(threshold, int | float):  # reasons for GPUs above half the leader's
+            self.scorer.reason_floor = float(threshold) / 2
+        scores, _ = self._score_share(now_ms)
+        shard = scores[list(SHARD_COLUMNS)] if scores is not None else _EMPTY_SHARD
+        payload = encode(shard)
+        with self.store.begin() as c:
+            db.beat_member(
+                c, member=self.member, now_ms=now_ms, tick_ms=now_ms, gpus=len(shard),
+                payload=payload,
+            )  # fmt: skip
+        self.ticks += 1
+        self.last_tick_s = time.perf_counter() - started
+
+    def _score_share(self, now_ms: int) -> tuple[pd.DataFrame | None, pd.DataFrame]:
+        """Read this loop's share of the samples received since the last tick (and every
+        event), fold them into its scorer, score its share; returns (its scores, or None;
+        the fresh events, all of them: the leader judges fatal ones fleet-wide)."""
+        share, scorer = self.share, self.scorer
+        assert share is not None and scorer is not None
+        started = time.perf_counter()
+        with self.store.engine.connect() as c:
+            live = db.live_members(c, since_ms=now_ms - self.live_ms)
+        gained = share.assign(live)
+        if len(gained):
+            self._warm(now_ms, None if len(gained) == db.BUCKETS else gained)
+        assert share.buckets is not None
+        with self.store.engine.connect() as c:
+            seqs = db.arrival_seqs_after(c, self.samples.position, limit=self.read_limit)
+            read = db.sample_arrays_after(
+                c,
+                self.samples.position,
+                VALUE_COLUMNS,
+                limit=self.read_limit,
+                buckets=None if share.whole else share.buckets.tolist(),
+                until=int(seqs[-1]) if len(seqs) else self.samples.position,
+            )
+            events, event_seqs = db.events_after(c, self.events.position)
+            ours = self._in(c, events["node"].to_numpy(dtype=object))
+        self.last_read = len(seqs)
+        # A row committed between the two reads is read again at the next tick, with its
+        # number: the cursor moves over the numbers of the first read only.
+        keep = np.isin(read.seq, seqs) & self.samples.fresh(read.seq)
+        samples = SampleBlock(read.ts_ms, read.node, read.gpu, read.values)
+        if not keep.all():
+            samples = samples[keep]
+        efresh = self.events.fresh(event_seqs)
+        if not efresh.all():
+            keep_events = efresh[events.index.to_numpy()]
+            events, ours = events[keep_events], ours[keep_events]
+        read_done = time.perf_counter()
+        clock = _clock(max(now_ms, scorer.state.now_ms or 0), samples, events[ours])
+        scorer.update(samples, events[ours], now_ms=clock)
+        scores = None
+        if scorer.state.size:
+            scores = scorer.score()
+            with self.store.engine.connect() as c:
+                held = self._in(c, scores["node"].to_numpy(dtype=object))
+            if not held.all():
+                scores = scores[held].reset_index(drop=True)
+        self.samples.consume(seqs)
+        self.events.consume(event_seqs)
+        self.last_phases = {
+            "read_s": read_done - started,
+            "score_s": time.perf_counter() - read_done,
+        }
+        return scores, events
+
+    def _merge(
+        self, c: Any, own: pd.DataFrame | None, now_ms: int
+    ) -> tuple[pd.DataFrame | None, dict[str, int]]:
+        """The leader's share's scores and every live follower's newest not merged yet, one
+        row per GPU (the leader's own first); returns them and the shards' ticks merged."""
+        assert self.share is not None
+        frames = [] if own is None else [own[list(SHARD_COLUMNS)]]
+        merged: dict[str, int] = {}
+        report: dict[str, Any] = {}
+        for member, tick_ms, gpus, payload in db.shards(
+            c, since_ms=now_ms - self.live_ms, besides=self.member
+        ):
+            new = tick_ms > self._merged.get(member, -1)
+            report[member] = {"gpus": gpus, "age_s": (now_ms - tick_ms) / 1000, "merged": new}
+            if new:
+                frames.append(decode(payload))
+                merged[member] = tick_ms
+        self.last_partition = {
+            "member": self.member,
+            "members": list(self.share.members),
+            "buckets": 0 if self.share.buckets is None else len(self.share.buckets),
+            "gpus": 0 if own is None else len(own),
+            "followers": report,
+        }
+        if not frames:
+            return None, merged
+        scores = pd.concat(frames, ignore_index=True) if len(frames) > 1 else frames[0]
+        twice = scores.duplicated(["node", "gpu"], keep="first").to_numpy()
+        if twice.any():  # a bucket two members held while the membership changed
+            scores = scores[~twice].reset_index(drop=True)
+        return scores, merged
 
     # -- one tick ---------------------------------------------------------------------------
 
@@ -453,6 +641,62 @@ class ControlLoop:
         started = time.perf_counter()
         now_ms = self.now_ms() if now_ms is None else now_ms
         self._follow_lifecycle()
+        if self.share is not None:
+            scores, events = self._score_share(now_ms)
+            read_done = started + self.last_phases["read_s"]
+        else:
+            scores, events, read_done = self._score_whole(now_ms)
+        score_done = time.perf_counter()
+        merged: dict[str, int] = {}
+        with self.store.begin() as c:
+            if self.epoch is None or not db.fence(c, self.epoch):
+                raise Deposed(f"the leadership epoch is no longer {self.epoch}")
+            if self.share is not None:
+                db.beat_member(c, member=self.member, now_ms=now_ms)
+                scores, merged = self._merge(c, scores, now_ms)
+            policy = self.policy(c)
+            window_ms = int(policy.breaker_window_s * 1000)
+            reset_ms = db.breaker_reset_ms(c)
+            plan = TickPlan(
+                crossings_before=sum(
+                    1 for t in self._crossings if now_ms - t <= window_ms and t > reset_ms
+                ),
+                window_ms=window_ms,
+                audited=dict(self._audited),
+                breaker_reset_ms=reset_ms,
+            )
+            threshold = self._threshold(c, plan, policy, scores, now_ms)
+            self._apply_scores(c, plan, scores, events, policy, threshold, now_ms)
+            if self.scorer is not None:  # reasons for GPUs above half the threshold in force
+                self.scorer.reason_floor = threshold / 2
+            self._decide(c, plan, policy, now_ms)
+            for m in orchestrator.reconcile(
+                c,
+                now_ms=now_ms,
+                ack_timeout_s=self.ack_timeout_s,
+                agent_timeout_s=self.agent_timeout_s,
+            ):
+                log.warning("migration %s failed: %s", m["id"], m["error"])
+            if self.ticks % 100 == 0:
+                db.prune_history(c, before_ms=now_ms - int(self.history_days * 86_400_000))
+                db.forget_members(c, before_ms=now_ms - 100 * self.live_ms)
+            db.publish_status(c, self.status(now_ms))
+        self._apply(plan, now_ms)
+        self._merged.update(merged)
+        self.ticks += 1
+        end = time.perf_counter()
+        self.last_tick_s = end - started
+        self.last_phases = {
+            "read_s": read_done - started,
+            "score_s": score_done - read_done,
+            "write_decide_s": end - score_done,
+        }
+        self.durations.observe(self.last_tick_s)
+
+    def _score_whole(self, now_ms: int) -> tuple[pd.DataFrame | None, pd.DataFrame, float]:
+        """Read every sample and event received since the last tick, fold them into the
+        scorer and score the fleet; returns (scores or None, the fresh events, when the read
+        ended)."""
         with self.store.engine.connect() as c:
             read = db.sample_arrays_after(
                 c, self.samples.position, VALUE_COLUMNS, limit=self.read_limit
@@ -484,46 +728,7 @@ class ControlLoop:
                 scores = self.scorer.score()
         self.samples.consume(sample_seqs)
         self.events.consume(event_seqs)
-        score_done = time.perf_counter()
-        with self.store.begin() as c:
-            if self.epoch is None or not db.fence(c, self.epoch):
-                raise Deposed(f"the leadership epoch is no longer {self.epoch}")
-            policy = self.policy(c)
-            window_ms = int(policy.breaker_window_s * 1000)
-            reset_ms = db.breaker_reset_ms(c)
-            plan = TickPlan(
-                crossings_before=sum(
-                    1 for t in self._crossings if now_ms - t <= window_ms and t > reset_ms
-                ),
-                window_ms=window_ms,
-                audited=dict(self._audited),
-                breaker_reset_ms=reset_ms,
-            )
-            threshold = self._threshold(c, plan, policy, scores, now_ms)
-            self._apply_scores(c, plan, scores, events, policy, threshold, now_ms)
-            if self.scorer is not None:  # reasons for GPUs above half the threshold in force
-                self.scorer.reason_floor = threshold / 2
-            self._decide(c, plan, policy, now_ms)
-            for m in orchestrator.reconcile(
-                c,
-                now_ms=now_ms,
-                ack_timeout_s=self.ack_timeout_s,
-                agent_timeout_s=self.agent_timeout_s,
-            ):
-                log.warning("migration %s failed: %s", m["id"], m["error"])
-            if self.ticks % 100 == 0:
-                db.prune_history(c, before_ms=now_ms - int(self.history_days * 86_400_000))
-            db.publish_status(c, self.status(now_ms))
-        self._apply(plan, now_ms)
-        self.ticks += 1
-        end = time.perf_counter()
-        self.last_tick_s = end - started
-        self.last_phases = {
-            "read_s": read_done - started,
-            "score_s": score_done - read_done,
-            "write_decide_s": end - score_done,
-        }
-        self.durations.observe(self.last_tick_s)
+        return scores, events, read_done
 
     def status(self, now_ms: int) -> dict[str, Any]:
         """What the service shows of this loop (published by every tick; the durations are
@@ -547,6 +752,7 @@ class ControlLoop:
             "samples_read": self.last_read,
             "behind": self.last_read >= self.read_limit,
             "durations": self.durations.state(),
+            "partition": self.last_partition,
         }
 
     def _apply(self, plan: TickPlan, now_ms: int) -> None:

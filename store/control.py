@@ -30,6 +30,7 @@ from sqlalchemy import (
     Float,
     Index,
     Integer,
+    LargeBinary,
     PrimaryKeyConstraint,
     SmallInteger,
     String,
@@ -70,6 +71,7 @@ __all__ = [
     "sample_arrays_after",
     "sample_arrays_in",
     "samples_after",
+    "score_shards",
 ]
 
 _ID = BigInteger().with_variant(Integer, "sqlite")
@@ -258,6 +260,19 @@ control_state = Table(
 )
 """Small persisted facts of the loop (the breaker's trip time)."""
 
+score_shards = Table(
+    "score_shards",
+    metadata,
+    Column("member", String(160), primary_key=True),
+    Column("seen_ms", BigInteger, nullable=False),
+    Column("tick_ms", BigInteger),
+    Column("gpus", Integer, nullable=False, default=0),
+    Column("payload", LargeBinary),
+)
+"""Partitioned scoring (:mod:`control.partition`): one row per control process that scores a
+share of the fleet. ``seen_ms`` is its heartbeat (the live members share the fleet's buckets);
+a follower's ``payload`` holds the scores of its share at ``tick_ms``, which the leader merges."""
+
 
 def _upsert(connection: Connection) -> Any:
     return sqlite_insert if connection.dialect.name == "sqlite" else pg_insert
@@ -306,38 +321,109 @@ class SampleArrays(NamedTuple):
 
 
 def sample_arrays_after(
-    connection: Connection, cursor: int, columns: Sequence[str], *, limit: int
+    connection: Connection,
+    cursor: int,
+    columns: Sequence[str],
+    *,
+    limit: int,
+    buckets: Sequence[int] | None = None,
+    until: int | None = None,
 ) -> SampleArrays:
     """The samples received after ``cursor`` (arrival order), only ``columns`` besides the key,
     as arrays: no frame, no per-row objects beyond the driver's own. At 100,000 GPUs a 5-s tick
     reads 500,000 rows; building a pandas frame from them cost more than the query.
+
+    ``buckets``: only the nodes of these buckets (:func:`bucket_sql`; PostgreSQL), filtered in
+    the database, so a share of the fleet costs its share of the read. ``until``: only rows
+    numbered up to it.
     """
     seq = arrival_column(connection)
     mark = "?" if connection.dialect.name == "sqlite" else "%s"
     sql = (
-        f"SELECT {seq}, ts_ms, node, gpu, {_value_list(columns)} FROM samples "
-        f"WHERE {seq} > {mark} ORDER BY {seq} LIMIT {mark}"
+        f"SELECT {seq}, ts_ms, node, gpu, {_value_list(columns)} FROM samples WHERE {seq} > {mark}"
     )
-    return _arrays(_fetch(connection, sql, (cursor, limit)), len(columns), with_seq=True)
+    params: tuple[Any, ...] = (cursor,)
+    if until is not None:
+        sql += f" AND {seq} <= {mark}"
+        params += (until,)
+    if buckets is not None:
+        sql += f" AND {bucket_sql(connection)} = ANY({mark}::int[])"
+        params += (list(buckets),)
+    sql += f" ORDER BY {seq} LIMIT {mark}"
+    return _arrays(_fetch(connection, sql, (*params, limit)), len(columns), with_seq=True)
 
 
 def sample_arrays_in(
-    connection: Connection, columns: Sequence[str], *, since_ms: int, until_ms: int | None
+    connection: Connection,
+    columns: Sequence[str],
+    *,
+    since_ms: int,
+    until_ms: int | None,
+    buckets: Sequence[int] | None = None,
 ) -> SampleArrays:
     """The samples with ``since_ms <= ts_ms < until_ms`` (None: no end), as
-    :func:`sample_arrays_after` gives them, in time order (``seq`` is empty)."""
+    :func:`sample_arrays_after` gives them, in time order (``seq`` is empty); ``buckets`` as
+    there."""
     mark = "?" if connection.dialect.name == "sqlite" else "%s"
     sql = f"SELECT ts_ms, node, gpu, {_value_list(columns)} FROM samples WHERE ts_ms >= {mark}"
-    params: tuple[int, ...] = (since_ms,)
+    params: tuple[Any, ...] = (since_ms,)
     if until_ms is not None:
         sql += f" AND ts_ms < {mark}"
-        params = (since_ms, until_ms)
+        params += (until_ms,)
+    if buckets is not None:
+        sql += f" AND {bucket_sql(connection)} = ANY({mark}::int[])"
+        params += (list(buckets),)
     return _arrays(
         _fetch(connection, sql + " ORDER BY ts_ms", params), len(columns), with_seq=False
     )
 
 
-def _fetch(connection: Connection, sql: str, params: tuple[int, ...]) -> list[Any]:
+def arrival_seqs_after(connection: Connection, cursor: int, *, limit: int) -> np.ndarray:
+    """The arrival numbers of every sample received after ``cursor`` (at most ``limit``, in
+    order): what a share of the fleet's scorer moves its cursor over, its own rows among them.
+    One query for the count and the top first: without holes the numbers are a range."""
+    seq = arrival_column(connection)
+    mark = "?" if connection.dialect.name == "sqlite" else "%s"
+    top_sql = (
+        f"SELECT count(*), max(s) FROM (SELECT {seq} AS s FROM samples WHERE {seq} > {mark} "
+        f"ORDER BY {seq} LIMIT {mark}) AS t"
+    )
+    count, top = _fetch(connection, top_sql, (cursor, limit))[0]
+    if not count:
+        return np.zeros(0, dtype=np.int64)
+    if int(top) - cursor == int(count):
+        return np.arange(cursor + 1, int(top) + 1, dtype=np.int64)
+    rows = _fetch(
+        connection,
+        f"SELECT {seq} FROM samples WHERE {seq} > {mark} ORDER BY {seq} LIMIT {mark}",
+        (cursor, limit),
+    )
+    return np.fromiter((r[0] for r in rows), dtype=np.int64, count=len(rows))
+
+
+BUCKETS = 1024
+"""The fleet's nodes fall into this many buckets by a hash of their name (:func:`bucket_sql`);
+partitioned scoring shares the buckets among the control processes."""
+
+
+def bucket_sql(connection: Connection, column: str = "node") -> str:
+    """The SQL of a node's bucket, ``0 <= b < BUCKETS``: PostgreSQL's own hash of the name, the
+    same for every replica of one database. Partitioned scoring needs PostgreSQL (replicas on
+    SQLite cannot share one database anyway)."""
+    if connection.dialect.name != "postgresql":
+        raise ValueError("partitioned scoring needs PostgreSQL")
+    return f"(hashtext({column}) & {BUCKETS - 1})"
+
+
+def node_buckets(connection: Connection, nodes: Sequence[str]) -> dict[str, int]:
+    """Each of ``nodes``' bucket, as :func:`bucket_sql` computes it."""
+    if not nodes:
+        return {}
+    sql = f"SELECT n, {bucket_sql(connection, 'n')} FROM unnest(%s::text[]) AS n"
+    return {str(n): int(b) for n, b in _fetch(connection, sql, (list(nodes),))}
+
+
+def _fetch(connection: Connection, sql: str, params: tuple[Any, ...]) -> list[Any]:
     """Rows from the driver's own cursor: at 500,000 rows the SQLAlchemy row layer costs more
     than the query. PostgreSQL sends them in binary (parsing text numbers took as long again:
     2.6-2.7 s against 1.5 s for half a million rows of 29 columns)."""
@@ -902,6 +988,66 @@ def _state_object(connection: Connection, key: str) -> dict[str, Any] | None:
 def read_status(connection: Connection) -> dict[str, Any] | None:
     """The status the leading loop published last; None before its first tick."""
     return _state_object(connection, STATUS_KEY)
+
+
+# -- partitioned scoring ------------------------------------------------------------------------
+
+
+def beat_member(
+    connection: Connection,
+    *,
+    member: str,
+    now_ms: int,
+    tick_ms: int | None = None,
+    gpus: int = 0,
+    payload: bytes | None = None,
+) -> None:
+    """Say that ``member`` (a control process) is alive at ``now_ms``; with ``payload``, the
+    scores of its share of the fleet at ``tick_ms`` (``gpus`` of them) replace its last."""
+    values: dict[str, Any] = {"member": member, "seen_ms": now_ms}
+    if payload is not None:
+        values.update(tick_ms=tick_ms, gpus=gpus, payload=payload)
+    statement = _upsert(connection)(score_shards).values(**values)
+    connection.execute(
+        statement.on_conflict_do_update(
+            index_elements=["member"], set_={k: v for k, v in values.items() if k != "member"}
+        )
+    )
+
+
+def live_members(connection: Connection, *, since_ms: int) -> list[str]:
+    """The members seen at or after ``since_ms``, by name."""
+    query = (
+        select(score_shards.c.member)
+        .where(score_shards.c.seen_ms >= since_ms)
+        .order_by(score_shards.c.member)
+    )
+    return [str(m) for m in connection.execute(query).scalars()]
+
+
+def shards(
+    connection: Connection, *, since_ms: int, besides: str
+) -> list[tuple[str, int, int, bytes]]:
+    """(member, tick_ms, gpus, payload) of each live member but ``besides`` that has scores."""
+    query = select(
+        score_shards.c.member, score_shards.c.tick_ms, score_shards.c.gpus, score_shards.c.payload
+    ).where(
+        score_shards.c.seen_ms >= since_ms,
+        score_shards.c.member != besides,
+        score_shards.c.payload.is_not(None),
+    )
+    return [(str(m), int(t), int(g), bytes(p)) for m, t, g, p in connection.execute(query)]
+
+
+def leave(connection: Connection, *, member: str) -> None:
+    """Remove ``member`` (its process stops): the others share its buckets at their next tick."""
+    connection.execute(delete(score_shards).where(score_shards.c.member == member))
+
+
+def forget_members(connection: Connection, *, before_ms: int) -> int:
+    """Remove the members not seen since ``before_ms`` (processes that died); how many."""
+    result = connection.execute(delete(score_shards).where(score_shards.c.seen_ms < before_ms))
+    return int(result.rowcount)
 
 
 WATCH_KEY = "straggler_watch"
