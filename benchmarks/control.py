@@ -15,7 +15,10 @@ Part T (``--part t``, the tick alone, SQLite or ``--backend postgres``): a fleet
 (what a tick at that interval reads),
 ``--ticks`` ticks with nothing else running; per tick the phases (read, score, write and
 decide) and the tick against its interval. The size question: does one control process hold
-a fleet of this size at this interval (``--gpus 100000``)?
+a fleet of this size at this interval (``--gpus 100000``)? With ``--members M`` (PostgreSQL),
+M loops share the scoring (:mod:`control.partition`), as M replicas would: each tick the
+followers score their shares and the leader its own, merges theirs and decides; each loop's
+tick is timed alone (they take turns here; replicas run side by side).
 
 Part B (real processes): ``forewarn serve`` (SQLite) with a fleet streaming through
 ``POST /v1/ingest`` and ``--jobs`` job agents (``migrator.service_link.ServiceLink`` with a stub
@@ -26,7 +29,7 @@ agent's report received), from the service's own timestamps.
 
     .venv/bin/python benchmarks/control.py [--gpus 16384] [--seconds 30] [--tick-s 1]
     .venv/bin/python benchmarks/control.py --part t --gpus 100000 [--interval-s 5] [--ticks 4] \\
-        [--backend postgres]
+        [--backend postgres] [--members 3]
 """
 
 from __future__ import annotations
@@ -294,7 +297,9 @@ def part_b(gpus: int, jobs: int, seconds: float, tick_s: float) -> dict[str, Any
             log.close()
 
 
-def part_t(gpus: int, interval_s: float, ticks: int, backend: str = "sqlite") -> dict[str, Any]:
+def part_t(
+    gpus: int, interval_s: float, ticks: int, backend: str = "sqlite", members: int = 1
+) -> dict[str, Any]:
     import gc
 
     model = registry.load_default(ROOT / "models")
@@ -317,25 +322,58 @@ def part_t(gpus: int, interval_s: float, ticks: int, backend: str = "sqlite") ->
                 store.write(samples=samples, events=events)
 
         store_seconds(t)
-        loop = ControlLoop(store, model=model, defaults=Policy(), tick_s=interval_s)
-        loop.step(int((t + seconds) * 1000))  # take over and warm: not timed
+        loops = [
+            ControlLoop(
+                store,
+                model=model,
+                defaults=Policy(),
+                tick_s=interval_s,
+                replica=f"bench-{i}",
+                partitioned=members > 1,
+            )
+            for i in range(members)
+        ]
+        loop, followers = loops[0], loops[1:]
+        for at in (t + seconds, t + seconds + 1):  # take over, warm, share: not timed
+            for one in loops:
+                one.step(int(at * 1000))
         gc.collect()
         gc.freeze()  # as the control process does once it has its model
-        rows = []
+        rows, follower_rows = [], []
         for k in range(1, ticks + 1):
             store_seconds(t + k * seconds)
-            loop.step(int((t + (k + 1) * seconds) * 1000))
+            at = int((t + (k + 1) * seconds) * 1000)
+            for one in followers:  # their shares first: the leader merges them this tick
+                one.step(at)
+                follower_rows.append({"tick_s": one.last_tick_s, **one.last_phases})
+            loop.step(at)
             rows.append({"tick_s": loop.last_tick_s, **loop.last_phases, "read": loop.last_read})
             print(
                 f"  tick {k}: "
                 + ", ".join(f"{n} {v:.2f}" for n, v in rows[-1].items() if n != "read")
                 + f", samples read {loop.last_read:,}"
+                + "".join(
+                    f"; follower {i + 1}: tick {r['tick_s']:.2f} (read {r['read_s']:.2f}, "
+                    f"score {r['score_s']:.2f})"
+                    for i, r in enumerate(follower_rows[-len(followers) :] if followers else [])
+                )
+                + (
+                    f"; GPUs scored by the leader {loop.last_partition['gpus']:,}"
+                    if loop.last_partition
+                    else ""
+                )
             )
+        for one in loops:
+            one.leadership.release()
+            if one.share is not None:
+                one.leave()
         store.close()
     median = {n: pct([r[n] for r in rows], 50) for n in rows[0]}
     return {
         "gpus": gpus,
         "backend": backend,
+        "members": members,
+        "followers": follower_rows,
         "interval_s": interval_s,
         "rows_per_tick": gpus * seconds,
         "ticks": rows,
@@ -354,15 +392,21 @@ def main() -> None:
     ap.add_argument("--interval-s", type=float, default=5.0, help="t: the tick's interval")
     ap.add_argument("--ticks", type=int, default=4, help="t: ticks timed")
     ap.add_argument("--backend", choices=["sqlite", "postgres"], default="sqlite", help="t only")
+    ap.add_argument(
+        "--members", type=int, default=1, help="t: loops sharing the scoring (PostgreSQL)"
+    )
     args = ap.parse_args()
     out: dict[str, Any] = {}
     if args.part == "t":
         print(
             f"(t) the tick alone: {args.gpus:,} GPUs, {args.interval_s:g} s of samples a tick, "
-            f"{args.backend}",
+            f"{args.backend}"
+            + (f", {args.members} loops share the scoring" if args.members > 1 else ""),
             flush=True,
         )
-        out["tick"] = part_t(args.gpus, args.interval_s, args.ticks, args.backend)
+        if args.members > 1 and args.backend != "postgres":
+            raise SystemExit("loops share the scoring on PostgreSQL only: --backend postgres")
+        out["tick"] = part_t(args.gpus, args.interval_s, args.ticks, args.backend, args.members)
         print(json.dumps(out["tick"]["median"] | {"share": out["tick"]["share_of_interval"]}))
         return
     if args.part in ("a", "both"):

@@ -28,6 +28,12 @@ out may have been stored all the same, and is then counted as stored, not acknow
 Two replicas need PostgreSQL (they share it); nodes are spread over them. The service runs
 as ``forewarn serve`` does by default (control loop in its own process, webhook dispatcher
 on; ``--no-control`` turns the control loop off, to see what scoring the fleet costs).
+``--partitioned`` has the replicas' loops share the scoring (``FOREWARN_PARTITIONED_SCORING``):
+the line then says how many GPUs the leader scored itself and how old each follower's last
+scores were at the leader's last tick.
+
+    .venv/bin/python benchmarks/load.py --backend postgres --replicas 3 --partitioned \
+        --gpus 10000
 """
 
 from __future__ import annotations
@@ -300,7 +306,9 @@ def run_once(args: argparse.Namespace) -> dict[str, Any]:
                 raise SystemExit("several replicas share PostgreSQL; use --backend postgres")
             url = f"sqlite:///{work / 'load.db'}"
         Store.open(url).close()  # migrate once, before the replicas start
-        env = {"FOREWARN_CONTROL_ENABLED": "false"} if args.no_control else None
+        env = {"FOREWARN_CONTROL_ENABLED": "false"} if args.no_control else {}
+        if args.partitioned:
+            env["FOREWARN_PARTITIONED_SCORING"] = "true"
         services = [Service(url, work / f"service{i}.log", env=env) for i in range(args.replicas)]
         try:
             urls = [s.url for s in services]
@@ -357,6 +365,8 @@ def run_once(args: argparse.Namespace) -> dict[str, Any]:
         "acked": acked,
         "stored": stored,
         "cpu": sum(cpu) / args.duration,
+        "cpu_each": [c / args.duration for c in cpu],
+        "partition": loop.get("partition"),
         "generator_cpu": sum(o["cpu_s"] for o in outs) / args.duration,
         "ticks": (loop.get("durations") or {}).get("count", 0),
         "tick_mean_s": (
@@ -365,6 +375,20 @@ def run_once(args: argparse.Namespace) -> dict[str, Any]:
             else float("nan")
         ),
     }
+
+
+def _shares(partition: dict[str, Any] | None) -> str:
+    """The leader's last word on the shared scoring: its own GPUs, each follower's."""
+    if not partition:
+        return ""
+    followers = partition.get("followers") or {}
+    return f" | scoring shared by {len(partition.get('members') or [])} loops: leader " + (
+        f"{partition.get('gpus', 0):,} GPUs; "
+        + "; ".join(
+            f"a follower {f['gpus']:,} GPUs, its scores {f['age_s']:.1f} s old"
+            for f in followers.values()
+        )
+    )
 
 
 def main() -> None:
@@ -382,6 +406,9 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument(
         "--no-control", action="store_true", help="the control loop off (it scores the fleet)"
+    )
+    parser.add_argument(
+        "--partitioned", action="store_true", help="the replicas' loops share the scoring"
     )
     args = parser.parse_args()
     print(
@@ -409,6 +436,14 @@ def main() -> None:
             f"acknowledged {r['acked']:,} stored {r['stored']:,} lost {max(lost, 0)}",
             flush=True,
         )
+        if args.replicas > 1:
+            print(
+                "  CPU per replica "
+                + ", ".join(f"{c:.2f}" for c in r["cpu_each"])
+                + " cores"
+                + _shares(r["partition"]),
+                flush=True,
+            )
     if lost_any:
         raise SystemExit("acknowledged samples are missing from the store")
 

@@ -530,7 +530,12 @@ class ControlLoop:
         started = time.perf_counter()
         with self.store.engine.connect() as c:
             live = db.live_members(c, since_ms=now_ms - self.live_ms)
-        gained = share.assign(live)
+        gained, lost = share.assign(live)
+        if len(lost) and scorer.state.size:  # scored by another member now: forget them
+            state = scorer.state
+            nodes = np.asarray(state.nodes, dtype=object)[state.node_of[: state.size]]
+            with self.store.engine.connect() as c:
+                state.keep(self._in(c, nodes))
         if len(gained):
             self._warm(now_ms, None if len(gained) == db.BUCKETS else gained)
         assert share.buckets is not None
@@ -547,6 +552,8 @@ class ControlLoop:
             events, event_seqs = db.events_after(c, self.events.position)
             ours = self._in(c, events["node"].to_numpy(dtype=object))
         self.last_read = len(seqs)
+        if self.last_read >= self.read_limit:
+            log.warning("the tick read its limit of %d samples: behind", self.read_limit)
         # A row committed between the two reads is read again at the next tick, with its
         # number: the cursor moves over the numbers of the first read only.
         keep = np.isin(read.seq, seqs) & self.samples.fresh(read.seq)

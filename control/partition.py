@@ -50,7 +50,7 @@ _NUMERIC = {
     "model_risk": np.float64,
     "floor": np.bool_,
     "floor_rules": np.int64,
-    "last_seen_ms": np.int64,
+    "last_seen_ms": np.float64,  # NaN: a GPU known from its events only
 }
 
 
@@ -85,9 +85,9 @@ class Share:
     def whole(self) -> bool:
         return self.buckets is not None and len(self.buckets) == BUCKETS
 
-    def assign(self, live: Sequence[str]) -> np.ndarray:
+    def assign(self, live: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
         """Take the buckets ``live`` members (this one among them) leave to this one; returns
-        the buckets gained (all of them at the first call)."""
+        the buckets gained (all of them at the first call) and those lost."""
         members = tuple(sorted({*live, self.member}))
         before = self.buckets
         if members != self.members or before is None:
@@ -96,8 +96,11 @@ class Share:
             self.buckets = np.flatnonzero(owners(members) == mine).astype(np.int64)
         assert self.buckets is not None
         if before is None:
-            return self.buckets
-        return np.setdiff1d(self.buckets, before, assume_unique=True)
+            return self.buckets, np.zeros(0, dtype=np.int64)
+        return (
+            np.setdiff1d(self.buckets, before, assume_unique=True),
+            np.setdiff1d(before, self.buckets, assume_unique=True),
+        )
 
     def unknown(self, nodes: Sequence[str] | np.ndarray) -> list[str]:
         """The names among ``nodes`` whose bucket this member has not asked for yet."""

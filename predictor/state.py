@@ -215,6 +215,20 @@ def _last_valid(
     return np.where(ok, out, np.nan)
 
 
+_EMPTY = {
+    "acc": 0.0,
+    "last_counter": np.nan,
+    "latest": np.nan,
+    "last_time": np.nan,
+    "first_ms": np.nan,
+    "last_ms": np.nan,
+    "reported": False,
+    "vanished_now": 0.0,
+    "life_ms": np.nan,
+}
+"""What a slot holds before its GPU is first seen (as :meth:`GpuWindowState._alloc` fills)."""
+
+
 class GpuWindowState:
     """Decayed window sums and latest readings for every GPU seen, vectorised over the fleet.
 
@@ -254,6 +268,35 @@ class GpuWindowState:
         self.vanished_now = grow(g(self, "vanished_now", None), (cap,), 0.0)
         self.life_ms = grow(g(self, "life_ms", None), (cap,), np.nan)
         self.capacity = cap
+
+    _PER_SLOT = (
+        "acc",
+        "last_counter",
+        "latest",
+        "last_time",
+        "first_ms",
+        "last_ms",
+        "node_of",
+        "gpu_of",
+        "reported",
+        "vanished_now",
+        "life_ms",
+    )
+
+    def keep(self, mask: np.ndarray) -> None:
+        """Forget the GPUs whose slot ``mask`` (one flag per slot, ``size`` of them) is off;
+        the others keep their state, in the same order (a share of the fleet scored elsewhere
+        now: :mod:`control.partition`)."""
+        kept = np.flatnonzero(np.asarray(mask, dtype=bool)[: self.size])
+        if len(kept) == self.size:
+            return
+        for name in self._PER_SLOT:
+            array = getattr(self, name)
+            array[: len(kept)] = array[kept]
+            array[len(kept) : self.size] = -1 if name in ("node_of", "gpu_of") else _EMPTY[name]
+        self.size = len(kept)
+        self._slot_of[:] = -1
+        self._slot_of[self.node_of[: self.size], self.gpu_of[: self.size]] = np.arange(self.size)
 
     def slots(self, node: np.ndarray, gpu: np.ndarray, *, create: bool = True) -> np.ndarray:
         """Slot index of each (node, gpu); new GPUs get a slot (or -1 when ``create`` is off)."""

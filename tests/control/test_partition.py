@@ -38,10 +38,16 @@ def test_every_bucket_has_one_owner_and_a_member_that_leaves_moves_only_its_own(
     kept = three != 1
     assert (np.where(two == 0, 0, 2)[kept] == three[kept]).all()
     share = Share("c:3")
-    assert len(share.assign(["a:1", "b:2"])) == np.sum(three == 2)  # first: all of its own
-    gained = share.assign(["a:1"])
+    gained, lost = share.assign(["a:1", "b:2"])
+    assert len(gained) == np.sum(three == 2) and len(lost) == 0  # first: all of its own
+    gained, lost = share.assign(["a:1"])
     assert set(gained.tolist()) == set(np.flatnonzero((three == 1) & (two == 1)).tolist())
-    assert len(share.assign(["a:1"])) == 0
+    assert len(lost) == 0
+    gained, lost = share.assign(["a:1", "b:2"])  # b is back: c gives back what it took
+    assert len(gained) == 0 and set(lost.tolist()) == set(
+        np.flatnonzero(three == 1).tolist()
+    ) & set(np.flatnonzero(two == 1).tolist())
+    assert share.assign(["a:1", "b:2"])[0].size == 0
 
 
 def test_a_shard_is_the_frame_it_was_given() -> None:
@@ -53,12 +59,12 @@ def test_a_shard_is_the_frame_it_was_given() -> None:
             "floor": [True, False, False],
             "floor_rules": [4, 0, 0],
             "reasons": [["row remap pending", "x \u00b0C"], [], []],
-            "last_seen_ms": [T0 * 1000, 0, 2**53],
+            "last_seen_ms": [T0 * 1000, 0, np.nan],
         }
     )
     back = decode(encode(scores))
     assert list(back.columns) == list(SHARD_COLUMNS)
-    pd.testing.assert_frame_equal(back, scores.astype({"last_seen_ms": np.int64}))
+    pd.testing.assert_frame_equal(back, scores.astype({"last_seen_ms": np.float64}))
     empty = decode(encode(scores[:0]))
     assert len(empty) == 0 and list(empty.columns) == list(SHARD_COLUMNS)
 
@@ -155,6 +161,7 @@ def test_three_loops_share_the_scoring_and_the_leader_decides_on_all_of_it(fleet
     assert len(seen["members"]) == 3 and set(seen["followers"]) == {b.member, c.member}
     scored = [seen["gpus"]] + [f["gpus"] for f in seen["followers"].values()]
     assert sum(scored) == GPUS and all(n > 0 for n in scored)
+    assert a.scorer.state.size == seen["gpus"]  # it scored the fleet alone first: forgotten
     # Every GPU's score reached the store through the leader; each follower read its share.
     assert len(risks(fleet.store)) == GPUS
     assert b.last_read == a.last_read  # every row's number, to move the cursor ...

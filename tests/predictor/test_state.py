@@ -254,3 +254,50 @@ def test_folding_in_chunks_of_gpus_gives_the_same_state(monkeypatch, chunk_rows)
             equal_nan=True,
             err_msg=name,
         )
+
+
+def test_a_state_that_forgets_gpus_holds_the_others_as_if_it_never_had_them() -> None:
+    """``keep``: the GPUs a share of the fleet no longer scores leave the state; the others'
+    windows are as if only they had ever been folded, and a GPU forgotten and seen again
+    starts afresh."""
+    rng = np.random.default_rng(3)
+    n = 600
+    frame = pd.DataFrame(
+        {
+            "ts_ms": T0 + rng.integers(0, 120, n) * 1_000,
+            "node": [f"n{i}" for i in rng.integers(0, 6, n)],
+            "gpu": rng.integers(0, 8, n),
+            "ecc_sbe_volatile": rng.integers(0, 9, n),
+            "temp_gpu_c": 50 + rng.normal(size=n),
+        }
+    ).sort_values("ts_ms", kind="stable")
+    first, second = frame[frame["ts_ms"] < T0 + 60_000], frame[frame["ts_ms"] >= T0 + 60_000]
+    kept = {"n0", "n2", "n5"}
+    forgetting = GpuWindowState()
+    forgetting.update(first, now_ms=T0 + 60_000)
+    nodes = np.asarray(forgetting.nodes, dtype=object)[forgetting.node_of[: forgetting.size]]
+    forgetting.keep(np.isin(nodes, list(kept)))
+    assert set(np.asarray(forgetting.nodes)[forgetting.node_of[: forgetting.size]]) == kept
+    forgetting.update(second, now_ms=T0 + 120_000)
+    never = GpuWindowState()
+    never.update(first[first["node"].isin(kept)], now_ms=T0 + 60_000)
+    never.update(second, now_ms=T0 + 120_000)
+    assert forgetting.size == never.size
+
+    def by_gpu(s: GpuWindowState) -> dict[tuple[str, int], int]:
+        return {(s.nodes[s.node_of[i]], int(s.gpu_of[i])): i for i in range(s.size)}
+
+    a, b = by_gpu(forgetting), by_gpu(never)
+    assert a.keys() == b.keys()
+    order_a = [a[k] for k in sorted(a)]
+    order_b = [b[k] for k in sorted(b)]
+    for name in GpuWindowState._PER_SLOT:
+        if name in ("node_of", "gpu_of"):
+            continue
+        np.testing.assert_allclose(
+            getattr(forgetting, name)[order_a].astype(float),
+            getattr(never, name)[order_b].astype(float),
+            rtol=1e-12,
+            equal_nan=True,
+            err_msg=name,
+        )
