@@ -95,6 +95,10 @@ RISK_STEP = 1e-4
 """A stored risk is rewritten before REFRESH_MS when it moved by about this much."""
 WARM_PAGE_ROWS = 500_000
 """Samples a take-over's warm reads at a time (about half a GB of the driver's rows)."""
+WARM_SHARE_OF_TICK = 0.5
+"""Buckets a loop of the partitioned scoring gains are warmed a page at a time, for up to
+this share of a tick's interval each tick (at least a page): the rest of its share is scored
+and the leader decides meanwhile."""
 BUDGET_KEY = "alarm_budget"
 """``control_state`` key of the alarm budget's confirmed healthy time (JSON)."""
 FLOOR_BUDGET_KEY = "floor_budget"
@@ -240,6 +244,25 @@ class TickPlan:
         return self.crossings_before + len(self.crossings)
 
 
+@dataclass
+class Warming:
+    """A warm of the scorer from the store's window, page by page (:meth:`ControlLoop._warm`;
+    a share's buckets gained are warmed a few pages a tick: :meth:`ControlLoop._score_share`).
+
+    Attributes:
+        buckets: the buckets warmed (None: the fleet).
+        lo: where the next page starts (ms).
+        span_ms: a page's span of fleet time.
+        samples: samples folded so far; events: events so far.
+    """
+
+    buckets: np.ndarray | None
+    lo: int
+    span_ms: int
+    samples: int = 0
+    events: int = 0
+
+
 class ControlLoop:
     """One per service process; acts only while this replica leads (see the module docstring).
 
@@ -286,6 +309,7 @@ class ControlLoop:
         self.partitioned = partitioned
         self.member = f"{replica or socket.gethostname()}:{os.getpid()}"
         self.share: Share | None = None  # this loop's share of the scoring, once it has one
+        self.warming: Warming | None = None  # buckets of the share gained, not warm yet
         self.live_ms = int(max(LIVE_TICKS * tick_s, 5.0) * 1000)
         self._merged: dict[str, int] = {}  # each follower's newest scores merged (tick_ms)
         self.last_partition: dict[str, Any] | None = None
@@ -428,47 +452,55 @@ class ControlLoop:
         """Fold the window the store still holds into the scorer, in time order, a page of
         at most :data:`WARM_PAGE_ROWS` samples at a time: at 16,384 GPUs a second apart, the
         default 15 minutes are 15 million rows, which read at once took minutes and tens of
-        GB. ``buckets``: only the nodes of these (a share of the fleet gained)."""
-        since = now_ms - int(self.warm_window_s * 1000)
-        with self.store.engine.connect() as c:
-            events = db.events_window(c, since_ms=since)
-            if buckets is not None:
-                assert self.share is not None
-                events = events[self._in(c, events["node"].to_numpy(dtype=object), buckets)]
-        fleet = max(1, self.store.gpu_count())
-        if buckets is not None:  # the share's part of the fleet, by bucket
-            fleet = max(1, fleet * len(buckets) // db.BUCKETS)
-        listed = None if buckets is None else buckets.tolist()
-        # Pages of fleet time: at one sample a GPU a second, each holds WARM_PAGE_ROWS rows.
-        span_ms = max(1000, WARM_PAGE_ROWS // fleet * 1000)
-        event_ts = events["ts_ms"].to_numpy(dtype=np.int64)
-        folded, lo = 0, since
-        assert self.scorer is not None
-        while True:
-            # The last page has no end: samples stamped after now (a collector's clock ahead).
-            hi = lo + span_ms if lo + span_ms <= now_ms else None
-            with self.store.engine.connect() as c:
-                page = db.sample_arrays_in(
-                    c, VALUE_COLUMNS, since_ms=lo, until_ms=hi, buckets=listed
-                )
-            at = (event_ts >= lo) & (event_ts < hi if hi is not None else True)
-            page_events = events[at] if len(events) else events
-            block = SampleBlock(page.ts_ms, page.node, page.gpu, page.values)
-            end = now_ms if hi is None else hi - 1
-            clock = _clock(max(end, self.scorer.state.now_ms or 0), block, page_events)
-            self.scorer.update(block, page_events, now_ms=clock)
-            folded += len(page.ts_ms)
-            if hi is None:
-                break
-            lo = hi
+        GB. ``buckets``: only the nodes of these (a share of the fleet)."""
+        warming = self._warming_of(now_ms, buckets)
+        while not self._fold_page(warming, now_ms):
+            pass
         # Rows numbered after the tops are read again by the cursors; the scorer ignores a
         # sample it already holds (not newer than the GPU's newest).
         log.info(
             "scorer warmed from %d samples and %d events%s",
-            folded,
-            len(events),
-            "" if buckets is None else f" ({len(buckets)} buckets gained)",
+            warming.samples,
+            warming.events,
+            "" if buckets is None else f" ({len(buckets)} buckets)",
         )
+
+    def _warming_of(self, now_ms: int, buckets: np.ndarray | None) -> Warming:
+        """The warm of ``buckets`` (None: the fleet) from the start of the window."""
+        fleet = max(1, self.store.gpu_count())
+        if buckets is not None:  # the share's part of the fleet, by bucket
+            fleet = max(1, fleet * len(buckets) // db.BUCKETS)
+        # Pages of fleet time: at one sample a GPU a second, each holds WARM_PAGE_ROWS rows.
+        return Warming(
+            buckets=buckets,
+            lo=now_ms - int(self.warm_window_s * 1000),
+            span_ms=max(1000, WARM_PAGE_ROWS // fleet * 1000),
+        )
+
+    def _fold_page(self, warming: Warming, now_ms: int) -> bool:
+        """Fold the next page of ``warming`` into the scorer; returns whether it was the last
+        (it has no end: samples stamped after now, a collector's clock ahead)."""
+        assert self.scorer is not None
+        lo, buckets = warming.lo, warming.buckets
+        hi = lo + warming.span_ms if lo + warming.span_ms <= now_ms else None
+        listed = None if buckets is None else buckets.tolist()
+        with self.store.engine.connect() as c:
+            page = db.sample_arrays_in(c, VALUE_COLUMNS, since_ms=lo, until_ms=hi, buckets=listed)
+            # Events received after the cursor's position come by the cursor (once a share's
+            # buckets are warm): folding them here too would count them twice.
+            events = db.events_window(c, since_ms=lo, until_ms=hi, up_to_id=self.events.position)
+            if buckets is not None and len(events):
+                events = events[self._in(c, events["node"].to_numpy(dtype=object), buckets)]
+        block = SampleBlock(page.ts_ms, page.node, page.gpu, page.values)
+        end = now_ms if hi is None else hi - 1
+        clock = _clock(max(end, self.scorer.state.now_ms or 0), block, events)
+        self.scorer.update(block, events, now_ms=clock)
+        warming.samples += len(page.ts_ms)
+        warming.events += len(events)
+        if hi is None:
+            return True
+        warming.lo = hi
+        return False
 
     # -- partitioned scoring (control.partition) ----------------------------------------------
 
@@ -530,15 +562,32 @@ class ControlLoop:
         started = time.perf_counter()
         with self.store.engine.connect() as c:
             live = db.live_members(c, since_ms=now_ms - self.live_ms)
+        first = share.buckets is None
         gained, lost = share.assign(live)
         if len(lost) and scorer.state.size:  # scored by another member now: forget them
             state = scorer.state
             nodes = np.asarray(state.nodes, dtype=object)[state.node_of[: state.size]]
             with self.store.engine.connect() as c:
                 state.keep(self._in(c, nodes))
-        if len(gained):
-            self._warm(now_ms, None if len(gained) == db.BUCKETS else gained)
-        assert share.buckets is not None
+        warming = self.warming
+        if warming is not None and len(lost):
+            assert warming.buckets is not None
+            warming.buckets = np.setdiff1d(warming.buckets, lost)
+        if first:  # before this loop's first heartbeat: the others score these meanwhile
+            self._warm(now_ms, None if share.whole else share.buckets)
+        elif len(gained):  # a member left: warm its buckets a few pages a tick (below)
+            if warming is not None:
+                assert warming.buckets is not None
+                gained = np.union1d(warming.buckets, gained)
+            self.warming = self._warming_of(now_ms, gained)
+            log.info("warming %d buckets gained from the store's window", len(gained))
+        if self.warming is not None:
+            self._warm_some(now_ms, until=started + WARM_SHARE_OF_TICK * self.tick_s)
+        ready = share.buckets
+        assert ready is not None
+        if self.warming is not None:
+            assert self.warming.buckets is not None
+            ready = np.setdiff1d(ready, self.warming.buckets)
         with self.store.engine.connect() as c:
             seqs = db.arrival_seqs_after(c, self.samples.position, limit=self.read_limit)
             read = db.sample_arrays_after(
@@ -546,11 +595,11 @@ class ControlLoop:
                 self.samples.position,
                 VALUE_COLUMNS,
                 limit=self.read_limit,
-                buckets=None if share.whole else share.buckets.tolist(),
+                buckets=None if len(ready) == db.BUCKETS else ready.tolist(),
                 until=int(seqs[-1]) if len(seqs) else self.samples.position,
             )
             events, event_seqs = db.events_after(c, self.events.position)
-            ours = self._in(c, events["node"].to_numpy(dtype=object))
+            ours = self._in(c, events["node"].to_numpy(dtype=object), ready)
         self.last_read = len(seqs)
         if self.last_read >= self.read_limit:
             log.warning("the tick read its limit of %d samples: behind", self.read_limit)
@@ -571,7 +620,7 @@ class ControlLoop:
         if scorer.state.size:
             scores = scorer.score()
             with self.store.engine.connect() as c:
-                held = self._in(c, scores["node"].to_numpy(dtype=object))
+                held = self._in(c, scores["node"].to_numpy(dtype=object), ready)
             if not held.all():
                 scores = scores[held].reset_index(drop=True)
         self.samples.consume(seqs)
@@ -581,6 +630,27 @@ class ControlLoop:
             "score_s": time.perf_counter() - read_done,
         }
         return scores, events
+
+    def _warm_some(self, now_ms: int, *, until: float) -> None:
+        """Fold pages of the buckets being warmed until ``until`` (``perf_counter``), at least
+        one; once the last page is in, they are scored with the rest of the share. Their rows
+        that arrive meanwhile are in the pages (a page is read by time, the last one with no
+        end), not in the ticks' reads, which take only the share's warm buckets."""
+        warming = self.warming
+        assert warming is not None and warming.buckets is not None
+        while len(warming.buckets):
+            before = warming.samples
+            if self._fold_page(warming, now_ms):
+                log.info(
+                    "%d buckets gained warmed from %d samples and %d events",
+                    len(warming.buckets),
+                    warming.samples,
+                    warming.events,
+                )
+                break
+            if warming.samples > before and time.perf_counter() >= until:
+                return  # (an empty page, before the fleet's first samples, costs a query)
+        self.warming = None
 
     def _merge(
         self, c: Any, own: pd.DataFrame | None, now_ms: int
@@ -603,6 +673,11 @@ class ControlLoop:
             "member": self.member,
             "members": list(self.share.members),
             "buckets": 0 if self.share.buckets is None else len(self.share.buckets),
+            "warming": (
+                0
+                if self.warming is None or self.warming.buckets is None
+                else len(self.warming.buckets)
+            ),
             "gpus": 0 if own is None else len(own),
             "followers": report,
         }

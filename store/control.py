@@ -497,9 +497,22 @@ def event_frame(rows: Sequence[Any]) -> pd.DataFrame:
     return frame.sort_values("ts_ms", kind="stable")  # index: position in arrival order
 
 
-def events_window(connection: Connection, *, since_ms: int) -> pd.DataFrame:
+def events_window(
+    connection: Connection,
+    *,
+    since_ms: int,
+    until_ms: int | None = None,
+    up_to_id: int | None = None,
+) -> pd.DataFrame:
+    """The events with ``since_ms <= ts_ms < until_ms`` (None: no end), and with ``up_to_id``
+    only those received up to it (a later one reaches the control loop by its cursor)."""
     sql = "SELECT id, node, gpu, ts_ms, kind, xid, message FROM events WHERE ts_ms >= :s"
-    return event_frame(connection.execute(text(sql), {"s": since_ms}).mappings().all())
+    if until_ms is not None:
+        sql += " AND ts_ms < :u"
+    if up_to_id is not None:
+        sql += " AND id <= :i"
+    params = {"s": since_ms, "u": until_ms, "i": up_to_id}
+    return event_frame(connection.execute(text(sql), params).mappings().all())
 
 
 def max_event_seq(connection: Connection) -> int:

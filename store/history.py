@@ -261,7 +261,7 @@ def failures_from_events(
                 }
             )
     said: list[dict[str, Any]] = []
-    for rec in ([] if records is None else records.to_dict("records")):
+    for rec in [] if records is None else records.to_dict("records"):
         node_wide = pd.isna(rec["gpu"])
         targets = [g for n, g in sorted(uuid) if n == rec["node"]] if node_wide else [rec["gpu"]]
         for g in targets:

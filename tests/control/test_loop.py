@@ -7,7 +7,7 @@ import time
 from types import SimpleNamespace
 
 from api.routes.policy import _read as policy_read
-from control.loop import ControlLoop
+from control.loop import ArrivalCursor, ControlLoop
 from control.policy import Policy
 from store import Store
 from store import control as db
@@ -444,6 +444,8 @@ def test_a_take_over_warms_the_scorer_page_by_page_as_from_the_whole_window(
     monkeypatch.setattr(loop_module, "WARM_PAGE_ROWS", 100)  # pages of 12 s: 16 of them
     loop = ControlLoop(store, model=model, defaults=Policy(), tick_s=1.0, warm_window_s=190)
     loop.scorer = Scorer(model)
+    with store.engine.connect() as c:  # as a take-over sets it: the events up to it are warmed
+        loop.events = ArrivalCursor(db.max_event_seq(c))
     loop._warm(NOW)
     paged = loop.scorer
     assert paged.state.now_ms == whole.state.now_ms == NOW

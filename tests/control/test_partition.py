@@ -13,11 +13,13 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from control import loop as loop_module
 from control.loop import ControlLoop
 from control.partition import SHARD_COLUMNS, Share, decode, encode, owners
 from control.policy import Policy
 from forewarn.wire import Event, GpuSample
 from predictor import registry
+from predictor.state import VALUE_COLUMNS, GpuWindowState, SampleBlock
 from sim.config import load_params
 from sim.source import SimulatedSource
 from store import Store
@@ -121,6 +123,40 @@ def fleet(postgres_url: str) -> Iterator[Fleet]:
         store.close()
 
 
+def assert_folded_from_the_start(store: Store, loop: ControlLoop) -> None:
+    """Every GPU of ``loop``'s scorer holds what folding all its stored rows in time order
+    gives (the decayed sums and readings), as a warm from the window and ticks should."""
+    state = loop.scorer.state
+    assert loop.share is not None and loop.share.buckets is not None
+    reference = GpuWindowState()
+    with store.engine.connect() as c:
+        rows = db.sample_arrays_in(
+            c, VALUE_COLUMNS, since_ms=0, until_ms=None, buckets=loop.share.buckets.tolist()
+        )
+        events = db.events_window(c, since_ms=0)
+        ours = np.isin([db.node_buckets(c, [n])[n] for n in events["node"]], loop.share.buckets)
+    reference.update(
+        SampleBlock(rows.ts_ms, rows.node, rows.gpu, rows.values),
+        events[ours] if len(events) else events,
+        now_ms=state.now_ms,
+    )
+    assert reference.size == state.size
+    mine = reference.slots(
+        np.asarray(state.nodes, dtype=object)[state.node_of[: state.size]],
+        state.gpu_of[: state.size],
+        create=False,
+    )
+    for name in ("acc", "latest", "last_counter"):
+        np.testing.assert_allclose(
+            getattr(state, name)[: state.size],
+            getattr(reference, name)[mine],
+            rtol=1e-9,
+            atol=1e-9,
+            equal_nan=True,
+            err_msg=name,
+        )
+
+
 def status(store: Store) -> dict[str, Any]:
     with store.engine.connect() as c:
         found = db.read_status(c)
@@ -147,7 +183,9 @@ def crossings(store: Store) -> list[dict[str, Any]]:
 
 
 @pytest.mark.postgres
-def test_three_loops_share_the_scoring_and_the_leader_decides_on_all_of_it(fleet: Fleet) -> None:
+def test_three_loops_share_the_scoring_and_the_leader_decides_on_all_of_it(
+    fleet: Fleet, monkeypatch: pytest.MonkeyPatch
+) -> None:
     for name in ("a", "b", "c"):
         fleet.loop(name)
     for _ in range(4):
@@ -176,15 +214,25 @@ def test_three_loops_share_the_scoring_and_the_leader_decides_on_all_of_it(fleet
     for _ in range(12):
         fleet.second("a", "b", "c")
     (crossed,) = [x for x in crossings(fleet.store) if (x["node"], x["gpu"]) == (worn, 2)]
-    assert any("remap" in r for r in crossed["reasons"])
+    assert crossed["reasons"]  # the follower's words, through its shard
+    said = risks(fleet.store)[(worn, 2)]["reasons"]
+    assert any("remap" in r for r in said), said  # the floor's rule, once a remap is pending
 
-    # c dies: after the live window its buckets go to a and b.
-    for _ in range(7):
+    # c dies: after the live window its buckets go to a and b, which warm them a page a tick
+    # (pages of a few seconds here) while they score the rest of their shares.
+    monkeypatch.setattr(loop_module, "WARM_PAGE_ROWS", 400)
+    monkeypatch.setattr(loop_module, "WARM_SHARE_OF_TICK", 0.0)
+    warming = []
+    for _ in range(20):
         fleet.second("a", "b")
+        warming.append(status(fleet.store)["partition"]["warming"])
+    assert max(warming) > 0 and warming[-1] == 0 and b.warming is None
     after = fleet.shares("a", "b")
     assert set().union(*after) == set(range(db.BUCKETS)) and not after[0] & after[1]
     seen = status(fleet.store)["partition"]
     assert len(seen["members"]) == 2 and seen["gpus"] + seen["followers"][b.member]["gpus"] == GPUS
+    # b's windows, c's GPUs it took among them, are those of every row folded in order.
+    assert_folded_from_the_start(fleet.store, b)
     assert risks(fleet.store)[(worn, 2)]["crossed"]
     assert "risk.cleared" not in outbox(fleet.store)
 
@@ -200,11 +248,27 @@ def test_three_loops_share_the_scoring_and_the_leader_decides_on_all_of_it(fleet
     # a steps down: b leads with the scorer it had, and takes a's share; nothing crosses twice.
     scorer = b.scorer
     a.leadership.release()
-    for _ in range(7):
+    for _ in range(20):
         fleet.second("b", "d")
     assert b.leadership.is_leader and b.scorer is scorer
+    assert b.warming is None and d.warming is None
     shares = fleet.shares("b", "d")
     assert set().union(*shares) == set(range(db.BUCKETS)) and not shares[0] & shares[1]
     seen = status(fleet.store)["partition"]
     assert seen["gpus"] + seen["followers"][d.member]["gpus"] == GPUS
     assert len([x for x in crossings(fleet.store) if (x["node"], x["gpu"]) == (worn, 2)]) == 1
+
+
+def test_the_setting_shares_the_scoring_on_postgresql_only(
+    tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    from api.control_service import partitioned
+    from api.settings import Settings
+
+    store = Store.open(f"sqlite:///{tmp_path / 'one.db'}")
+    try:
+        assert not partitioned(Settings(partitioned_scoring=False), store)
+        assert not partitioned(Settings(partitioned_scoring=True), store)
+        assert "needs PostgreSQL" in caplog.text
+    finally:
+        store.close()
