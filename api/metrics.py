@@ -174,4 +174,29 @@ def control_families(
     for node, gpu, value in risks:
         if value is not None:
             risk.add_metric([node, str(gpu)], float(value))
-    return [leader, ticks, behind, risk]
+    return [leader, ticks, behind, risk, *_sharing_families(status.get("partition"))]
+
+
+def _sharing_families(partition: Any) -> list[Metric]:
+    """With partitioned scoring (docs/control.md): the live loops sharing it, the buckets the
+    leader still warms, and how old each follower's scores were at the last tick."""
+    if not isinstance(partition, dict):
+        return []
+    members = GaugeMetricFamily(
+        "forewarn_scoring_members", "Control loops sharing the fleet's scoring (live)."
+    )
+    members.add_metric([], float(len(partition.get("members") or [])))
+    warming = GaugeMetricFamily(
+        "forewarn_scoring_warming_buckets",
+        "Buckets the leading loop gained and still warms (their GPUs are not scored yet).",
+    )
+    warming.add_metric([], float(partition.get("warming") or 0))
+    age = GaugeMetricFamily(
+        "forewarn_scoring_follower_age_seconds",
+        "Age of each follower's newest scores at the leader's last tick.",
+        labels=["member"],
+    )
+    for member, seen in (partition.get("followers") or {}).items():
+        if isinstance(seen, dict) and isinstance(seen.get("age_s"), int | float):
+            age.add_metric([str(member)], float(seen["age_s"]))
+    return [members, warming, age]

@@ -19,3 +19,19 @@ def test_a_loop_behind_the_fleet_says_so_on_the_leader_only() -> None:
     following = values(control_families(status, leads=False, risks=[]))
     assert "forewarn_control_behind" not in following
     assert following["forewarn_control_leader"] == 0.0
+
+
+def test_shared_scoring_shows_its_members_its_warm_and_each_followers_lag() -> None:
+    partition = {
+        "members": ["a:1", "b:2", "c:3"],
+        "warming": 171,
+        "followers": {"b:2": {"gpus": 5, "age_s": 2.5, "merged": True}, "c:3": {"age_s": 41}},
+    }
+    leading = control_families({"partition": partition}, leads=True, risks=[])
+    samples = {(s.name, tuple(s.labels.values())): s.value for f in leading for s in f.samples}
+    assert samples[("forewarn_scoring_members", ())] == 3
+    assert samples[("forewarn_scoring_warming_buckets", ())] == 171
+    assert samples[("forewarn_scoring_follower_age_seconds", ("b:2",))] == 2.5
+    assert samples[("forewarn_scoring_follower_age_seconds", ("c:3",))] == 41
+    alone = values(control_families({"partition": None}, leads=True, risks=[]))
+    assert "forewarn_scoring_members" not in alone
