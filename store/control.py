@@ -1058,8 +1058,14 @@ def leave(connection: Connection, *, member: str) -> None:
 
 
 def forget_members(connection: Connection, *, before_ms: int) -> int:
-    """Remove the members not seen since ``before_ms`` (processes that died); how many."""
-    result = connection.execute(delete(score_shards).where(score_shards.c.seen_ms < before_ms))
+    """Remove the members not seen since ``before_ms`` (processes that died); how many.
+
+    A row its member still holds (a process stopped inside its write, SIGSTOP) is skipped,
+    not waited for: the leader's tick that calls this must not hang on it."""
+    old = select(score_shards.c.member).where(score_shards.c.seen_ms < before_ms)
+    if connection.dialect.name == "postgresql":
+        old = old.with_for_update(skip_locked=True)
+    result = connection.execute(delete(score_shards).where(score_shards.c.member.in_(old)))
     return int(result.rowcount)
 
 

@@ -272,3 +272,33 @@ def test_the_setting_shares_the_scoring_on_postgresql_only(
         assert "needs PostgreSQL" in caplog.text
     finally:
         store.close()
+
+
+@pytest.mark.postgres
+def test_the_leader_does_not_wait_for_a_member_stopped_inside_its_write(postgres_url: str) -> None:
+    """A follower stopped (SIGSTOP) while it holds its row: the leader's cleanup of dead
+    members skips the row instead of hanging its tick on it, and removes it once free."""
+    from tests.conftest import reset_postgres
+
+    reset_postgres(postgres_url)
+    store = Store.open(postgres_url)
+    try:
+        with store.begin() as c:
+            db.beat_member(c, member="stopped:1", now_ms=1_000, tick_ms=1_000, payload=b"x")
+            db.beat_member(c, member="dead:2", now_ms=1_000)
+        held = store.engine.connect()
+        held.begin()
+        held.exec_driver_sql("SELECT 1 FROM score_shards WHERE member = 'stopped:1' FOR UPDATE")
+        try:
+            with store.begin() as c:
+                c.exec_driver_sql("SET LOCAL lock_timeout = '2s'")  # a hang fails, not blocks
+                assert db.forget_members(c, before_ms=10_000) == 1
+        finally:
+            held.rollback()
+            held.close()
+        with store.begin() as c:
+            assert db.live_members(c, since_ms=0) == ["stopped:1"]
+            assert db.forget_members(c, before_ms=10_000) == 1
+            assert db.live_members(c, since_ms=0) == []
+    finally:
+        store.close()
