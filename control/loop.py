@@ -667,7 +667,12 @@ class ControlLoop:
             new = tick_ms > self._merged.get(member, -1)
             report[member] = {"gpus": gpus, "age_s": (now_ms - tick_ms) / 1000, "merged": new}
             if new:
-                frames.append(decode(payload))
+                try:
+                    frames.append(decode(payload))
+                except Exception as exc:  # a row garbled must not stop the leader deciding
+                    log.warning("the scores of %s do not read (%s); skipped", member, exc)
+                    report[member]["unreadable"] = True
+                    continue
                 merged[member] = tick_ms
         self.last_partition = {
             "member": self.member,

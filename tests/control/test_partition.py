@@ -202,6 +202,14 @@ def test_three_loops_share_the_scoring_and_the_leader_decides_on_all_of_it(
     assert a.scorer.state.size == seen["gpus"]  # it scored the fleet alone first: forgotten
     # Every GPU's score reached the store through the leader; each follower read its share.
     assert len(risks(fleet.store)) == GPUS
+    with fleet.store.begin() as conn:  # a follower's row garbled: the leader ticks on
+        conn.execute(
+            db.score_shards.update()
+            .where(db.score_shards.c.member == c.member)
+            .values(tick_ms=fleet.t * 1000 + 1, payload=b"\x00" * 64)
+        )
+    fleet.second("a")
+    assert status(fleet.store)["partition"]["followers"][c.member]["unreadable"]
     assert b.last_read == a.last_read  # every row's number, to move the cursor ...
     assert 0 < b.scorer.state.size < GPUS  # ... but the values of its share only
 
