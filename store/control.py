@@ -338,19 +338,10 @@ def sample_arrays_after(
     numbered up to it.
     """
     seq = arrival_column(connection)
-    mark = "?" if connection.dialect.name == "sqlite" else "%s"
-    sql = (
-        f"SELECT {seq}, ts_ms, node, gpu, {_value_list(columns)} FROM samples WHERE {seq} > {mark}"
-    )
-    params: tuple[Any, ...] = (cursor,)
-    if until is not None:
-        sql += f" AND {seq} <= {mark}"
-        params += (until,)
-    if buckets is not None:
-        sql += f" AND {bucket_sql(connection)} = ANY({mark}::int[])"
-        params += (list(buckets),)
-    sql += f" ORDER BY {seq} LIMIT {mark}"
-    return _arrays(_fetch(connection, sql, (*params, limit)), len(columns), with_seq=True)
+    sql = f"SELECT {seq}, ts_ms, node, gpu, {_value_list(columns)} FROM samples"
+    where = _where(connection, (f"{seq} >", cursor), (f"{seq} <=", until), buckets=buckets)
+    sql = f"{sql}{where.sql} ORDER BY {seq} LIMIT {_mark(connection)}"
+    return _arrays(_fetch(connection, sql, (*where.params, limit)), len(columns), with_seq=True)
 
 
 def sample_arrays_in(
@@ -364,18 +355,36 @@ def sample_arrays_in(
     """The samples with ``since_ms <= ts_ms < until_ms`` (None: no end), as
     :func:`sample_arrays_after` gives them, in time order (``seq`` is empty); ``buckets`` as
     there."""
-    mark = "?" if connection.dialect.name == "sqlite" else "%s"
-    sql = f"SELECT ts_ms, node, gpu, {_value_list(columns)} FROM samples WHERE ts_ms >= {mark}"
-    params: tuple[Any, ...] = (since_ms,)
-    if until_ms is not None:
-        sql += f" AND ts_ms < {mark}"
-        params += (until_ms,)
-    if buckets is not None:
-        sql += f" AND {bucket_sql(connection)} = ANY({mark}::int[])"
-        params += (list(buckets),)
+    sql = f"SELECT ts_ms, node, gpu, {_value_list(columns)} FROM samples"
+    where = _where(connection, ("ts_ms >=", since_ms), ("ts_ms <", until_ms), buckets=buckets)
     return _arrays(
-        _fetch(connection, sql + " ORDER BY ts_ms", params), len(columns), with_seq=False
+        _fetch(connection, f"{sql}{where.sql} ORDER BY ts_ms", where.params),
+        len(columns),
+        with_seq=False,
     )
+
+
+class _Where(NamedTuple):
+    sql: str
+    params: tuple[Any, ...]
+
+
+def _mark(connection: Connection) -> str:
+    return "?" if connection.dialect.name == "sqlite" else "%s"
+
+
+def _where(
+    connection: Connection, *bounds: tuple[str, int | None], buckets: Sequence[int] | None
+) -> _Where:
+    """`` WHERE`` with each ``(column and operator, value)`` whose value is not None, and
+    with ``buckets`` only the nodes of those (:func:`bucket_sql`)."""
+    mark = _mark(connection)
+    terms: list[tuple[str, Any]] = [(f"{test} {mark}", v) for test, v in bounds if v is not None]
+    if buckets is not None:
+        terms.append((f"{bucket_sql(connection)} = ANY({mark}::int[])", list(buckets)))
+    if not terms:
+        return _Where("", ())
+    return _Where(" WHERE " + " AND ".join(t for t, _ in terms), tuple(v for _, v in terms))
 
 
 def arrival_seqs_after(connection: Connection, cursor: int, *, limit: int) -> np.ndarray:
