@@ -307,7 +307,8 @@ class ControlLoop:
     ) -> None:
         self.store = store
         self.partitioned = partitioned
-        self.member = f"{replica or socket.gethostname()}:{os.getpid()}"
+        # Unique across machines even when two replicas were given one name by mistake.
+        self.member = f"{replica}@{socket.gethostname()}:{os.getpid()}"
         self.share: Share | None = None  # this loop's share of the scoring, once it has one
         self.warming: Warming | None = None  # buckets of the share gained, not warm yet
         self.live_ms = int(max(LIVE_TICKS * tick_s, 5.0) * 1000)
@@ -574,7 +575,11 @@ class ControlLoop:
             assert warming.buckets is not None
             warming.buckets = np.setdiff1d(warming.buckets, lost)
         if first:  # before this loop's first heartbeat: the others score these meanwhile
-            self._warm(now_ms, None if share.whole else share.buckets)
+            try:
+                self._warm(now_ms, None if share.whole else share.buckets)
+            except BaseException:
+                share.buckets, share.members = None, ()  # warmed again at the next tick
+                raise
         elif len(gained):  # a member left: warm its buckets a few pages a tick (below)
             if warming is not None:
                 assert warming.buckets is not None

@@ -8,7 +8,7 @@ every control process scores a share of the fleet and only the leader decides:
   name that the database computes (:func:`store.control.bucket_sql`), so a process reads only
   its share's samples, filtered in the database: the read's cost is per row the driver
   hands over.
-- **Members.** Each control process is a member (``replica:pid``) with a heartbeat in
+- **Members.** Each control process is a member (``replica@host:pid``) with a heartbeat in
   ``score_shards``; the members seen in the last :data:`LIVE_TICKS` ticks are live. Buckets go
   to live members by rendezvous hashing (:func:`owners`): every member computes the same
   assignment from the same names, and a member that joins or leaves moves only its own share.

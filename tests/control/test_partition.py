@@ -246,12 +246,26 @@ def test_three_loops_share_the_scoring_and_the_leader_decides_on_all_of_it(
 
     # d joins: it warms the GPUs of the share it gains from the store's window, so they have
     # been watched since the fleet's first second, not since d came.
+    # Its first warm fails half-way (the database went away): the next tick warms it again.
     d = fleet.loop("d")
+    fold = ControlLoop._fold_page
+    failed: list[int] = []
+
+    def fails_once(loop: ControlLoop, warming: Any, now_ms: int) -> bool:
+        if loop is d and not failed and warming.samples:
+            failed.append(now_ms)
+            raise RuntimeError("the database went away")
+        return fold(loop, warming, now_ms)
+
+    monkeypatch.setattr(ControlLoop, "_fold_page", fails_once)
+    with pytest.raises(RuntimeError, match="went away"):
+        fleet.second("a", "b", "d")
     for _ in range(3):
         fleet.second("a", "b", "d")
-    assert d.share is not None and 0 < len(d.share.buckets) < db.BUCKETS  # type: ignore[arg-type]
+    assert failed and d.share is not None and 0 < len(d.share.buckets) < db.BUCKETS  # type: ignore[arg-type]
     state = d.scorer.state
     assert state.size > 0 and np.nanmax(state.first_ms[: state.size]) <= T0 * 1000
+    assert_folded_from_the_start(fleet.store, d)
 
     # a steps down: b leads with the scorer it had, and takes a's share; nothing crosses twice.
     scorer = b.scorer

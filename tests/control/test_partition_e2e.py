@@ -103,7 +103,7 @@ def test_replicas_share_the_scoring_through_a_stopped_follower_and_a_killed_lead
     try:
         first = wait_for("three loops covering the fleet", lambda: covered(store, 3), 120)
         leader = first["replica"]
-        follower = next(m for m in first["members"] if not m.startswith(f"{leader}:"))
+        follower = next(m for m in first["members"] if not m.startswith(f"{leader}@"))
         pid = int(follower.rsplit(":", 1)[1])
 
         os.kill(pid, signal.SIGSTOP)  # a follower's control process, mid-whatever
@@ -121,7 +121,7 @@ def test_replicas_share_the_scoring_through_a_stopped_follower_and_a_killed_lead
             lambda: (s := covered(store, 2)) and s["replica"] != leader and s,
             120,
         )
-        assert all(not m.startswith(f"{leader}:") for m in after["members"])
+        assert all(not m.startswith(f"{leader}@") for m in after["members"])
         assert feed.errors < NODES  # the killed replica's share of one second, at most
         with store.engine.connect() as c:
             assert len(db.risk_rows(c)) == GPUS
