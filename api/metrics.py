@@ -178,8 +178,9 @@ def control_families(
 
 
 def _sharing_families(partition: Any) -> list[Metric]:
-    """With partitioned scoring (docs/control.md): the live loops sharing it, the buckets the
-    leader still warms, and how old each follower's scores were at the last tick."""
+    """With partitioned scoring (docs/control.md): the live loops sharing it, the buckets each
+    gained and still warms, and each follower's last tick and how old its scores were at the
+    leader's last tick."""
     if not isinstance(partition, dict):
         return []
     members = GaugeMetricFamily(
@@ -188,15 +189,24 @@ def _sharing_families(partition: Any) -> list[Metric]:
     members.add_metric([], float(len(partition.get("members") or [])))
     warming = GaugeMetricFamily(
         "forewarn_scoring_warming_buckets",
-        "Buckets the leading loop gained and still warms (their GPUs are not scored yet).",
+        "Buckets a loop gained and still warms (their GPUs are not scored yet).",
+        labels=["member"],
     )
-    warming.add_metric([], float(partition.get("warming") or 0))
+    warming.add_metric([str(partition.get("member", ""))], float(partition.get("warming") or 0))
     age = GaugeMetricFamily(
         "forewarn_scoring_follower_age_seconds",
         "Age of each follower's newest scores at the leader's last tick.",
         labels=["member"],
     )
+    tick = GaugeMetricFamily(
+        "forewarn_scoring_follower_tick_seconds",
+        "Duration of each follower's last whole tick (read, score, publish).",
+        labels=["member"],
+    )
     for member, seen in (partition.get("followers") or {}).items():
-        if isinstance(seen, dict) and isinstance(seen.get("age_s"), int | float):
-            age.add_metric([str(member)], float(seen["age_s"]))
-    return [members, warming, age]
+        if not isinstance(seen, dict):
+            continue
+        for family, key in ((age, "age_s"), (tick, "tick_s"), (warming, "warming")):
+            if isinstance(seen.get(key), int | float):
+                family.add_metric([str(member)], float(seen[key]))
+    return [members, warming, age, tick]

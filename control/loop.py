@@ -546,13 +546,27 @@ class ControlLoop:
         scores, _ = self._score_share(now_ms)
         shard = scores[list(SHARD_COLUMNS)] if scores is not None else _EMPTY_SHARD
         payload = encode(shard)
+        said = {  # this tick's phases, the whole of the tick before it
+            "tick_s": self.last_tick_s,
+            "phases": self.last_phases,
+            "samples_read": self.last_read,
+            "buckets": len(self.share.buckets)
+            if self.share and self.share.buckets is not None
+            else 0,
+            "warming": self._warming_count(),
+        }
         with self.store.begin() as c:
             db.beat_member(
                 c, member=self.member, now_ms=now_ms, tick_ms=now_ms, gpus=len(shard),
-                payload=payload,
+                payload=payload, status=said,
             )  # fmt: skip
         self.ticks += 1
         self.last_tick_s = time.perf_counter() - started
+
+    def _warming_count(self) -> int:
+        """Buckets of this loop's share gained and not warm yet."""
+        warming = self.warming
+        return 0 if warming is None or warming.buckets is None else len(warming.buckets)
 
     def _score_share(self, now_ms: int) -> tuple[pd.DataFrame | None, pd.DataFrame]:
         """Read this loop's share of the samples received since the last tick (and every
@@ -666,14 +680,19 @@ class ControlLoop:
         frames = [] if own is None else [own[list(SHARD_COLUMNS)]]
         merged: dict[str, int] = {}
         report: dict[str, Any] = {}
-        for member, tick_ms, gpus, payload in db.shards(
-            c, since_ms=now_ms - self.live_ms, besides=self.member
-        ):
+        for shard in db.shards(c, since_ms=now_ms - self.live_ms, besides=self.member):
+            member, tick_ms = shard.member, shard.tick_ms
             new = tick_ms > self._merged.get(member, -1)
-            report[member] = {"gpus": gpus, "age_s": (now_ms - tick_ms) / 1000, "merged": new}
+            report[member] = {
+                "gpus": shard.gpus,
+                "age_s": (now_ms - tick_ms) / 1000,
+                "merged": new,
+                "tick_s": shard.status.get("tick_s"),
+                "warming": shard.status.get("warming", 0),
+            }
             if new:
                 try:
-                    frames.append(decode(payload))
+                    frames.append(decode(shard.payload))
                 except Exception as exc:  # a row garbled must not stop the leader deciding
                     log.warning("the scores of %s do not read (%s); skipped", member, exc)
                     report[member]["unreadable"] = True
@@ -683,11 +702,7 @@ class ControlLoop:
             "member": self.member,
             "members": list(self.share.members),
             "buckets": 0 if self.share.buckets is None else len(self.share.buckets),
-            "warming": (
-                0
-                if self.warming is None or self.warming.buckets is None
-                else len(self.warming.buckets)
-            ),
+            "warming": self._warming_count(),
             "gpus": 0 if own is None else len(own),
             "followers": report,
         }

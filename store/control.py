@@ -58,6 +58,7 @@ __all__ = [
     "RISK_VERSION_KEY",
     "STATUS_KEY",
     "SampleArrays",
+    "Shard",
     "audit",
     "events_after",
     "job_ranks",
@@ -268,6 +269,7 @@ score_shards = Table(
     Column("tick_ms", BigInteger),
     Column("gpus", Integer, nullable=False, default=0),
     Column("payload", LargeBinary),
+    Column("status", Text),
 )
 """Partitioned scoring (:mod:`control.partition`): one row per control process that scores a
 share of the fleet. ``seen_ms`` is its heartbeat (the live members share the fleet's buckets);
@@ -1023,12 +1025,14 @@ def beat_member(
     tick_ms: int | None = None,
     gpus: int = 0,
     payload: bytes | None = None,
+    status: dict[str, Any] | None = None,
 ) -> None:
     """Say that ``member`` (a control process) is alive at ``now_ms``; with ``payload``, the
-    scores of its share of the fleet at ``tick_ms`` (``gpus`` of them) replace its last."""
+    scores of its share of the fleet at ``tick_ms`` (``gpus`` of them) replace its last, and
+    ``status`` what it says of its ticks (JSON)."""
     values: dict[str, Any] = {"member": member, "seen_ms": now_ms}
     if payload is not None:
-        values.update(tick_ms=tick_ms, gpus=gpus, payload=payload)
+        values.update(tick_ms=tick_ms, gpus=gpus, payload=payload, status=dumps(status or {}))
     statement = _upsert(connection)(score_shards).values(**values)
     connection.execute(
         statement.on_conflict_do_update(
@@ -1047,18 +1051,38 @@ def live_members(connection: Connection, *, since_ms: int) -> list[str]:
     return [str(m) for m in connection.execute(query).scalars()]
 
 
-def shards(
-    connection: Connection, *, since_ms: int, besides: str
-) -> list[tuple[str, int, int, bytes]]:
-    """(member, tick_ms, gpus, payload) of each live member but ``besides`` that has scores."""
-    query = select(
-        score_shards.c.member, score_shards.c.tick_ms, score_shards.c.gpus, score_shards.c.payload
-    ).where(
-        score_shards.c.seen_ms >= since_ms,
-        score_shards.c.member != besides,
-        score_shards.c.payload.is_not(None),
+class Shard(NamedTuple):
+    """A follower's newest scores, as :func:`beat_member` wrote them."""
+
+    member: str
+    tick_ms: int
+    gpus: int
+    payload: bytes
+    status: dict[str, Any]
+
+
+def shards(connection: Connection, *, since_ms: int, besides: str) -> list[Shard]:
+    """The newest scores of each live member but ``besides`` that has some."""
+    c = score_shards.c
+    query = select(c.member, c.tick_ms, c.gpus, c.payload, c.status).where(
+        c.seen_ms >= since_ms, c.member != besides, c.payload.is_not(None)
     )
-    return [(str(m), int(t), int(g), bytes(p)) for m, t, g, p in connection.execute(query)]
+    found = []
+    for member, tick_ms, count, payload, status in connection.execute(query):
+        try:
+            said = orjson.loads(status) if status else {}
+        except orjson.JSONDecodeError:
+            said = {}
+        found.append(
+            Shard(
+                str(member),
+                int(tick_ms),
+                int(count),
+                bytes(payload),
+                said if isinstance(said, dict) else {},
+            )
+        )
+    return found
 
 
 def leave(connection: Connection, *, member: str) -> None:

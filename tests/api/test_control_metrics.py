@@ -21,17 +21,24 @@ def test_a_loop_behind_the_fleet_says_so_on_the_leader_only() -> None:
     assert following["forewarn_control_leader"] == 0.0
 
 
-def test_shared_scoring_shows_its_members_its_warm_and_each_followers_lag() -> None:
+def test_shared_scoring_shows_its_members_their_warms_and_each_followers_lag() -> None:
     partition = {
+        "member": "a:1",
         "members": ["a:1", "b:2", "c:3"],
         "warming": 171,
-        "followers": {"b:2": {"gpus": 5, "age_s": 2.5, "merged": True}, "c:3": {"age_s": 41}},
+        "followers": {
+            "b:2": {"gpus": 5, "age_s": 2.5, "merged": True, "tick_s": 1.25, "warming": 3},
+            "c:3": {"age_s": 41},
+        },
     }
     leading = control_families({"partition": partition}, leads=True, risks=[])
     samples = {(s.name, tuple(s.labels.values())): s.value for f in leading for s in f.samples}
     assert samples[("forewarn_scoring_members", ())] == 3
-    assert samples[("forewarn_scoring_warming_buckets", ())] == 171
+    assert samples[("forewarn_scoring_warming_buckets", ("a:1",))] == 171
+    assert samples[("forewarn_scoring_warming_buckets", ("b:2",))] == 3
     assert samples[("forewarn_scoring_follower_age_seconds", ("b:2",))] == 2.5
     assert samples[("forewarn_scoring_follower_age_seconds", ("c:3",))] == 41
+    assert samples[("forewarn_scoring_follower_tick_seconds", ("b:2",))] == 1.25
+    assert ("forewarn_scoring_follower_tick_seconds", ("c:3",)) not in samples
     alone = values(control_families({"partition": None}, leads=True, risks=[]))
     assert "forewarn_scoring_members" not in alone

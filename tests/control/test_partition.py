@@ -200,6 +200,7 @@ def test_three_loops_share_the_scoring_and_the_leader_decides_on_all_of_it(
     scored = [seen["gpus"]] + [f["gpus"] for f in seen["followers"].values()]
     assert sum(scored) == GPUS and all(n > 0 for n in scored)
     assert a.scorer.state.size == seen["gpus"]  # it scored the fleet alone first: forgotten
+    assert all(f["tick_s"] > 0 and f["warming"] == 0 for f in seen["followers"].values())
     # Every GPU's score reached the store through the leader; each follower read its share.
     assert len(risks(fleet.store)) == GPUS
     with fleet.store.begin() as conn:  # a follower's row garbled: the leader ticks on
