@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
@@ -76,6 +77,7 @@ class Service:
         log_path: Path,
         token: str = "bench-token",
         env: dict[str, str] | None = None,
+        extra: Sequence[str] = (),
     ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -99,6 +101,7 @@ class Service:
                     database_url,
                     "--log-level",
                     "warning",
+                    *extra,
                 ],
                 env=env,
                 stdout=log,

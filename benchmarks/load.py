@@ -309,7 +309,11 @@ def run_once(args: argparse.Namespace) -> dict[str, Any]:
         env = {"FOREWARN_CONTROL_ENABLED": "false"} if args.no_control else {}
         if args.partitioned:
             env["FOREWARN_PARTITIONED_SCORING"] = "true"
-        services = [Service(url, work / f"service{i}.log", env=env) for i in range(args.replicas)]
+        extra = ("--workers", str(args.workers)) if args.workers > 1 else ()
+        services = [
+            Service(url, work / f"service{i}.log", env=env, extra=extra)
+            for i in range(args.replicas)
+        ]
         try:
             urls = [s.url for s in services]
             ctx = mp.get_context("fork")
@@ -395,6 +399,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", choices=["sqlite", "postgres"], default="sqlite")
     parser.add_argument("--replicas", type=int, default=1)
+    parser.add_argument(
+        "--workers", type=int, default=1, help="worker processes of each replica (serve --workers)"
+    )
     parser.add_argument("--gpus", type=int, default=16384)
     parser.add_argument("--duration", type=float, default=60.0)
     # The defaults are the collector's (forewarn collect).
@@ -412,7 +419,8 @@ def main() -> None:
     )
     args = parser.parse_args()
     print(
-        f"{datetime.now(UTC).isoformat(timespec='seconds')} {args.backend} x{args.replicas}: "
+        f"{datetime.now(UTC).isoformat(timespec='seconds')} {args.backend} x{args.replicas}"
+        f"{f' ({args.workers} workers each)' if args.workers > 1 else ''}: "
         f"{args.gpus} GPUs at 1 Hz ({args.gpus // GPUS_PER_NODE} nodes, a batch of "
         f"{args.batch_s} s each as {args.shape}), {args.readers} readers every "
         f"{args.read_interval:g} s, {args.duration:.0f} s"
