@@ -34,6 +34,8 @@ scores were at the leader's last tick.
 
     .venv/bin/python benchmarks/load.py --backend postgres --replicas 3 --partitioned \
         --gpus 10000
+
+``--workers N`` starts each replica as ``forewarn serve --workers N``.
 """
 
 from __future__ import annotations
