@@ -523,11 +523,7 @@ class ControlLoop:
         unknown = self.share.unknown(nodes)
         if unknown:
             self.share.node_bucket.update(db.node_buckets(c, unknown))
-        if buckets is None:
-            return self.share.holds(nodes)
-        known = self.share.node_bucket
-        of = np.fromiter((known[n] for n in nodes), dtype=np.int64, count=len(nodes))
-        return np.isin(of, buckets)
+        return self.share.holds(nodes, buckets)
 
     def follow(self, now_ms: int | None = None) -> None:
         """A follower's tick: score this loop's share and publish it for the leader."""
@@ -537,7 +533,7 @@ class ControlLoop:
         if self.share is None:
             with self.store.engine.connect() as c:
                 self._start_share(db.max_sample_seq(c), db.max_event_seq(c))
-        assert self.scorer is not None
+        assert self.scorer is not None and self.share is not None
         with self.store.engine.connect() as c:
             status = db.read_status(c) or {}
         threshold = status.get("threshold_in_force")
@@ -550,9 +546,7 @@ class ControlLoop:
             "tick_s": self.last_tick_s,
             "phases": self.last_phases,
             "samples_read": self.last_read,
-            "buckets": len(self.share.buckets)
-            if self.share and self.share.buckets is not None
-            else 0,
+            "buckets": self.share.size,
             "warming": self._warming_count(),
         }
         with self.store.begin() as c:
@@ -701,7 +695,7 @@ class ControlLoop:
         self.last_partition = {
             "member": self.member,
             "members": list(self.share.members),
-            "buckets": 0 if self.share.buckets is None else len(self.share.buckets),
+            "buckets": self.share.size,
             "warming": self._warming_count(),
             "gpus": 0 if own is None else len(own),
             "followers": report,

@@ -107,14 +107,24 @@ class Share:
         known = self.node_bucket
         return [n for n in pd.unique(np.asarray(nodes, dtype=object)) if n not in known]
 
-    def holds(self, nodes: Sequence[str] | np.ndarray) -> np.ndarray:
-        """Mask of ``nodes`` in this member's buckets (every name must be known)."""
-        assert self.buckets is not None
-        if self.whole:
-            return np.ones(len(nodes), dtype=bool)
+    def holds(
+        self, nodes: Sequence[str] | np.ndarray, buckets: np.ndarray | None = None
+    ) -> np.ndarray:
+        """Mask of ``nodes`` in ``buckets`` (default: this member's; every name must be
+        known)."""
+        if buckets is None:
+            assert self.buckets is not None
+            if self.whole:
+                return np.ones(len(nodes), dtype=bool)
+            buckets = self.buckets
         known = self.node_bucket
-        buckets = np.fromiter((known[n] for n in nodes), dtype=np.int64, count=len(nodes))
-        return np.isin(buckets, self.buckets)
+        of = np.fromiter((known[n] for n in nodes), dtype=np.int64, count=len(nodes))
+        return np.isin(of, buckets)
+
+    @property
+    def size(self) -> int:
+        """How many buckets this member holds (0 before its first assignment)."""
+        return 0 if self.buckets is None else len(self.buckets)
 
 
 def encode(scores: pd.DataFrame) -> bytes:

@@ -300,7 +300,7 @@ def samples_after(
         (frame in :data:`store.reads.FRAME_COLUMNS`, sorted by ts_ms; the rows' arrival seqs).
     """
     seq = arrival_column(connection)
-    mark = "?" if connection.dialect.name == "sqlite" else "%s"
+    mark = _mark(connection)
     sql = (
         f"SELECT {seq}, {', '.join(FRAME_COLUMNS)} FROM samples "
         f"WHERE {seq} > {mark} ORDER BY {seq} LIMIT {mark}"
@@ -394,7 +394,7 @@ def arrival_seqs_after(connection: Connection, cursor: int, *, limit: int) -> np
     order): what a share of the fleet's scorer moves its cursor over, its own rows among them.
     One query for the count and the top first: without holes the numbers are a range."""
     seq = arrival_column(connection)
-    mark = "?" if connection.dialect.name == "sqlite" else "%s"
+    mark = _mark(connection)
     top_sql = (
         f"SELECT count(*), max(s) FROM (SELECT {seq} AS s FROM samples WHERE {seq} > {mark} "
         f"ORDER BY {seq} LIMIT {mark}) AS t"
@@ -707,7 +707,7 @@ def store_timings(
     for a moment (during its move) must not lose."""
     ranks = list(timings["rank"])
     names = ("job_id", "rank", *_TIMING_COLUMNS, "straggling")
-    mark = "?" if connection.dialect.name == "sqlite" else "%s"
+    mark = _mark(connection)
     sql = (
         f"INSERT INTO rank_timings ({', '.join(_quoted(n) for n in names)}) "
         f"VALUES ({', '.join([mark] * len(names))}) "
