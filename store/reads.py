@@ -144,18 +144,30 @@ def latest_samples(
     """
     columns = list(FRAME_COLUMNS)
     select = ", ".join(f"s.{c}" for c in columns)
-    sql = (
-        f"SELECT {select} FROM gpus g JOIN samples s "
-        "ON s.node = g.node AND s.gpu = g.gpu AND s.ts_ms = g.last_seen_ms WHERE 1=1"
-    )
+    if connection.dialect.name == "postgresql":
+        # Driven by the registry in key order, one primary-key probe a GPU, whatever the
+        # planner believes of the hour's partition: joined plainly, a partition whose
+        # statistics lag its rows (every new hour's) was read whole, in parallel, for one
+        # page (the whole hour at 16,384 GPUs: 59 million rows). A LATERAL with a LIMIT
+        # cannot be flattened into that join.
+        sql = (
+            f"SELECT {select} FROM gpus g CROSS JOIN LATERAL (SELECT * FROM samples "
+            "WHERE node = g.node AND gpu = g.gpu AND ts_ms = g.last_seen_ms LIMIT 1) s "
+            "WHERE 1=1"
+        )
+    else:
+        sql = (
+            f"SELECT {select} FROM gpus g JOIN samples s "
+            "ON s.node = g.node AND s.gpu = g.gpu AND s.ts_ms = g.last_seen_ms WHERE 1=1"
+        )
     params: dict[str, Any] = {}
     if node is not None:
         sql += " AND g.node = :node"
         params["node"] = node
-    if after is not None:
-        sql += " AND (g.node > :after_node OR (g.node = :after_node AND g.gpu > :after_gpu))"
+    if after is not None:  # a row comparison: where the page starts in the key's index
+        sql += " AND (g.node, g.gpu) > (:after_node, :after_gpu)"
         params["after_node"], params["after_gpu"] = after
-    sql += " ORDER BY s.node, s.gpu"
+    sql += " ORDER BY g.node, g.gpu"
     if limit is not None:
         sql += " LIMIT :limit"
         params["limit"] = limit

@@ -84,6 +84,74 @@ def test_latest_sample_per_gpu_survives_late_arrivals(store: Store) -> None:
     assert store.latest_samples(node="elsewhere").empty
 
 
+def test_latest_samples_page_through_the_fleet_in_key_order(store: Store) -> None:
+    for node in ("node-b", "node-a", "node-c"):
+        store.write(samples=rows(n_gpus=3, ticks=2, node=node))
+    keys = [(n, g) for n in ("node-a", "node-b", "node-c") for g in range(3)]
+    pages, after = [], None
+    while True:
+        page = store.latest_samples(after=after, limit=4)
+        got = list(zip(page["node"], page["gpu"].astype(int), strict=True))
+        pages.append(got)
+        if len(got) < 4:
+            break
+        after = got[-1]
+    assert [k for p in pages for k in p] == keys
+    assert pages[0] == keys[:4] and pages[1] == keys[4:8]  # a page starts after the cursor
+    assert (store.latest_samples()["ts_ms"] == to_ms(T0 + timedelta(seconds=1))).all()
+    one = store.latest_samples(node="node-b", after=("node-b", 0))
+    assert one["gpu"].tolist() == [1, 2]
+
+
+@pytest.mark.postgres
+def test_a_page_of_latest_samples_probes_one_sample_a_gpu_whatever_the_statistics(
+    postgres_url: str,
+) -> None:
+    """A page of ``GET /v1/gpus`` on PostgreSQL reads one sample per GPU it lists: the hour's
+    partition, never analysed (as every new hour's is at first), is not read whole."""
+    from sqlalchemy import event
+
+    from tests.conftest import reset_postgres
+
+    reset_postgres(postgres_url)
+    store = Store.open(postgres_url)
+    try:
+        for n in range(8):
+            store.write(samples=rows(n_gpus=8, ticks=300, node=f"node-{n}"))
+        statements: list[tuple[str, object]] = []
+
+        @event.listens_for(store.engine, "before_cursor_execute")
+        def record(conn, cursor, statement, parameters, context, executemany):  # type: ignore[no-untyped-def]
+            statements.append((statement, parameters))
+
+        page = store.latest_samples(after=("node-2", 7), limit=5)
+        event.remove(store.engine, "before_cursor_execute", record)
+        assert list(zip(page["node"], page["gpu"].astype(int), strict=True)) == [
+            ("node-3", g) for g in range(5)
+        ]
+        statement, parameters = next(s for s in statements if "FROM gpus" in s[0])
+        driver = store.engine.raw_connection()
+        try:
+            cursor = driver.cursor()
+            cursor.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + statement, parameters)
+            plan = cursor.fetchone()[0][0]["Plan"]
+        finally:
+            driver.close()
+
+        def sample_rows(node: dict) -> int:  # rows read from samples' partitions
+            own = 0
+            if node.get("Relation Name", "").startswith("samples"):
+                own = (
+                    node["Actual Rows"] * node["Actual Loops"]
+                    + node.get("Rows Removed by Filter", 0) * node["Actual Loops"]
+                )
+            return own + sum(sample_rows(p) for p in node.get("Plans", []))
+
+        assert sample_rows(plan) <= 5, f"the page read {sample_rows(plan)} samples of 19,200"
+    finally:
+        store.close()
+
+
 def test_events_are_deduplicated_and_node_level_has_no_gpu(store: Store) -> None:
     xid = Event(node="node-0", gpu=2, ts=T0, kind=EventKind.XID, xid=79, source="kmsg")
     lost = Event(node="node-0", ts=T0, kind=EventKind.POWER_LOSS, message="PSU 2 lost")
