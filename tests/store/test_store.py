@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any
 
 import pandas as pd
 import pytest
@@ -118,7 +119,7 @@ def test_a_page_of_latest_samples_probes_one_sample_a_gpu_whatever_the_statistic
     try:
         for n in range(8):
             store.write(samples=rows(n_gpus=8, ticks=300, node=f"node-{n}"))
-        statements: list[tuple[str, object]] = []
+        statements: list[tuple[str, Any]] = []
 
         @event.listens_for(store.engine, "before_cursor_execute")
         def record(conn, cursor, statement, parameters, context, executemany):  # type: ignore[no-untyped-def]
@@ -134,11 +135,12 @@ def test_a_page_of_latest_samples_probes_one_sample_a_gpu_whatever_the_statistic
         try:
             cursor = driver.cursor()
             cursor.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + statement, parameters)
-            plan = cursor.fetchone()[0][0]["Plan"]
+            explained: Any = cursor.fetchone()
+            plan = explained[0][0]["Plan"]
         finally:
             driver.close()
 
-        def sample_rows(node: dict) -> int:  # rows read from samples' partitions
+        def sample_rows(node: dict[str, Any]) -> int:  # rows read from samples' partitions
             own = 0
             if node.get("Relation Name", "").startswith("samples"):
                 own = (
