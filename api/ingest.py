@@ -43,6 +43,7 @@ from pydantic import TypeAdapter, ValidationError
 from starlette.responses import Response
 
 from api.deps import require
+from api.fleetcaps import near
 from api.guard import check_values, parse_exact
 from api.ingest_decode import decode_fast, rows_from_columns, strict_type_error
 from api.settings import Settings
@@ -453,7 +454,8 @@ async def _admit_new_gpus(
 
     Only checked here: the GPUs are charged to the token in the batch's own transaction
     (:class:`store.writes.Charge`), so a batch that fails and is sent again is charged once.
-    Both counts come from the database, so every replica on it enforces the same caps.
+    The counts come from the database (:class:`api.fleetcaps.CapCounts`: at most a second old
+    away from the caps, afresh near them), so every replica on it enforces the same caps.
     """
     state = app_state(request.app)
     known = state.known_gpus
@@ -472,18 +474,29 @@ async def _admit_new_gpus(
     if not new:
         return new
     who = _token_digest(request)
-
-    def counts() -> tuple[set[tuple[str, int]], int, int]:
-        with store.engine.connect() as connection:
-            stored = reads.stored_gpus(connection, nodes={node for node, _ in new})
-            return stored, reads.gpu_count(connection), gpus_charged(connection, who)
-
-    stored, fleet, charged = await asyncio.to_thread(counts)
-    known |= stored  # added by another replica since this one loaded the fleet
-    new -= stored
-    if not new:
-        return new
     settings = state.settings
+    caps = state.cap_counts
+    now = time.monotonic()
+    fresh = caps.fresh(who, now)
+    if (
+        fresh is None
+        or near(fresh[0] + len(new), settings.max_fleet_gpus)
+        or near(fresh[1] + len(new), settings.max_gpus_per_token)
+    ):
+
+        def counts() -> tuple[set[tuple[str, int]], int, int]:
+            with store.engine.connect() as connection:
+                stored = reads.stored_gpus(connection, nodes={node for node, _ in new})
+                return stored, reads.gpu_count(connection), gpus_charged(connection, who)
+
+        stored, fleet, charged = await asyncio.to_thread(counts)
+        caps.counted(who, fleet, charged, now)
+        known |= stored  # added by another replica since this one loaded the fleet
+        new -= stored
+        if not new:
+            return new
+    else:
+        fleet, charged = fresh
     if fleet + len(new) > settings.max_fleet_gpus:
         raise FleetLimit(
             f"the fleet holds {fleet} GPUs and this batch would add {len(new)}: past the "
@@ -494,4 +507,5 @@ async def _admit_new_gpus(
             f"this token has added {charged} GPUs: past the limit of "
             f"{settings.max_gpus_per_token} (FOREWARN_MAX_GPUS_PER_TOKEN)"
         )
+    caps.admitted(who, len(new))
     return new

@@ -13,6 +13,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from api.fleetcaps import CapCounts
 from api.metrics import Metrics
 from api.settings import Settings
 from api.tickcache import TickCache
@@ -97,6 +98,8 @@ class AppState:
     known_gpus: set[tuple[str, int]] | None = None
     """Every GPU this process knows stored, read from the database at the first batch: a
     batch of known GPUs needs no database round trip for the fleet caps."""
+    cap_counts: CapCounts = field(default_factory=CapCounts)
+    """The counts a batch of new GPUs is judged against (:class:`api.fleetcaps.CapCounts`)."""
     retrain: RetrainJob = field(default_factory=RetrainJob)
     fleet_reads: TickCache = field(default_factory=TickCache)
     """Fleet-wide reads (risk, the fleet map) kept from one control tick to the next."""

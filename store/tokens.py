@@ -180,4 +180,6 @@ def charge_gpus(
     if not rows:
         return
     insert = sqlite_insert if connection.dialect.name == "sqlite" else pg_insert
-    connection.execute(insert(token_gpus).values(rows).on_conflict_do_nothing())
+    # One statement with many parameter sets: compiled once and cached (a VALUES list of the
+    # batch's length was compiled afresh for every batch of new GPUs).
+    connection.execute(insert(token_gpus).on_conflict_do_nothing(), rows)
