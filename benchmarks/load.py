@@ -143,7 +143,7 @@ async def _node(
     url: str, requests: list[bytes], rows: int, period_s: float, first_at: float, until: float
 ) -> dict[str, Any]:
     """One collector: a batch every ``period_s`` from ``first_at``, each answer waited for."""
-    out: dict[str, Any] = {"acked": 0, "errors": 0, "latency_s": [], "statuses": {}}
+    out: dict[str, Any] = {"acked": 0, "errors": 0, "latency_s": [], "sent_at": [], "statuses": {}}
     parts = urlsplit(url)
     connection: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
     due = first_at
@@ -173,6 +173,7 @@ async def _node(
                 if not reused or attempt or isinstance(exc, TimeoutError):
                     break
         out["latency_s"].append(time.perf_counter() - start)
+        out["sent_at"].append(due - period_s)
         if status == 200:
             out["acked"] += rows
         else:
@@ -236,6 +237,7 @@ def _generator(
                 "acked": sum(o["acked"] for o in outs),
                 "errors": sum(o["errors"] for o in outs),
                 "latency_s": [x for o in outs for x in o["latency_s"]],
+                "sent_at": [x for o in outs for x in o["sent_at"]],
                 "statuses": _merged([o["statuses"] for o in outs]),
             },
         )
@@ -292,6 +294,16 @@ def _pct(values: list[float], q: float) -> float:
         return float("nan")
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _by_period(
+    latency: list[float], sent_at: list[float], begin: float, period: float
+) -> list[float]:
+    """Ingest p99 of the batches due in each period of the run, in order: when the tail was."""
+    periods: dict[int, list[float]] = {}
+    for lat, at in zip(latency, sent_at, strict=True):
+        periods.setdefault(int((at - begin) // period), []).append(lat)
+    return [_pct(periods[k], 0.99) for k in sorted(periods)]
 
 
 def run_once(args: argparse.Namespace) -> dict[str, Any]:
@@ -355,7 +367,9 @@ def run_once(args: argparse.Namespace) -> dict[str, Any]:
             store.close()
     acked = sum(o["acked"] for o in outs)
     ingest = [x for o in outs for x in o["latency_s"]]
+    sent_at = [x for o in outs for x in o["sent_at"]]
     return {
+        "ingest_p99_by_period": _by_period(ingest, sent_at, begin, args.batch_s),
         "rate": acked / args.duration,
         "elapsed": elapsed,
         "ingest_p50": _pct(ingest, 0.5),
@@ -444,6 +458,11 @@ def main() -> None:
             f"collectors {r['generator_cpu']:.2f} | control ticks {r['ticks']} "
             f"(mean {r['tick_mean_s']:.2f} s) | "
             f"acknowledged {r['acked']:,} stored {r['stored']:,} lost {max(lost, 0)}",
+            flush=True,
+        )
+        print(
+            f"  ingest p99 by {args.batch_s} s of the run (ms): "
+            + " ".join(f"{x * 1000:.0f}" for x in r["ingest_p99_by_period"]),
             flush=True,
         )
         if args.replicas > 1:
