@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-__all__ = ["CAP_COUNTS_FRESH_S", "CAP_MARGIN", "CapCounts", "near"]
+__all__ = ["CAP_COUNTS_FRESH_S", "CAP_MARGIN", "CapCounts", "margin", "near"]
 
 CAP_COUNTS_FRESH_S = 1.0
 """How long a replica decides a batch's new GPUs against the fleet's and a token's GPU counts
@@ -18,40 +18,55 @@ class CapCounts:
 
     Counting in the database for every batch that brings new GPUs cost a fleet coming up (a
     service restarted under 16,384 reporting GPUs: every batch new) two counts of tables that
-    grow to the fleet's size per batch, quadratic in all, and held ingest's p99 at 6-7 s for
+    grow to the fleet's size per batch, quadratic in all, and held ingest's p99 at 3-7 s for
     the first 20 s on PostgreSQL. Away from a cap, a count at most :data:`CAP_COUNTS_FRESH_S`
-    old plus what this replica admitted since decides as well; near one, the database counts.
-    (Between the check and the batch's commit other replicas may admit GPUs too: the caps were
-    never transactional, a bound against a runaway collector, not an exact quota.)
+    old plus what this replica admitted since decides as well, for at most a margin's worth of
+    GPUs (:func:`margin`); near a cap, or past that many, the database counts. So the GPUs
+    admitted on counts other replicas have not seen are at most a margin per replica: a
+    token sprayed over N replicas passes a cap by at most (N - 1) margins. (Between the check
+    and the batch's commit other replicas may admit GPUs too: the caps were never
+    transactional, a bound against a runaway collector, not an exact quota.)
     """
 
     def __init__(self) -> None:
-        self.fleet: tuple[int, float] | None = None
-        self.charged: dict[str, tuple[int, float]] = {}
+        # (count as read, when, GPUs this replica admitted since)
+        self.fleet: tuple[int, float, int] | None = None
+        self.charged: dict[str, tuple[int, float, int]] = {}
 
-    def fresh(self, who: str, now: float) -> tuple[int, int] | None:
-        """(fleet, charged to ``who``) if both were counted within the freshness window."""
+    def fresh(
+        self, who: str, now: float, *, fleet_cap: int, token_cap: int
+    ) -> tuple[int, int] | None:
+        """(fleet, charged to ``who``) counting this replica's admissions since they were read,
+        if both were read within the freshness window and neither has had a margin's worth
+        admitted since."""
         charged = self.charged.get(who)
         if self.fleet is None or charged is None:
             return None
         if now - min(self.fleet[1], charged[1]) > CAP_COUNTS_FRESH_S:
             return None
-        return self.fleet[0], charged[0]
+        if self.fleet[2] >= margin(fleet_cap) or charged[2] >= margin(token_cap):
+            return None
+        return self.fleet[0] + self.fleet[2], charged[0] + charged[2]
 
     def counted(self, who: str, fleet: int, charged: int, now: float) -> None:
-        self.fleet = (fleet, now)
-        self.charged[who] = (charged, now)
+        self.fleet = (fleet, now, 0)
+        self.charged[who] = (charged, now, 0)
         if len(self.charged) > 10_000:  # tokens seen long ago: counted afresh when they return
             self.charged = {k: v for k, v in self.charged.items() if now - v[1] <= 60.0}
 
     def admitted(self, who: str, gpus: int) -> None:
         if self.fleet is not None:
-            self.fleet = (self.fleet[0] + gpus, self.fleet[1])
+            self.fleet = (*self.fleet[:2], self.fleet[2] + gpus)
         if who in self.charged:
-            count, at = self.charged[who]
-            self.charged[who] = (count + gpus, at)
+            count, at, since = self.charged[who]
+            self.charged[who] = (count, at, since + gpus)
+
+
+def margin(cap: int) -> int:
+    """How close to ``cap`` a batch is decided on fresh counts (1 % of it, at least 64)."""
+    return max(CAP_MARGIN, cap // 100)
 
 
 def near(count: int, cap: int) -> bool:
     """Whether ``count`` GPUs come within the margin of ``cap``."""
-    return count > cap - max(CAP_MARGIN, cap // 100)
+    return count > cap - margin(cap)

@@ -477,7 +477,9 @@ async def _admit_new_gpus(
     settings = state.settings
     caps = state.cap_counts
     now = time.monotonic()
-    fresh = caps.fresh(who, now)
+    fresh = caps.fresh(
+        who, now, fleet_cap=settings.max_fleet_gpus, token_cap=settings.max_gpus_per_token
+    )
     if (
         fresh is None
         or near(fresh[0] + len(new), settings.max_fleet_gpus)

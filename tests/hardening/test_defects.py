@@ -262,6 +262,31 @@ def test_a_fleet_coming_up_is_not_counted_in_the_database_for_every_batch(
         store.close()
 
 
+def test_a_token_sprayed_over_two_replicas_passes_the_cap_by_at_most_a_margin(
+    database_url: str, tmp_path: Path
+) -> None:
+    """Each replica admits at most a margin's worth of GPUs on counts the other has not seen
+    (fleetcaps.CapCounts), so a token sending new GPUs through both, as fast as it can, ends
+    within one margin of the cap."""
+    from api.fleetcaps import margin
+
+    cap = 1000
+    settings = make_settings(database_url, tmp_path, max_gpus_per_token=cap)
+    with (
+        TestClient(create_app(settings)) as first,
+        TestClient(create_app(settings)) as second,
+    ):
+        refused = 0
+        for n in range(80):  # 32 new GPUs a batch, 2,560 offered
+            client = first if n % 2 else second
+            body = {"node": f"n{n}", "samples": [r for g in range(32) for r in rows(1, f"n{n}", g)]}
+            r = post(client, body)
+            assert r.status_code in (200, 422), r.text
+            refused += r.status_code == 422
+        stored = first.get("/v1/gpus", headers=READ).json()["count"]
+    assert refused and cap - 32 < stored <= cap + margin(cap), stored
+
+
 def test_the_per_token_gpu_cap_holds_across_replicas(database_url: str, tmp_path: Path) -> None:
     other = {"Authorization": "Bearer other-ingest-token-0123"}
     settings = make_settings(

@@ -103,3 +103,16 @@ def test_two_nodes_on_one_hash_are_read_as_rows(
     ]
     assert db._NODE_NAMES == {}
     pg_store.close()
+
+
+@pytest.mark.postgres
+def test_a_binary_read_not_laid_out_as_asked_is_read_as_rows(
+    pg_store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _fill(pg_store)
+    with pg_store.engine.connect() as c:
+        want = db.sample_arrays_after(c, 0, VALUE_COLUMNS, limit=1_000)
+    monkeypatch.setattr(db, "_NODE_HASH", "NULL::int8")  # a field that comes null
+    with pg_store.engine.connect() as c:
+        _same(db.sample_arrays_after(c, 0, VALUE_COLUMNS, limit=1_000), want)
+    pg_store.close()
