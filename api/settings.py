@@ -81,8 +81,11 @@ class Settings(BaseSettings):
 
     max_gpus_per_token: int = Field(default=65_536, gt=0)
     """Most GPUs the batches sent with one token may add to the fleet (the same guard, per
-    token), counted in the database: the same count on every replica, and a GPU is charged once
-    its batch has committed, so a batch refused with 503 and sent again is charged once."""
+    token), counted in the database: the same count on every replica (away from the caps a
+    replica decides on a count at most a second old plus what it admitted since, for at most
+    1 % of the cap, at least 64 GPUs; within that of a cap it counts afresh: a token sprayed
+    over N replicas passes a cap by at most N - 1 such margins), and a GPU is charged once its
+    batch has committed, so a batch refused with 503 and sent again is charged once."""
 
     writer_process: bool = True
     """Insert through a child process (its own GIL) rather than a thread of the service, so
