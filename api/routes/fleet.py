@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import Response
 
 from api.deps import AppStateDep, SettingsDep, StoreDep, require
+from api.guard import check_text
 from api.routes._common import Since, Until
 from forewarn.errors import InvalidInput, NotFound
 from forewarn.wire import EventKind, GpuSample, to_ms
@@ -210,10 +211,18 @@ def encode_cursor(key: Any) -> str:
 
 
 def decode_cursor(cursor: str) -> Any:
+    """The key a cursor holds; its strings and integers as a query may take them (a NUL
+    character in a crafted cursor reached PostgreSQL, and a 500, before)."""
     try:
-        return orjson.loads(base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)))
+        key = orjson.loads(base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)))
     except (ValueError, TypeError):
         raise InvalidInput("cursor: not a cursor this service gave out") from None
+    for part in key if isinstance(key, list) else [key]:
+        if isinstance(part, str):
+            check_text(part, "cursor")
+        elif isinstance(part, int) and not -(2**63) <= part < 2**63:
+            raise InvalidInput("cursor: not a cursor this service gave out")
+    return key
 
 
 PAGE_LIMIT = 10_000

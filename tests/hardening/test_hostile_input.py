@@ -212,6 +212,21 @@ def test_nul_surrogates_and_long_strings_are_422_everywhere(client: TestClient, 
     assert client.get("/v1/jobs", headers=READ).json()["count"] == 0
 
 
+def test_a_crafted_cursor_is_422_not_a_database_error(client: TestClient) -> None:
+    """A cursor is base64 JSON a client can forge: a NUL character in it reached PostgreSQL's
+    text parameters (500 before), an integer past int64 its bigint ones."""
+    import base64
+
+    def forged(key: Any) -> str:
+        return base64.urlsafe_b64encode(json.dumps(key).encode()).decode().rstrip("=")
+
+    for key in (["node\x00x", 1], "\x00", ["node", 2**63], [["\x00"], 1]):
+        for path in ("/v1/gpus", "/v1/risk", "/v1/nodes"):
+            r = client.get(f"{path}?cursor={forged(key)}", headers=READ)
+            assert r.status_code == 422, (path, key, r.status_code, r.text[:200])
+    assert client.get(f"/v1/gpus?cursor={forged(['n', 1])}", headers=READ).status_code == 200
+
+
 # Numbers and times ---------------------------------------------------------------------------
 
 
