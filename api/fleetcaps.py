@@ -22,8 +22,9 @@ class CapCounts:
     the first 20 s on PostgreSQL. Away from a cap, a count at most :data:`CAP_COUNTS_FRESH_S`
     old plus what this replica admitted since decides as well, for at most a margin's worth of
     GPUs (:func:`margin`); near a cap, or past that many, the database counts. So the GPUs
-    admitted on counts other replicas have not seen are at most a margin per replica: a
-    token sprayed over N replicas passes a cap by at most (N - 1) margins. (Between the check
+    admitted on counts other replicas have not seen are at most a margin per replica (per
+    process: a replica with ``--workers`` has one each): a token sprayed over N such processes
+    passes a cap by at most (N - 1) margins. (Between the check
     and the batch's commit other replicas may admit GPUs too: the caps were never
     transactional, a bound against a runaway collector, not an exact quota.)
     """

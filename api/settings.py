@@ -84,7 +84,8 @@ class Settings(BaseSettings):
     token), counted in the database: the same count on every replica (away from the caps a
     replica decides on a count at most a second old plus what it admitted since, for at most
     1 % of the cap, at least 64 GPUs; within that of a cap it counts afresh: a token sprayed
-    over N replicas passes a cap by at most N - 1 such margins), and a GPU is charged once its
+    over N service processes, replicas times workers, passes a cap by at most N - 1 such
+    margins), and a GPU is charged once its
     batch has committed, so a batch refused with 503 and sent again is charged once."""
 
     writer_process: bool = True
