@@ -24,9 +24,9 @@ class CapCounts:
     GPUs (:func:`margin`); near a cap, or past that many, the database counts. So the GPUs
     admitted on counts other replicas have not seen are at most a margin per replica (per
     process: a replica with ``--workers`` has one each): a token sprayed over N such processes
-    passes a cap by at most (N - 1) margins. (Between the check
-    and the batch's commit other replicas may admit GPUs too: the caps were never
-    transactional, a bound against a runaway collector, not an exact quota.)
+    passes a cap by at most (N - 1) margins. (Between the check and the batch's commit other
+    replicas may admit GPUs too: the caps were never transactional, a bound against a runaway
+    collector, not an exact quota.)
     """
 
     def __init__(self) -> None:

@@ -85,8 +85,8 @@ class Settings(BaseSettings):
     replica decides on a count at most a second old plus what it admitted since, for at most
     1 % of the cap, at least 64 GPUs; within that of a cap it counts afresh: a token sprayed
     over N service processes, replicas times workers, passes a cap by at most N - 1 such
-    margins), and a GPU is charged once its
-    batch has committed, so a batch refused with 503 and sent again is charged once."""
+    margins), and a GPU is charged once its batch has committed, so a batch refused with 503
+    and sent again is charged once."""
 
     writer_process: bool = True
     """Insert through a child process (its own GIL) rather than a thread of the service, so

@@ -344,14 +344,8 @@ def sample_arrays_after(
     """
     seq = arrival_column(connection)
     where = _where(connection, (f"{seq} >", cursor), (f"{seq} <=", until), buckets=buckets)
-    tail = f"{where.sql} ORDER BY {seq} LIMIT {_mark(connection)}"
-    params = (*where.params, limit)
-    if connection.dialect.name == "postgresql":
-        fast = _pg_arrays(connection, seq, columns, tail, params, where)
-        if fast is not None:
-            return fast
-    sql = f"SELECT {seq}, ts_ms, node, gpu, {_value_list(columns)} FROM samples{tail}"
-    return _arrays(_fetch(connection, sql, params), len(columns), with_seq=True)
+    order = f" ORDER BY {seq} LIMIT {_mark(connection)}"
+    return _sample_arrays(connection, seq, columns, where, order, (*where.params, limit))
 
 
 def sample_arrays_in(
@@ -366,13 +360,27 @@ def sample_arrays_in(
     :func:`sample_arrays_after` gives them, in time order (``seq`` is empty); ``buckets`` as
     there."""
     where = _where(connection, ("ts_ms >=", since_ms), ("ts_ms <", until_ms), buckets=buckets)
-    tail = f"{where.sql} ORDER BY ts_ms"
+    return _sample_arrays(connection, None, columns, where, " ORDER BY ts_ms", where.params)
+
+
+def _sample_arrays(
+    connection: Connection,
+    seq: str | None,
+    columns: Sequence[str],
+    where: _Where,
+    order: str,
+    params: tuple[Any, ...],
+) -> SampleArrays:
+    """``SELECT [seq,] ts_ms, node, gpu, columns FROM samples`` with ``where`` and ``order``:
+    on PostgreSQL through :func:`_pg_arrays`, else (or where it declines) the driver's rows."""
+    tail = f"{where.sql}{order}"
     if connection.dialect.name == "postgresql":
-        fast = _pg_arrays(connection, None, columns, tail, where.params, where)
+        fast = _pg_arrays(connection, seq, columns, tail, params, where)
         if fast is not None:
             return fast
-    sql = f"SELECT ts_ms, node, gpu, {_value_list(columns)} FROM samples{tail}"
-    return _arrays(_fetch(connection, sql, where.params), len(columns), with_seq=False)
+    head = f"{seq}, " if seq is not None else ""
+    sql = f"SELECT {head}ts_ms, node, gpu, {_value_list(columns)} FROM samples{tail}"
+    return _arrays(_fetch(connection, sql, params), len(columns), with_seq=seq is not None)
 
 
 class _Where(NamedTuple):
@@ -481,9 +489,9 @@ def _pg_arrays(
     names cannot be told apart by their hash (two nodes of this read on one hash; never met),
     or the rows came otherwise than asked (a field null or of another width): the caller reads
     rows instead."""
+    _value_list(columns)  # refuses unknown columns
     values = ", ".join(
-        f"COALESCE({c}{'::int' if c in _BOOLEAN_COLUMNS else ''}::float8, 'NaN')"
-        for c in _value_list(columns).split(", ")
+        f"COALESCE({c}{'::int' if c in _BOOLEAN_COLUMNS else ''}::float8, 'NaN')" for c in columns
     )
     head = f"{seq}, " if seq is not None else ""
     sql = f"SELECT {head}ts_ms, {_NODE_HASH}, gpu::int8, {values} FROM samples{tail}"

@@ -4,6 +4,7 @@ nodes and hours, the bucket filter, the bounds and the limit)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from datetime import timedelta
 
 import numpy as np
@@ -17,11 +18,13 @@ from tests.factories import T0, sample
 
 
 @pytest.fixture
-def pg_store(postgres_url: str) -> Store:
+def pg_store(postgres_url: str) -> Iterator[Store]:
     from tests.conftest import reset_postgres
 
     reset_postgres(postgres_url)
-    return Store.open(postgres_url)
+    store = Store.open(postgres_url)
+    yield store
+    store.close()
 
 
 def _fill(store: Store) -> None:
@@ -84,7 +87,6 @@ def test_the_binary_read_gives_what_the_rows_give(
     with pg_store.engine.connect() as c:
         for got, read in zip(fast, reads, strict=True):
             _same(got, read(c))
-    pg_store.close()
 
 
 @pytest.mark.postgres
@@ -102,7 +104,6 @@ def test_two_nodes_on_one_hash_are_read_as_rows(
         "gpu-node-a",
     ]
     assert db._NODE_NAMES == {}
-    pg_store.close()
 
 
 @pytest.mark.postgres
@@ -115,4 +116,3 @@ def test_a_binary_read_not_laid_out_as_asked_is_read_as_rows(
     monkeypatch.setattr(db, "_NODE_HASH", "NULL::int8")  # a field that comes null
     with pg_store.engine.connect() as c:
         _same(db.sample_arrays_after(c, 0, VALUE_COLUMNS, limit=1_000), want)
-    pg_store.close()
