@@ -86,8 +86,10 @@ def run(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from api.settings import Settings
+    from forewarn import heap
     from store import Store
 
+    heap.keep_large_blocks()  # each tick allocates and frees the same large arrays; no thread yet
     if args.database_url:
         os.environ["FOREWARN_DATABASE_URL"] = args.database_url
     if args.data_dir:

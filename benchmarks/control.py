@@ -52,6 +52,7 @@ from _common import ROOT, free_port, postgres_url, reset_postgres
 
 from control.loop import ControlLoop
 from control.policy import Policy
+from forewarn import heap
 from forewarn.wire import Event, GpuSample, JobRegistration, Placement
 from predictor import registry
 from sim.source import SimulatedSource
@@ -339,6 +340,7 @@ def part_t(
                 one.step(int(at * 1000))
         gc.collect()
         gc.freeze()  # as the control process does once it has its model
+        heap.keep_large_blocks()  # and as it does then
         rows, follower_rows = [], []
         for k in range(1, ticks + 1):
             store_seconds(t + k * seconds)

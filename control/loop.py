@@ -1383,8 +1383,10 @@ def _clock(at_least: int, samples: SampleBlock, events: pd.DataFrame) -> int:
     return clock
 
 
-def _demoted_said(reasons: list[str], active: np.ndarray) -> list[str]:
+def _demoted_said(reasons: Sequence[str], active: np.ndarray) -> Sequence[str]:
     """A GPU's reasons with each rule that is not a floor on this fleet said so."""
+    if not reasons:
+        return reasons
     off = {f"rule {name}:" for name in _names_off(active)}
     return [
         f"{r} - not a floor on this fleet (its false alarms exceed the alarm budget)"

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
+from predictor.floor import NONE
 from store.control import BUCKETS
 
 __all__ = ["LIVE_TICKS", "SHARD_COLUMNS", "Share", "decode", "encode", "owners"]
@@ -149,7 +150,7 @@ def decode(payload: bytes) -> pd.DataFrame:
         columns = {k: arrays[k] for k in _NUMERIC}
         node_index = arrays["node"]
     n = len(node_index)
-    said: list[list[str]] = [[] for _ in range(n)]
+    said: list[Sequence[str]] = [NONE] * n
     for i, r in header["reasons"].items():
         said[int(i)] = list(r)
     names = np.asarray(header["nodes"], dtype=object)

@@ -154,7 +154,8 @@ def _fleet_median(x: np.ndarray) -> float:
 
 def compute(state: GpuWindowState, now_ms: int | None = None) -> np.ndarray:
     """The feature matrix (float32, one row per slot ``0..state.size-1``, columns
-    :data:`FEATURE_NAMES`) at ``now_ms`` (default: the state's clock).
+    :data:`FEATURE_NAMES`, column-major; NaN where a feature is missing or not finite) at
+    ``now_ms`` (default: the state's clock).
 
     The state must be at ``now_ms``: windows are decayed to the state's clock, so call
     ``state.update(..., now_ms=now_ms)`` first (with no rows if nothing arrived).
@@ -245,11 +246,15 @@ def compute(state: GpuWindowState, now_ms: int | None = None) -> np.ndarray:
     finally:
         np.seterr(**errs)
     _rules(cols)
-    matrix = np.empty((n, len(FEATURE_NAMES)), dtype=np.float32)
-    for i, name in enumerate(FEATURE_NAMES):
-        col = cols[name]
-        matrix[:, i] = np.where(np.isfinite(col), col, np.nan)
-    return matrix
+    # Column-major: each feature is written whole, and the booster reads the matrix as it is
+    # (a row-major one cost a strided pass per feature here and a copy of the model's columns
+    # there: 0.1 s a tick at 100,000 GPUs).
+    columns = np.empty((len(FEATURE_NAMES), n), dtype=np.float32)
+    with np.errstate(over="ignore"):  # what float32 cannot hold becomes infinite, then NaN
+        for i, name in enumerate(FEATURE_NAMES):
+            columns[i] = cols[name]
+    columns[~np.isfinite(columns)] = np.nan
+    return columns.T
 
 
 def rule_hits(col: Callable[[str], np.ndarray]) -> dict[str, np.ndarray]:

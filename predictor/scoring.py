@@ -23,13 +23,14 @@ raised to the threshold, and the rule is named first among its reasons.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
 
 from predictor.features import compute
-from predictor.floor import floor_hits, floor_kinds, floor_reasons, floored
+from predictor.floor import NONE, floor_hits, floor_kinds, floor_reasons, floored
 from predictor.floor_budget import floor_mask
 from predictor.model import RiskModel
 from predictor.reasons import MAX_REASONS
@@ -87,8 +88,8 @@ class Scorer:
             ``floor`` (a rule trips), ``floor_rules`` (which: bit ``j`` for rule ``j`` of
             :data:`predictor.floor.FLOOR_RULES`), ``floor_kinds`` (the failure kinds the
             tripped rules foretell), ``alarm`` (risk >= the model's threshold), ``reasons``
-            (list of up to ``max_reasons`` sentences, the tripped rules first; empty below
-            the floor),
+            (up to ``max_reasons`` sentences, the tripped rules first; below the floor the
+            shared empty :data:`predictor.floor.NONE`),
             ``score`` (the booster's own output, before the calibration map: the
             scale :class:`predictor.budget.AlarmBudget` keeps its threshold on),
             ``last_seen_ms`` and ``staleness_s``.
@@ -121,13 +122,13 @@ def score_fleet(
     hit = hits.any(axis=1)
     risk = floored(own, hit, model.threshold)
     floor = model.threshold / 2 if reason_floor is None else reason_floor
-    said: list[list[str]] = [[] for _ in range(n)]
+    said: list[Sequence[str]] = [NONE] * n
     if reasons:
         rules = floor_reasons(x, hits)
         hot = np.flatnonzero((own >= floor) | hit)
         if len(hot):
             for i, r in zip(hot, model.reasons(x[hot], max_reasons), strict=True):
-                said[i] = (rules[i] + r)[: max(max_reasons, len(rules[i]))]
+                said[i] = [*rules[i], *r][: max(max_reasons, len(rules[i]))]
     now = state.now_ms or 0
     last = state.last_ms[:n]
     return pd.DataFrame(

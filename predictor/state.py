@@ -236,7 +236,7 @@ class GpuWindowState:
 
         state = GpuWindowState()
         state.update(samples_frame, events_frame, now_ms=...)
-        names, matrix = predictor.features.compute(state, now_ms)
+        matrix = predictor.features.compute(state, now_ms)
     """
 
     def __init__(self, capacity: int = 1024) -> None:

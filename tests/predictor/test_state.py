@@ -301,3 +301,21 @@ def test_a_state_that_forgets_gpus_holds_the_others_as_if_it_never_had_them() ->
             equal_nan=True,
             err_msg=name,
         )
+
+
+def test_features_are_finite_or_missing_even_past_float32() -> None:
+    # A counter past what float32 holds (a corrupt reading: 1e300 errors) makes its rate
+    # overflow the matrix's float32: the feature is missing, never infinite, on either side of
+    # the booster's column-major read.
+    frame = _frame([T0, T0 + 10_000], [0, 0])
+    frame.loc[1, "ecc_sbe_volatile"] = None
+    state = GpuWindowState()
+    state.update(frame, now_ms=T0 + 10_000)
+    huge = frame.iloc[[1]].assign(ts_ms=T0 + 20_000, ecc_sbe_volatile=pd.array([None], "Int64"))
+    state.update(huge, now_ms=T0 + 20_000)
+    state.last_counter[0, 0] = -1e300  # the next reading looks like an increase of 1e300
+    state.update(_frame([T0 + 30_000], [0]), now_ms=T0 + 30_000)
+    x = compute(state)
+    assert x.flags["F_CONTIGUOUS"] and x.shape == (1, len(FEATURE_NAMES))
+    assert not np.isinf(x).any()
+    assert np.isnan(x[0, FEATURE_NAMES.index("ecc_sbe_volatile_rate_5m")])
