@@ -241,3 +241,30 @@ def test_a_breaker_reset_reaches_the_running_loop_through_the_store(registered: 
     with registered.engine.connect() as c:
         assert (db.read_status(c) or {}).get("ticks") == loop.ticks
     loop.leadership.release()
+
+
+def test_a_fleet_that_came_up_together_writes_its_risk_history_spread_over_the_interval(
+    registered: Store,
+) -> None:
+    loop, scorer = make_loop(registered)
+    for node in range(25):
+        for gpu in range(8):
+            scorer.risk[(f"m{node:02d}", gpu)] = 0.01
+    fleet = len(scorer.risk)
+    every_ms = int(loop.history_interval_s * 1000)
+    ticks = [NOW + k * 5_000 for k in range(every_ms // 5_000 + 1)]
+    for at in ticks:
+        loop.tick(at)
+    with registered.engine.connect() as c:
+        rows = (
+            c.execute(db.risk_history.select().where(db.risk_history.c.ts_ms >= NOW))
+            .mappings()
+            .all()
+        )
+    per_tick = {at: sum(1 for r in rows if r["ts_ms"] == at) for at in ticks}
+    assert per_tick[NOW] == fleet  # each GPU's first row at once
+    later = [per_tick[at] for at in ticks[1:]]
+    # ... and one more each within the interval, a share of the fleet a tick: together they
+    # would all be due in the same tick, every interval.
+    assert sum(later) == fleet
+    assert max(later) <= fleet // 4, later
