@@ -47,9 +47,10 @@ def keep_large_blocks(limit: int = 1 << 30) -> bool:
     unmaps it when freed, so each use faults in and zero-fills every page again: a control tick
     at 100,000 GPUs allocates its read (500,000 rows x 25 values, 100 MB), the fold's
     temporaries and the feature matrix (74 MB) anew every 5 s. Kept in the heap, the tick took
-    2.95-3.47 s against 3.53-4.15 s (``benchmarks/control.py --part t --gpus 100000 --backend
-    postgres``, runs in turn), at the same peak memory: the process's resident size then stays
-    near its peak instead of falling back between ticks.
+    3.26-3.82 s against 3.69-4.33 s (``benchmarks/control.py --part t --gpus 100000 --backend
+    postgres``, its ticks in a thread as the control process runs them, runs in turn; with the
+    threshold alone, no gain), at the same peak memory: the process's resident size then stays
+    near its peak instead of falling back between ticks (flat over 30 ticks at 16,384 GPUs).
     """
     name = ctypes.util.find_library("c")
     try:

@@ -359,8 +359,8 @@ def _by_arrival_index(connection: Connection) -> None:
     planner took the tick's read of the newest rows (a few percent of the hour) for a tenth of
     it: it scanned the whole partition, sorted it, and compiled the 25 value expressions for
     that. At 16,384 GPUs, 2.5 million rows into the hour: 614 ms for the read of 82,000 rows,
-    427 of them compiling, against 58 ms through the indexes; the tick went from 0.6 to 0.9 s
-    a minute and a half into a run (``benchmarks/control.py --part t --ticks 30``), and at
+    427 of them compiling, against 58 ms through the indexes; the tick went from 0.5-0.7 s to
+    0.9-1.0 s a minute and a half into a run (``benchmarks/control.py --part t --ticks 30``), and at
     100,000 GPUs the hour grows to 360 million rows."""
     if connection.dialect.name == "postgresql":
         connection.execute(
