@@ -83,13 +83,17 @@ def _die_with_parent() -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from forewarn import heap
+
+    # Each tick allocates and frees the same large arrays. First of all: importing NumPy (with
+    # the settings) starts its BLAS threads, and a thread that allocated has an arena of its own.
+    heap.keep_large_blocks()
+
     from pydantic import ValidationError
 
     from api.settings import Settings
-    from forewarn import heap
     from store import Store
 
-    heap.keep_large_blocks()  # each tick allocates and frees the same large arrays; no thread yet
     if args.database_url:
         os.environ["FOREWARN_DATABASE_URL"] = args.database_url
     if args.data_dir:
