@@ -16,7 +16,6 @@ large arrays (the control loop's own process).
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import gc
 import logging
 
@@ -52,11 +51,9 @@ def keep_large_blocks(limit: int = 1 << 30) -> bool:
     threshold alone, no gain), at the same peak memory: the process's resident size then stays
     near its peak instead of falling back between ticks (flat over 30 ticks at 16,384 GPUs).
     """
-    name = ctypes.util.find_library("c")
     try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError, TypeError):  # not glibc (musl, macOS): nothing to tune
+        mallopt = ctypes.CDLL(None).mallopt  # the C library the interpreter runs on
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to tune
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     applied = all(
