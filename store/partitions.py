@@ -1,7 +1,8 @@
 """Time partitions: created ahead, dropped whole for retention.
 
-PostgreSQL: ``samples`` (by ``ts_ms``, one partition an hour) and ``sample_rollups`` (by
-``start_ms``, one a day) are declaratively partitioned parents. Writers insert into the parent
+PostgreSQL: ``samples`` (by ``ts_ms``, one partition an hour), ``sample_blocks`` (by ``start_ms``,
+one an hour) and ``sample_rollups`` (by ``start_ms``, one a day) are declaratively partitioned
+parents. Writers insert into the parent
 (plain ``INSERT``, ``COPY``, ``ON CONFLICT``: PostgreSQL routes each row); retention detaches
 nothing and deletes nothing row by row: it drops the partitions that ended before the cutoff,
 which frees their files at once and leaves no dead tuples for vacuum. A ``DEFAULT`` partition
@@ -42,6 +43,7 @@ DAY_MS = 24 * HOUR_MS
 LAYOUT: dict[str, tuple[str, int]] = {
     "samples": ("ts_ms", HOUR_MS),
     "sample_rollups": ("start_ms", DAY_MS),
+    "sample_blocks": ("start_ms", HOUR_MS),
 }
 
 _BOUNDS = re.compile(r"FROM \('?(-?\d+)'?\) TO \('?(-?\d+)'?\)")

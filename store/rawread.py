@@ -16,6 +16,7 @@ import numpy as np
 import pandas as pd
 from sqlalchemy import Connection, text
 
+from store import blocks
 from store.reads import FRAME_COLUMNS
 from store.schema import BOOL_COLUMNS, FLOAT_COLUMNS, INT_COLUMNS
 
@@ -57,9 +58,14 @@ def samples_between(
     until_ms: int,
     node: str | None = None,
     gpu: int | None = None,
+    counted: list[int] | None = None,
 ) -> pd.DataFrame:
     """Raw samples with ``since_ms <= ts_ms < until_ms`` (of one node or GPU), sorted by
-    (ts_ms, node, gpu)."""
+    (ts_ms, node, gpu): the wide rows and the packed ones (:mod:`store.blocks`).
+
+    Args:
+        counted: the number of wide rows read is appended here (what the tiering task checks
+            before it drops an hour's wide rows)."""
     columns = list(FRAME_COLUMNS)
     sql = f"SELECT {', '.join(columns)} FROM samples WHERE ts_ms >= :a AND ts_ms < :b"
     params: dict[str, Any] = {"a": since_ms, "b": until_ms}
@@ -70,4 +76,8 @@ def samples_between(
         sql += " AND gpu = :gpu"
         params["gpu"] = gpu
     sql += " ORDER BY ts_ms" if gpu is not None else " ORDER BY ts_ms, node, gpu"
-    return fetch_samples(connection, sql, params, columns)
+    wide = fetch_samples(connection, sql, params, columns)
+    if counted is not None:
+        counted.append(len(wide))
+    packed = blocks.read(connection, since_ms=since_ms, until_ms=until_ms, node=node, gpu=gpu)
+    return blocks.merge(wide, packed)

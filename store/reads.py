@@ -15,6 +15,7 @@ from typing import Any
 import pandas as pd
 from sqlalchemy import Connection, select, text
 
+from store import blocks
 from store.schema import (
     BOOL_COLUMNS,
     FLOAT_COLUMNS,
@@ -110,7 +111,10 @@ def gpu_window(
     if limit is not None:
         sql += " LIMIT :limit"
         params["limit"] = limit
-    return _frame(connection.execute(text(sql), params).all(), columns)
+    wide = _frame(connection.execute(text(sql), params).all(), columns)
+    packed = blocks.read(connection, since_ms=since_ms, until_ms=until_ms, node=node, gpu=gpu)
+    frame = blocks.merge(wide, packed)
+    return frame if limit is None or len(frame) <= limit else frame.head(limit)
 
 
 def fleet_window(
@@ -126,7 +130,8 @@ def fleet_window(
     sql = f"SELECT {', '.join(columns)} FROM samples WHERE 1=1"
     sql += _time_filter(params, since_ms, until_ms)
     sql += " ORDER BY ts_ms, node, gpu"
-    return _frame(connection.execute(text(sql), params).all(), columns)
+    wide = _frame(connection.execute(text(sql), params).all(), columns)
+    return blocks.merge(wide, blocks.read(connection, since_ms=since_ms, until_ms=until_ms))
 
 
 def latest_samples(
@@ -143,7 +148,8 @@ def latest_samples(
         limit: at most this many GPUs.
     """
     columns = list(FRAME_COLUMNS)
-    select = ", ".join(f"s.{c}" for c in columns)
+    keys = {"node": "g.node", "gpu": "g.gpu"}
+    select = ", ".join(keys.get(c, f"s.{c}") for c in columns) + ", g.last_seen_ms"
     if connection.dialect.name == "postgresql":
         # Driven by the registry in key order, one primary-key probe a GPU, whatever the
         # planner believes of the hour's partition: joined plainly, a partition whose
@@ -151,13 +157,13 @@ def latest_samples(
         # page (the whole hour at 16,384 GPUs: 59 million rows). A LATERAL with a LIMIT
         # cannot be flattened into that join.
         sql = (
-            f"SELECT {select} FROM gpus g CROSS JOIN LATERAL (SELECT * FROM samples "
+            f"SELECT {select} FROM gpus g LEFT JOIN LATERAL (SELECT * FROM samples "
             "WHERE node = g.node AND gpu = g.gpu AND ts_ms = g.last_seen_ms LIMIT 1) s "
-            "WHERE 1=1"
+            "ON true WHERE 1=1"
         )
     else:
         sql = (
-            f"SELECT {select} FROM gpus g JOIN samples s "
+            f"SELECT {select} FROM gpus g LEFT JOIN samples s "
             "ON s.node = g.node AND s.gpu = g.gpu AND s.ts_ms = g.last_seen_ms WHERE 1=1"
         )
     params: dict[str, Any] = {}
@@ -171,7 +177,20 @@ def latest_samples(
     if limit is not None:
         sql += " LIMIT :limit"
         params["limit"] = limit
-    return _frame(connection.execute(text(sql), params).all(), columns)
+    rows = connection.execute(text(sql), params).all()
+    wide = _frame([r[:-1] for r in rows if r[0] is not None], columns)
+    # A GPU silent since an hour that was packed has its newest sample in a block; one that
+    # left the raw tier altogether has none, and is left out as before.
+    packed = [
+        blocks.read(connection, since_ms=r[-1], until_ms=r[-1] + 1, node=r[1], gpu=r[2])
+        for r in rows
+        if r[0] is None
+    ]
+    packed = [p for p in packed if len(p)]
+    if not packed:
+        return wide
+    frame = blocks.merge(wide, pd.concat(packed, ignore_index=True))
+    return frame.sort_values(["node", "gpu"], kind="stable", ignore_index=True)
 
 
 def read_events(

@@ -11,9 +11,10 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-from sqlalchemy import Engine, text
+from sqlalchemy import Connection, Engine, text
 
 from store import partitions, reads
+from store.blocks import block_rows
 from store.failures import failure_records
 from store.history import History
 from store.rawread import samples_between
@@ -62,10 +63,12 @@ def maintain(engine: Engine, policy: TierPolicy, *, now_ms: int) -> TierReport:
     raw_cutoff = now_ms - int(policy.raw_window_s * 1000)
     roll_cutoff = now_ms - int(policy.rollup_lag_s * 1000)
     with engine.begin() as c:
-        # Partitions around now and ahead; an older hour gets its partitions when it is
-        # rolled (rows of a store that was down wait in the default partition till then).
+        # Partitions around now and ahead, not for hours packed already; an older hour gets
+        # its partitions when it is rolled (rows of a store that was down wait in the default
+        # partition till then).
+        low = max(now_ms - 2 * SPAN_MS, rolled_until(c) or 0)
         report.partitions_created += partitions.ensure(
-            c, "samples", start_ms=now_ms - 2 * SPAN_MS, end_ms=now_ms + int(policy.ahead_s * 1000)
+            c, "samples", start_ms=low, end_ms=now_ms + int(policy.ahead_s * 1000)
         )
         report.partitions_created += partitions.ensure(
             c,
@@ -88,8 +91,9 @@ def maintain(engine: Engine, policy: TierPolicy, *, now_ms: int) -> TierReport:
         if skipped != rolled:
             rolled = skipped
             continue
-        rows, chunks, _ = _roll_hour(engine, rolled, policy, None, mark=ROLLED_MARK)
+        _, chunks, _, packed = _roll_hour(engine, rolled, policy, None, mark=ROLLED_MARK, pack=True)
         report.hours_rolled += 1
+        report.hours_packed += packed
         report.chunks_written += chunks
         rolled += SPAN_MS
 
@@ -101,7 +105,7 @@ def maintain(engine: Engine, policy: TierPolicy, *, now_ms: int) -> TierReport:
                 c, since_ms=archived, until_ms=rolled, limit=policy.max_hours_per_run
             )
         for hour in late:
-            _roll_hour(engine, hour, policy, None, mark=None)
+            _roll_hour(engine, hour, policy, None, mark=None, pack=True)
             report.hours_rerolled += 1
 
     # Hours that left the raw window: archived, rolled up again with late rows, then dropped.
@@ -114,7 +118,7 @@ def maintain(engine: Engine, policy: TierPolicy, *, now_ms: int) -> TierReport:
         if skipped != archived:
             archived = skipped
             continue
-        rows, chunks, written = _roll_hour(engine, archived, policy, history, mark=ARCHIVED_MARK)
+        rows, chunks, written, _ = _roll_hour(engine, archived, policy, history, mark=ARCHIVED_MARK)
         report.hours_archived += 1
         report.samples_rolled += rows
         report.history_rows += written
@@ -125,6 +129,7 @@ def maintain(engine: Engine, policy: TierPolicy, *, now_ms: int) -> TierReport:
         if archived is not None:
             # One archived hour stays raw: its last samples are the next hour's predecessors.
             report.raw_dropped = partitions.drop_before(c, "samples", archived - SPAN_MS)
+            report.raw_dropped += partitions.drop_before(c, "sample_blocks", archived - SPAN_MS)
         rollup_cutoff = now_ms - int(policy.rollup_window_s * 1000)
         report.rollups_dropped = partitions.drop_before(c, "sample_rollups", rollup_cutoff)
         report.events_deleted = int(
@@ -151,13 +156,17 @@ def _skip_empty(engine: Engine, name: str, mark: int, limit: int) -> int:
             set_mark(c, name, nearest)
             return nearest
         hour = {"start_ms": mark, "end_ms": mark + SPAN_MS}
-        partitions.ensure(c, "samples", **hour)
+        if name == ROLLED_MARK:  # an archived hour was packed: its wide rows are gone
+            partitions.ensure(c, "samples", **hour)
         partitions.ensure(c, "sample_rollups", **hour)
     return mark
 
 
-def _slices(engine: Engine, start: int, end: int, slice_rows: int) -> Iterator[pd.DataFrame]:
-    """The raw rows of ``[start, end)`` in time order, a few minutes at a time."""
+def _slices(
+    engine: Engine, start: int, end: int, slice_rows: int, counted: list[int] | None = None
+) -> Iterator[pd.DataFrame]:
+    """The raw rows of ``[start, end)`` in time order, whole minutes at a time (the wide rows
+    read are counted into ``counted``)."""
     with engine.connect() as c:
         gpus = max(reads.gpu_count(c), 1)
     step = max(MINUTE_MS, partitions.floor(slice_rows // gpus * 1000, MINUTE_MS))
@@ -165,7 +174,7 @@ def _slices(engine: Engine, start: int, end: int, slice_rows: int) -> Iterator[p
     while at < end:
         upper = min(at + step, end)
         with engine.connect() as c:
-            yield samples_between(c, since_ms=at, until_ms=upper)
+            yield samples_between(c, since_ms=at, until_ms=upper, counted=counted)
         at = upper
 
 
@@ -193,9 +202,15 @@ def _pack_chunks(rolled: pd.DataFrame, start_ms: int, end_ms: int) -> list[dict[
 
 
 def roll_span(
-    engine: Engine, start_ms: int, end_ms: int, *, slice_rows: int = 1_000_000
+    engine: Engine,
+    start_ms: int,
+    end_ms: int,
+    *,
+    slice_rows: int = 1_000_000,
+    counted: list[int] | None = None,
 ) -> tuple[pd.DataFrame, list[pd.DataFrame]]:
-    """Roll up the raw rows of ``[start_ms, end_ms)`` (the raw tier's view of a span).
+    """Roll up the raw rows of ``[start_ms, end_ms)`` (the raw tier's view of a span; the
+    wide rows read are counted into ``counted``).
 
     Returns:
         The rollup rows (sorted by node, gpu, ts_ms) and the raw slices read, in time order.
@@ -204,7 +219,7 @@ def roll_span(
         before = predecessors(c, start_ms)
     rolled: list[pd.DataFrame] = []
     raw: list[pd.DataFrame] = []
-    for piece in _slices(engine, start_ms, end_ms, slice_rows):
+    for piece in _slices(engine, start_ms, end_ms, slice_rows, counted):
         if not len(piece):
             continue
         rolled.append(rollup(piece, before=before))
@@ -228,6 +243,14 @@ _UPSERT = (
 )
 
 
+PACK_TRIES = 3
+"""Reads of an hour to pack before it is rolled up without packing (rows kept reaching it)."""
+
+
+class _Moved(Exception):
+    """Wide rows reached the hour between its read and its packing."""
+
+
 def _roll_hour(
     engine: Engine,
     start_ms: int,
@@ -235,25 +258,100 @@ def _roll_hour(
     history: History | None,
     *,
     mark: str | None,
-) -> tuple[int, int, int]:
+    pack: bool = False,
+) -> tuple[int, int, int, bool]:
     """Roll one hour up (and archive it when ``history`` is given); move ``mark`` past it
-    (None: an hour rolled up again, no mark moves).
+    (None: an hour rolled up again, no mark moves). With ``pack``, the hour's samples are
+    packed (:mod:`store.blocks`) and its wide rows dropped in the same transaction, provided
+    no wide row reached it since it was read: else it is read again, up to
+    :data:`PACK_TRIES` times, and then rolled up with its wide rows kept.
 
     Returns:
-        (raw rows read, chunks written, rows written to the history)
+        (raw rows read, chunks written, rows written to the history, whether it was packed)
     """
     end_ms = start_ms + SPAN_MS
+    for attempt in range(1, PACK_TRIES + 1 if pack else 1):
+        wide: list[int] = []
+        rolled, raw = roll_span(
+            engine, start_ms, end_ms, slice_rows=policy.slice_rows, counted=wide
+        )
+        chunks = _pack_chunks(rolled, start_ms, end_ms)
+        packed = [row for piece in raw for row in block_rows(piece)]
+        try:
+            with engine.begin() as c:
+                _store_hour(c, start_ms, chunks, packed, sum(wide), mark)
+        except _Moved:
+            log.info("hour %d: rows arrived while it was packed (try %d)", start_ms, attempt)
+            continue
+        log.debug("%s: %d samples in %d blocks from %d", mark, sum(wide), len(packed), start_ms)
+        return sum(len(r) for r in raw), len(chunks), 0, True
     rolled, raw = roll_span(engine, start_ms, end_ms, slice_rows=policy.slice_rows)
     rows = sum(len(r) for r in raw)
     archived = history.write_part(start_ms, iter(raw)) if history is not None and rows else 0
     chunks = _pack_chunks(rolled, start_ms, end_ms)
     with engine.begin() as c:
-        if chunks:
-            c.execute(text(_UPSERT), chunks)
-        if mark is not None:
-            set_mark(c, mark, end_ms)
+        _store_hour(c, start_ms, chunks, None, 0, mark)
     log.debug("%s: %d samples of %d GPUs from %d", mark, rows, len(chunks), start_ms)
-    return rows, len(chunks), archived
+    return rows, len(chunks), archived, False
+
+
+def _store_hour(
+    c: Connection,
+    start_ms: int,
+    chunks: list[dict[str, Any]],
+    packed: list[dict[str, Any]] | None,
+    wide_read: int,
+    mark: str | None,
+) -> None:
+    """Write an hour's rollup chunks and, unless ``packed`` is None, replace its blocks with
+    ``packed`` and drop its wide rows (raising :class:`_Moved` when they are no longer the
+    ``wide_read`` rows read); then move ``mark`` past it."""
+    end_ms = start_ms + SPAN_MS
+    if chunks:
+        c.execute(text(_UPSERT), chunks)
+    if packed is not None:
+        hour = {"a": start_ms, "b": end_ms}
+        postgres = c.dialect.name == "postgresql"
+        if postgres:
+            partitions.ensure(c, "sample_blocks", start_ms=start_ms, end_ms=end_ms)
+        c.execute(text("DELETE FROM sample_blocks WHERE start_ms >= :a AND start_ms < :b"), hour)
+        if packed:
+            c.execute(text(_INSERT_BLOCK), packed)
+        if _drop_wide(c, start_ms) != wide_read:
+            raise _Moved
+    if mark is not None:
+        set_mark(c, mark, end_ms)
+
+
+_INSERT_BLOCK = (
+    "INSERT INTO sample_blocks (node, gpu, start_ms, n, data) "
+    "VALUES (:node, :gpu, :start_ms, :n, :data)"
+)
+
+
+def _drop_wide(c: Connection, start_ms: int) -> int:
+    """Remove the hour's wide rows; returns how many there were.
+
+    SQLite deletes them (the write lock, taken by the transaction's first write, keeps the
+    writer out until commit). PostgreSQL locks the hour's partition and the default one
+    against writers (readers go on), counts, and drops the partition whole: no row deletes,
+    no dead tuples. A writer that meets the lock waits for the commit; one whose row was
+    routed to the partition just dropped fails its batch, which its collector sends again.
+    """
+    hour = {"a": start_ms, "b": start_ms + SPAN_MS}
+    where = "ts_ms >= :a AND ts_ms < :b"
+    if c.dialect.name != "postgresql":
+        return int(c.execute(text(f"DELETE FROM samples WHERE {where}"), hour).rowcount)
+    name = partitions.partition_name("samples", start_ms)
+    attached = any(p.table == name for p in partitions.existing(c, "samples"))
+    if attached:
+        c.execute(text(f"LOCK TABLE {name} IN SHARE MODE"))
+    c.execute(text("LOCK TABLE samples_default IN SHARE MODE"))
+    count = int(c.execute(text(f"SELECT count(*) FROM samples WHERE {where}"), hour).scalar_one())
+    if attached:
+        c.execute(text(f"DROP TABLE {name}"))
+    c.execute(text(f"DELETE FROM samples_default WHERE {where}"), hour)
+    return count
 
 
 def _refresh_labels(engine: Engine, history: History) -> None:

@@ -43,6 +43,8 @@ from sqlalchemy import (
 )
 
 from store import partitions, reads
+from store.blocks import last_samples
+from store.blocks import merge as blocks_merge
 from store.rawread import fetch_samples, samples_between
 from store.rollups import MINUTE_MS, STAT_COLUMNS, representative, rollup, unpack
 from store.schema import metadata
@@ -136,6 +138,7 @@ class TierReport:
     """What one :func:`maintain` run did."""
 
     hours_rolled: int = 0
+    hours_packed: int = 0
     hours_rerolled: int = 0
     hours_archived: int = 0
     samples_rolled: int = 0
@@ -248,8 +251,19 @@ def take_late_hours(
 
 
 def oldest_hour(connection: Connection, after_ms: int | None = None) -> int | None:
-    """The first hour (at or after ``after_ms``) that holds a raw sample; None: none does."""
+    """The first hour (at or after ``after_ms``) that holds a raw sample, wide or packed;
+    None: none does."""
     after = -(2**62) if after_ms is None else after_ms
+    packed = connection.execute(
+        text("SELECT MIN(start_ms) FROM sample_blocks WHERE start_ms >= :a"),
+        {"a": partitions.floor(after, SPAN_MS)},
+    ).scalar()
+    wide = _oldest_wide(connection, after)
+    found = [partitions.floor(int(h), SPAN_MS) for h in (packed, wide) if h is not None]
+    return max(min(found), partitions.floor(after, SPAN_MS)) if found else None
+
+
+def _oldest_wide(connection: Connection, after: int) -> int | None:
     if connection.dialect.name == "postgresql":
         # The default partition holds few rows; then probe partitions oldest first: no scan
         # for a minimum over the whole table.
@@ -304,7 +318,8 @@ def had_precursors(connection: Connection, *, node: str, gpu: int, ts_ms: int) -
 def predecessors(
     connection: Connection, start_ms: int, *, node: str | None = None, gpu: int | None = None
 ) -> pd.DataFrame:
-    """Each GPU's last raw sample in the hour before ``start_ms`` (counters only matter)."""
+    """Each GPU's last raw sample in the hour before ``start_ms`` (counters only matter),
+    wide or packed."""
     params: dict[str, Any] = {"a": start_ms - SPAN_MS, "b": start_ms}
     columns = list(reads.FRAME_COLUMNS)
     if node is not None and gpu is not None:
@@ -312,15 +327,21 @@ def predecessors(
             f"SELECT {', '.join(columns)} FROM samples WHERE node = :node AND gpu = :gpu "
             "AND ts_ms >= :a AND ts_ms < :b ORDER BY ts_ms DESC LIMIT 1"
         )
-        return fetch_samples(connection, sql, {**params, "node": node, "gpu": gpu}, columns)
-    sql = (
-        f"SELECT {', '.join(f's.{c}' for c in columns)} FROM samples s "
-        "JOIN (SELECT node, gpu, MAX(ts_ms) AS newest FROM samples "
-        "WHERE ts_ms >= :a AND ts_ms < :b GROUP BY node, gpu) last "
-        "ON s.node = last.node AND s.gpu = last.gpu AND s.ts_ms = last.newest"
-    )
-    frame = fetch_samples(connection, sql, params, columns)
-    return frame if node is None else frame[frame["node"] == node]
+        wide = fetch_samples(connection, sql, {**params, "node": node, "gpu": gpu}, columns)
+    else:
+        sql = (
+            f"SELECT {', '.join(f's.{c}' for c in columns)} FROM samples s "
+            "JOIN (SELECT node, gpu, MAX(ts_ms) AS newest FROM samples "
+            "WHERE ts_ms >= :a AND ts_ms < :b GROUP BY node, gpu) last "
+            "ON s.node = last.node AND s.gpu = last.gpu AND s.ts_ms = last.newest"
+        )
+        wide = fetch_samples(connection, sql, params, columns)
+        wide = wide if node is None else wide[wide["node"] == node]
+    packed = last_samples(connection, since_ms=params["a"], until_ms=start_ms, node=node, gpu=gpu)
+    if not len(packed):
+        return wide
+    both = blocks_merge(wide, packed)
+    return both.drop_duplicates(["node", "gpu"], keep="last").reset_index(drop=True)
 
 
 # Reads -------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import pandas as pd
 import pytest
 from sqlalchemy import create_engine, text
 
-from store import Store, partitions, schema, tiers
+from store import Store, blocks, partitions, schema, tiers
 from store.migrate import upgrade
 from store.reads import FRAME_COLUMNS
 from store.rollups import COUNTER_COLUMNS, GAUGE_COLUMNS, MINUTE_MS, STAT_COLUMNS
@@ -62,6 +62,12 @@ def raw_frame(
         frames.append(frame)
     out = pd.concat(frames, ignore_index=True)
     return out.sort_values(["ts_ms", "node", "gpu"], ignore_index=True)
+
+
+def raw_tier_ts(c: Any) -> list[int]:
+    """Every sample time the raw tier holds: wide rows and packed ones."""
+    wide = c.execute(text("SELECT ts_ms FROM samples")).scalars().all()
+    return sorted([*wide, *blocks.read(c)["ts_ms"].tolist()])
 
 
 def rows_of(frame: pd.DataFrame) -> list[tuple]:
@@ -174,11 +180,13 @@ def test_a_restarted_service_serves_the_same_window_across_a_tier_boundary(
         fleet_after = second.tiered_window(since_ms=START + 2 * HOUR, until_ms=START + 3 * HOUR)
         with second.begin() as c:
             assert tiers.raw_since(c) == START + 3 * HOUR
-            raw_left = c.execute(text("SELECT COUNT(*) FROM samples")).scalar_one()
+            raw_left = len(raw_tier_ts(c))
+            wide_left = c.execute(text("SELECT COUNT(*) FROM samples")).scalar_one()
     finally:
         second.close()
     assert resolution == "1m"
     assert raw_left == (raw["ts_ms"] >= START + 2 * HOUR).sum()  # one rolled hour stays raw
+    assert wide_left == 0  # every rolled hour is packed
     pd.testing.assert_frame_equal(before, after)
     assert len(before) == 150 - 10  # 2.5 h of minutes, less GPU 1's ten-minute gap
     assert list(before.columns[:3]) == ["ts_ms", "node", "gpu"]
@@ -210,16 +218,21 @@ def test_retention_drops_whole_partitions_and_keeps_everything_younger(store: St
     report = store.maintain_tiers(policy, now_ms=now)
     assert report.hours_archived == 4  # hours 0-3 left the 2 h raw window
     with store.begin() as c:
-        left = pd.read_sql(text("SELECT ts_ms FROM samples ORDER BY ts_ms"), c)["ts_ms"]
+        left = raw_tier_ts(c)
         after = {p.table for p in partitions.existing(c, "samples")}
+        after_blocks = {p.table for p in partitions.existing(c, "sample_blocks")}
         events = c.execute(text("SELECT ts_ms FROM events")).scalars().all()
     # Raw: hours 3.. stay (hour 3 is the predecessor hour); nothing younger is lost.
     younger = raw["ts_ms"][raw["ts_ms"] >= START + 3 * HOUR]
-    assert left.tolist() == younger.tolist()
+    assert left == younger.tolist()
     assert events == [START + 5 * HOUR]  # the 3 h event window
     if store.dialect == "postgresql":
+        # Hours 0-4 were rolled up and packed (their wide partitions dropped then); the
+        # packed hours 0-2 left with the raw window, whole partitions again.
         hours = [partitions.partition_name("samples", START + h * HOUR) for h in range(6)]
-        assert set(hours[:3]).isdisjoint(after) and set(hours[3:]) <= after
+        packed = [partitions.partition_name("sample_blocks", START + h * HOUR) for h in range(6)]
+        assert set(hours[:5]).isdisjoint(after) and hours[5] in after
+        assert set(packed[:3]).isdisjoint(after_blocks) and set(packed[3:5]) <= after_blocks
         assert report.raw_dropped == 3
     # Rollups: everything from the rollup cutoff on is still there.
     minutes = stored_minutes(store, START, now)["ts_ms"]
