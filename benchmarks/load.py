@@ -361,7 +361,13 @@ def run_once(args: argparse.Namespace) -> dict[str, Any]:
             with store.engine.connect() as connection:
                 from sqlalchemy import text
 
-                stored = connection.execute(text("SELECT count(*) FROM samples")).scalar_one()
+                # Wide rows and packed ones (an hour the tiering task packed during the run).
+                stored = connection.execute(
+                    text(
+                        "SELECT (SELECT count(*) FROM samples) "
+                        "+ (SELECT COALESCE(SUM(n), 0) FROM sample_blocks)"
+                    )
+                ).scalar_one()
                 loop = control_db.read_status(connection) or {}  # the loop was on, and ticked
         finally:
             store.close()

@@ -175,6 +175,29 @@ def run_backend(
             ),
             args.reads,
         )
+        # Every closed hour rolled up and packed, none archived: the raw tier as it stands
+        # beyond its newest hours.
+        keep = tiers.TierPolicy(
+            raw_window_s=30 * 86400.0, history_url=None, max_hours_per_run=10_000
+        )
+        begin = time.perf_counter()
+        report = store.maintain_tiers(keep, now_ms=end + HOUR)
+        out["pack_s_per_million"] = (time.perf_counter() - begin) / n * 1e6
+        hours = (end - partitions.floor(start, HOUR)) // HOUR
+        assert report.hours_packed == hours, report
+        packed = table_bytes(store, "sample_blocks")
+        out["packed_bytes"] = packed / n
+        out["wide_left_bytes"] = table_bytes(store, "samples") / n  # empty tables, indexes
+        out["raw_window_bytes"] = (
+            WIDE_HOURS * out["tier_raw_bytes"]
+            + (RAW_WINDOW_H + 1 - WIDE_HOURS) * out["packed_bytes"]
+        ) / RAW_WINDOW_H
+        out["packed_read_1h_s"] = median_s(
+            lambda: store.gpu_series(
+                node=node0, gpu=0, since_ms=start, until_ms=start + HOUR, resolution="raw"
+            ),
+            args.reads,
+        )
         policy = tiers.TierPolicy(
             raw_window_s=3600.0,
             history_url=str(history),
@@ -247,17 +270,29 @@ def run_backend(
     return out
 
 
+RAW_WINDOW_H = 24
+"""The raw window the capacity model sizes (``FOREWARN_RAW_WINDOW_H``'s default)."""
+WIDE_HOURS = 2
+"""Hours of a raw window held as wide rows: the open hour and the closed one until its roll-up
+(``rollup_lag_s``, 10 min, plus up to one tiering interval, 10 min), rounded up; the rest is
+packed, one hour more than the window (the predecessors' hour)."""
+
 FIGURES = [
     ("flat_write_per_s", "baseline write rate (samples/s)"),
     ("tier_write_per_s", "tiered write rate (samples/s)"),
     ("flat_bytes", "baseline bytes/sample (flat table + indexes)"),
-    ("tier_raw_bytes", "raw tier bytes/sample"),
+    ("tier_raw_bytes", "wide raw rows bytes/sample (newest hours)"),
+    ("packed_bytes", "packed raw bytes/sample (closed hours)"),
+    ("wide_left_bytes", "wide table after packing, per sample packed"),
+    ("raw_window_bytes", f"raw tier bytes/sample over {RAW_WINDOW_H} h"),
     ("rollup_bytes", "rollup tier bytes/sample"),
     ("rollup_bytes_per_gpu_minute", "rollup tier bytes per GPU-minute"),
     ("parquet_bytes", "Parquet history bytes/sample"),
-    ("rollup_s_per_million", "tiering task s per million samples"),
+    ("pack_s_per_million", "roll-up and packing s per million samples"),
+    ("rollup_s_per_million", "archiving (Parquet, roll-up again) s per million"),
     ("flat_read_1h_s", "baseline 1 h read of one GPU (s)"),
-    ("tier_read_1h_s", "tiered 1 h raw read of one GPU (s)"),
+    ("tier_read_1h_s", "tiered 1 h raw read of one GPU, wide (s)"),
+    ("packed_read_1h_s", "tiered 1 h raw read of one GPU, packed (s)"),
     ("flat_read_7d_s", "baseline 7 d raw read of one GPU (s)"),
     ("tier_read_7d_rollups_s", "tiered 7 d read from rollups (s)"),
     ("tier_read_7d_with_raw_day_s", "tiered last 7 d, newest hour raw (s)"),
@@ -278,12 +313,12 @@ def capacity(
     for gpus in (1024, 16_384, 100_000):
         for interval in (1, 10):
             rate = gpus / interval
-            raw = rate * raw_h * 3600 * fig["tier_raw_bytes"] / 1e9
+            raw = rate * raw_h * 3600 * fig["raw_window_bytes"] / 1e9
             rollup = gpus * rollup_d * 1440 * fig["rollup_bytes_per_gpu_minute"] / 1e9
             parquet = rate * history_d * 86400 * fig["parquet_bytes"] / 1e9
             print(
                 f"{gpus:>8,} {interval:>5}s {rate:>11,.0f} "
-                f"{rate * fig['tier_raw_bytes'] / 1e6:>9.1f} {raw:>8,.0f} {rollup:>10,.0f} "
+                f"{rate * fig['raw_window_bytes'] / 1e6:>9.1f} {raw:>8,.0f} {rollup:>10,.0f} "
                 f"{parquet:>11,.0f} {raw + rollup + parquet:>9,.0f}"
             )
 
@@ -338,9 +373,12 @@ def main() -> None:
         pairs = [
             ("write rate tiered/baseline", "tier_write_per_s", "flat_write_per_s"),
             ("raw bytes tiered/baseline", "tier_raw_bytes", "flat_bytes"),
+            ("packed raw bytes/baseline", "packed_bytes", "flat_bytes"),
+            ("raw tier over 24 h/baseline", "raw_window_bytes", "flat_bytes"),
             ("7 d read rollups/baseline 7 d raw", "tier_read_7d_rollups_s", "flat_read_7d_s"),
             ("7 d read incl. raw day/baseline", "tier_read_7d_with_raw_day_s", "flat_read_7d_s"),
             ("1 h raw read tiered/baseline", "tier_read_1h_s", "flat_read_1h_s"),
+            ("1 h raw read packed/baseline", "packed_read_1h_s", "flat_read_1h_s"),
         ]
         for label, a, b in pairs:
             print(f"  {label:<46} {ratio(med[a], med[b]):>12}")
