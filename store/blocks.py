@@ -164,8 +164,7 @@ def pack(
     rows = len(ints)
     steps = ints.copy()
     steps[1:] -= ints[:-1]  # int64 arithmetic wraps, and so does the sum that undoes it
-    bits = floats.view(np.uint64).copy()
-    bits[1:] ^= floats.view(np.uint64)[:-1]
+    scales, lanes = _float_lanes(floats)
     described = []
     for values in strings:
         codes, distinct = pd.factorize(np.asarray(values, dtype=object), use_na_sentinel=False)
@@ -175,27 +174,66 @@ def pack(
     body = (
         _shuffle(steps)
         + np.packbits(np.ascontiguousarray(nulls.T)).tobytes()
-        + _shuffle(bits.view(np.int64))
+        + _shuffle(lanes)
         + text_part
     )
     head = _HEADER.pack(_MAGIC, VERSION, rows, ints.shape[1], floats.shape[1], len(text_part))
-    return head + _CODEC.compress(body, asbytes=True)
+    return head + scales.tobytes() + _CODEC.compress(body, asbytes=True)
+
+
+_XOR = 255
+"""A float column's scale byte when its values are kept as XORed bits."""
+_DECIMALS = (1.0, 10.0, 100.0, 1000.0)
+
+
+def _float_lanes(floats: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each float column of a block as 8-byte lanes, and its scale byte.
+
+    A column whose values are all decimals of at most three places (telemetry mostly is:
+    whole degrees and MHz, watts to the hundredth) is kept as the integers ``value * 10**k``,
+    each the difference to the row before, when dividing them back gives the very same bits;
+    any other column (NULLs, -0.0, infinities, noise) as its bits XORed with the row before's.
+    """
+    scales = np.full(floats.shape[1], _XOR, dtype=np.uint8)
+    bits = floats.view(np.int64)
+    lanes = bits.copy()
+    lanes[1:] ^= bits[:-1]
+    with np.errstate(invalid="ignore", over="ignore"):
+        usable = np.isfinite(floats).all(axis=0) & (np.abs(floats) < 2**40).all(axis=0)
+        for k, scale in enumerate(_DECIMALS):
+            open_ = usable & (scales == _XOR)
+            if not open_.any():
+                break
+            whole = np.round(floats[:, open_] * scale).astype(np.int64)
+            exact = ((whole / scale).view(np.int64) == bits[:, open_]).all(axis=0)
+            chosen = np.flatnonzero(open_)[exact]
+            scales[chosen] = k
+            lanes[:, chosen] = whole[:, exact]
+            lanes[1:, chosen] -= whole[:-1, exact]
+    return scales, lanes
 
 
 def _raw(blob: bytes) -> tuple[int, np.ndarray, np.ndarray, np.ndarray, list[np.ndarray]]:
     """(format version, integers, nulls, floats, strings) of a blob, as :func:`pack` took them
     (nulls column-major: integer columns but ts_ms x rows)."""
     magic, version, rows, n_int, n_float, n_text = _HEADER.unpack_from(blob)
+    scales = np.frombuffer(blob, np.uint8, n_float, _HEADER.size)
     if magic != _MAGIC or version not in LAYOUTS:
         raise ValueError("not a packed-samples blob of a known version")
     null_bytes = (rows * (n_int - 1) + 7) // 8
     size = rows * n_int * 8 + null_bytes + rows * n_float * 8 + n_text
-    body = _CODEC.decompress(blob[_HEADER.size :], decompressed_size=size, asbytes=True)
+    body = _CODEC.decompress(blob[_HEADER.size + n_float :], decompressed_size=size, asbytes=True)
     ints = np.cumsum(_unshuffle(body, 0, rows, n_int, "<i8"), axis=0)
     at = rows * n_int * 8
     nulls = np.unpackbits(np.frombuffer(body, np.uint8, null_bytes, at), count=rows * (n_int - 1))
     at += null_bytes
-    bits = np.bitwise_xor.accumulate(_unshuffle(body, at, rows, n_float, "<u8"), axis=0)
+    lanes = _unshuffle(body, at, rows, n_float, "<i8")
+    floats = np.empty((rows, n_float))
+    for i, k in enumerate(scales):
+        if k == _XOR:
+            floats[:, i] = np.bitwise_xor.accumulate(lanes[:, i]).view(np.float64)
+        else:
+            floats[:, i] = np.cumsum(lanes[:, i]) / _DECIMALS[k]
     strings = []
     for entry in json.loads(bytes(body[at + rows * n_float * 8 :]).decode()):
         distinct = np.array(entry[0], dtype=object)
@@ -204,7 +242,7 @@ def _raw(blob: bytes) -> tuple[int, np.ndarray, np.ndarray, np.ndarray, list[np.
         version,
         ints,
         nulls.reshape(n_int - 1, rows).astype(bool),
-        bits.view(np.float64),
+        floats,
         strings,
     )
 

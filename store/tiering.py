@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 from sqlalchemy import Connection, Engine, text
+from sqlalchemy.exc import OperationalError
 
 from store import partitions, reads
 from store.blocks import block_rows
@@ -62,20 +63,28 @@ def maintain(engine: Engine, policy: TierPolicy, *, now_ms: int) -> TierReport:
     prepare_sqlite(engine)
     raw_cutoff = now_ms - int(policy.raw_window_s * 1000)
     roll_cutoff = now_ms - int(policy.rollup_lag_s * 1000)
+    try:
+        with engine.begin() as c:
+            # Partitions around now and ahead, not for hours packed already; an older hour
+            # gets its partitions when it is rolled (rows of a store that was down wait in the
+            # default partition till then).
+            _guard(c)
+            low = max(now_ms - 2 * SPAN_MS, rolled_until(c) or 0)
+            created = partitions.ensure(
+                c, "samples", start_ms=low, end_ms=now_ms + int(policy.ahead_s * 1000)
+            )
+            created += partitions.ensure(
+                c,
+                "sample_rollups",
+                start_ms=now_ms - partitions.DAY_MS,
+                end_ms=now_ms + 2 * partitions.DAY_MS,
+            )
+        report.partitions_created += created
+    except OperationalError as exc:
+        if not _busy(exc):
+            raise
+        log.info("partitions ahead: the tables stayed busy; the next pass creates them")
     with engine.begin() as c:
-        # Partitions around now and ahead, not for hours packed already; an older hour gets
-        # its partitions when it is rolled (rows of a store that was down wait in the default
-        # partition till then).
-        low = max(now_ms - 2 * SPAN_MS, rolled_until(c) or 0)
-        report.partitions_created += partitions.ensure(
-            c, "samples", start_ms=low, end_ms=now_ms + int(policy.ahead_s * 1000)
-        )
-        report.partitions_created += partitions.ensure(
-            c,
-            "sample_rollups",
-            start_ms=now_ms - partitions.DAY_MS,
-            end_ms=now_ms + 2 * partitions.DAY_MS,
-        )
         rolled, archived = rolled_until(c), raw_since(c)
         if rolled is None or archived is None:
             oldest = oldest_hour(c)
@@ -126,6 +135,7 @@ def maintain(engine: Engine, policy: TierPolicy, *, now_ms: int) -> TierReport:
         archived += SPAN_MS
 
     with engine.begin() as c:
+        _guard(c)
         if archived is not None:
             # One archived hour stays raw: its last samples are the next hour's predecessors.
             report.raw_dropped = partitions.drop_before(c, "samples", archived - SPAN_MS)
@@ -149,6 +159,7 @@ def maintain(engine: Engine, policy: TierPolicy, *, now_ms: int) -> TierReport:
 def _skip_empty(engine: Engine, name: str, mark: int, limit: int) -> int:
     """Move mark ``name`` past hours with no sample (up to ``limit``); returns where it is."""
     with engine.begin() as c:
+        _guard(c)
         found = oldest_hour(c, after_ms=mark)
         ready = partitions.floor(limit, SPAN_MS)
         nearest = ready if found is None else min(found, ready)
@@ -247,6 +258,31 @@ PACK_TRIES = 3
 """Reads of an hour to pack before it is rolled up without packing (rows kept reaching it)."""
 
 
+LOCK_TIMEOUT_MS = 1000
+"""How long the task's DDL waits for a table's lock on PostgreSQL (see :func:`_guard`)."""
+_LOCK_NOT_AVAILABLE = "55P03"
+
+
+def _guard(c: Connection) -> None:
+    """PostgreSQL: bound how long this transaction's DDL waits for its locks.
+
+    Creating or dropping a partition locks its parent whole, and while such a lock is waited
+    for, every writer and reader that comes after waits behind it: a long read of ``samples``
+    would stall ingest for as long as it ran. So the task waits :data:`LOCK_TIMEOUT_MS` at
+    most, then gives up what it was doing (an hour is packed at its next try, partitions ahead
+    at the next pass), and the server ends the transaction should the task's process stop
+    half-way through it (``SIGSTOP``), rather than every writer waiting on it.
+    """
+    if c.dialect.name == "postgresql":
+        c.execute(text(f"SET LOCAL lock_timeout = {int(LOCK_TIMEOUT_MS)}"))
+        c.execute(text("SET LOCAL idle_in_transaction_session_timeout = 60000"))
+
+
+def _busy(exc: OperationalError) -> bool:
+    """Whether ``exc`` is a lock :func:`_guard` gave up waiting for."""
+    return getattr(exc.orig, "sqlstate", None) == _LOCK_NOT_AVAILABLE
+
+
 class _Moved(Exception):
     """Wide rows reached the hour between its read and its packing."""
 
@@ -283,6 +319,11 @@ def _roll_hour(
         except _Moved:
             log.info("hour %d: rows arrived while it was packed (try %d)", start_ms, attempt)
             continue
+        except OperationalError as exc:
+            if not _busy(exc):
+                raise
+            log.info("hour %d: its partition stayed busy (try %d)", start_ms, attempt)
+            continue
         log.debug("%s: %d samples in %d blocks from %d", mark, sum(wide), len(packed), start_ms)
         return sum(len(r) for r in raw), len(chunks), 0, True
     rolled, raw = roll_span(engine, start_ms, end_ms, slice_rows=policy.slice_rows)
@@ -307,6 +348,7 @@ def _store_hour(
     ``packed`` and drop its wide rows (raising :class:`_Moved` when they are no longer the
     ``wide_read`` rows read); then move ``mark`` past it."""
     end_ms = start_ms + SPAN_MS
+    _guard(c)
     if chunks:
         c.execute(text(_UPSERT), chunks)
     if packed is not None:

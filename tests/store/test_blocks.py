@@ -10,8 +10,9 @@ import pandas as pd
 import pytest
 from sqlalchemy import text
 
-from store import Store, blocks, reads, schema, tiering, tiers
+from store import Store, blocks, partitions, reads, schema, tiering, tiers
 from store.rawread import samples_between
+from tests.conftest import reset_postgres
 from tests.store.test_tiers import HOUR, START, raw_frame, rows_of
 
 POLICY = tiers.TierPolicy(raw_window_s=24 * 3600.0, rollup_window_s=30 * 86400.0)
@@ -180,3 +181,35 @@ def test_rows_that_arrive_while_an_hour_is_packed_are_never_lost(
         got = samples_between(c, since_ms=START, until_ms=START + 2 * HOUR)
     assert len(got) == len(raw) + 3
     assert {START + 1000, START + 2000, START + 3000} <= set(got[got["gpu"] == 1]["ts_ms"])
+
+
+def test_a_long_read_makes_the_task_give_up_its_ddl_not_stall_behind_it(
+    postgres_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reset_postgres(postgres_url)
+    store = Store.open(postgres_url)
+    reader = store.engine.connect()
+    try:
+        raw = raw_frame(gpus=2, hours=2, step_s=10)
+        with store.begin() as c:
+            partitions.ensure(c, "samples", start_ms=START, end_ms=START + 2 * HOUR)
+        store.write(samples=rows_of(raw))
+        # A read that has not ended holds its share of ``samples``: creating or dropping a
+        # partition cannot lock the parent until it ends.
+        reader.execute(text("SELECT count(*) FROM samples WHERE ts_ms < :b"), {"b": START + HOUR})
+        monkeypatch.setattr(tiering, "LOCK_TIMEOUT_MS", 200)
+        report = store.maintain_tiers(POLICY, now_ms=START + 2 * HOUR + 11 * MINUTE)
+        # Rolled up all the same, unpacked, nothing lost; the partitions ahead wait a pass.
+        assert report.hours_rolled == 2 and report.hours_packed == 0
+        assert report.partitions_created == []
+        assert wide_rows(store, START, START + 2 * HOUR) == len(raw)
+        with store.engine.connect() as c:
+            assert c.execute(text("SELECT count(*) FROM sample_blocks")).scalar_one() == 0
+            minutes = tiers._minutes(c, since_ms=START, until_ms=START + 2 * HOUR)
+        assert len(minutes) == len(raw.groupby(["gpu", raw["ts_ms"] // MINUTE]))
+        reader.rollback()
+        report = store.maintain_tiers(POLICY, now_ms=START + 2 * HOUR + 12 * MINUTE)
+        assert report.partitions_created
+    finally:
+        reader.close()
+        store.close()
