@@ -250,6 +250,13 @@ def run_backend(
                 ),
                 copies,
             )
+        # Per GPU-minute over the week: the tables' fixed costs (partitions, their TOAST
+        # tables and indexes) spread as they are at scale.
+        gpu_minutes = frame.groupby(["node", "gpu"]).ngroups * (span // 60_000)
+        copies_made = (7 * DAY) // span + 1
+        out["rollup_week_bytes_per_gpu_minute"] = table_bytes(store, "sample_rollups") / (
+            gpu_minutes * copies_made
+        )
         out["tier_read_7d_rollups_s"] = median_s(
             lambda: store.gpu_series(node=node0, gpu=0, since_ms=mark - 7 * DAY, until_ms=mark),
             args.reads,
@@ -293,6 +300,7 @@ FIGURES = [
     ("raw_window_bytes", f"raw tier bytes/sample over {RAW_WINDOW_H} h"),
     ("rollup_bytes", "rollup tier bytes/sample"),
     ("rollup_bytes_per_gpu_minute", "rollup tier bytes per GPU-minute"),
+    ("rollup_week_bytes_per_gpu_minute", "rollup tier bytes per GPU-minute, a week"),
     ("parquet_bytes", "Parquet history bytes/sample"),
     ("pack_s_per_million", "roll-up and packing s per million samples"),
     ("rollup_s_per_million", "archiving (Parquet, roll-up again) s per million"),
@@ -320,7 +328,7 @@ def capacity(
         for interval in (1, 10):
             rate = gpus / interval
             raw = rate * raw_h * 3600 * fig["raw_window_bytes"] / 1e9
-            rollup = gpus * rollup_d * 1440 * fig["rollup_bytes_per_gpu_minute"] / 1e9
+            rollup = gpus * rollup_d * 1440 * fig["rollup_week_bytes_per_gpu_minute"] / 1e9
             parquet = rate * history_d * 86400 * fig["parquet_bytes"] / 1e9
             print(
                 f"{gpus:>8,} {interval:>5}s {rate:>11,.0f} "

@@ -1,13 +1,14 @@
-"""The tiering task: roll closed hours up, archive hours that left the raw window, drop what
-has left every tier. What it keeps, and how reads use it, is :mod:`store.tiers`.
+"""The tiering task: roll closed hours up and pack them, archive hours that left the raw
+window, drop what has left every tier. What it keeps, and how reads use it, is
+:mod:`store.tiers` (and :mod:`store.blocks` for the packed hours).
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import numpy as np
 import pandas as pd
@@ -37,6 +38,8 @@ from store.tiers import (
 
 __all__ = ["maintain", "prepare_sqlite", "roll_span"]
 
+_T = TypeVar("_T")
+
 log = logging.getLogger("forewarn.store.tiering")
 
 
@@ -55,6 +58,33 @@ def prepare_sqlite(engine: Engine) -> None:
         raw.execute("VACUUM")  # type: ignore[attr-defined]
     finally:
         raw.close()
+
+
+LOCK_TIMEOUT_MS = 1000
+"""How long the task's DDL waits for a table's lock on PostgreSQL (see :func:`_guard`)."""
+IDLE_TIMEOUT_MS = 10_000
+"""How long the server lets one of the task's transactions sit idle (its process stopped)."""
+_LOCK_NOT_AVAILABLE = "55P03"
+
+
+def _guard(c: Connection) -> None:
+    """PostgreSQL: bound how long this transaction's DDL waits for its locks.
+
+    Creating or dropping a partition locks its parent whole, and while such a lock is waited
+    for, every writer and reader that comes after waits behind it: a long read of ``samples``
+    would stall ingest for as long as it ran. So the task waits :data:`LOCK_TIMEOUT_MS` at
+    most, then gives up what it was doing (an hour is packed at its next try, partitions ahead
+    at the next pass), and the server ends the transaction should the task's process stop
+    half-way through it (``SIGSTOP``), rather than every writer waiting on it.
+    """
+    if c.dialect.name == "postgresql":
+        c.execute(text(f"SET LOCAL lock_timeout = {int(LOCK_TIMEOUT_MS)}"))
+        c.execute(text(f"SET LOCAL idle_in_transaction_session_timeout = {IDLE_TIMEOUT_MS}"))
+
+
+def _busy(exc: OperationalError) -> bool:
+    """Whether ``exc`` is a lock :func:`_guard` gave up waiting for."""
+    return getattr(exc.orig, "sqlstate", None) == _LOCK_NOT_AVAILABLE
 
 
 def maintain(engine: Engine, policy: TierPolicy, *, now_ms: int) -> TierReport:
@@ -219,31 +249,59 @@ def roll_span(
     *,
     slice_rows: int = 1_000_000,
     counted: list[int] | None = None,
-) -> tuple[pd.DataFrame, list[pd.DataFrame]]:
+    consume: Callable[[Iterator[pd.DataFrame]], _T] | None = None,
+) -> tuple[pd.DataFrame, _T | None]:
     """Roll up the raw rows of ``[start_ms, end_ms)`` (the raw tier's view of a span; the
-    wide rows read are counted into ``counted``).
+    wide rows read are counted into ``counted``), a slice at a time: no more than one slice
+    of raw rows is held at once (an hour of 16,384 GPUs at 1 s is 59 million samples).
+
+    Args:
+        consume: given the raw slices as an iterator, in time order (each is rolled up as it
+            passes): what it returns is returned beside the rollups. None: nothing else
+            reads them.
 
     Returns:
-        The rollup rows (sorted by node, gpu, ts_ms) and the raw slices read, in time order.
+        The rollup rows (sorted by node, gpu, ts_ms) and what ``consume`` returned.
     """
     with engine.connect() as c:
         before = predecessors(c, start_ms)
     rolled: list[pd.DataFrame] = []
-    raw: list[pd.DataFrame] = []
-    for piece in _slices(engine, start_ms, end_ms, slice_rows, counted):
-        if not len(piece):
-            continue
-        rolled.append(rollup(piece, before=before))
-        raw.append(piece)
-        # The newest sample of every GPU so far is the next slice's predecessor.
-        tail = pd.concat([before, piece], ignore_index=True) if len(before) else piece
-        before = tail.sort_values("ts_ms", kind="stable").drop_duplicates(
-            ["node", "gpu"], keep="last"
-        )
+
+    def pieces() -> Iterator[pd.DataFrame]:
+        nonlocal before
+        for piece in _slices(engine, start_ms, end_ms, slice_rows, counted):
+            if not len(piece):
+                continue
+            rolled.append(rollup(piece, before=before))
+            # The newest sample of every GPU so far is the next slice's predecessor.
+            tail = pd.concat([before, piece], ignore_index=True) if len(before) else piece
+            before = tail.sort_values("ts_ms", kind="stable").drop_duplicates(
+                ["node", "gpu"], keep="last"
+            )
+            yield piece
+
+    result = consume(pieces()) if consume is not None else None
+    if consume is None:
+        for _ in pieces():
+            pass
     if not rolled:
-        return rollup(pd.DataFrame(columns=list(reads.FRAME_COLUMNS))), raw
+        return rollup(pd.DataFrame(columns=list(reads.FRAME_COLUMNS))), result
     frame = pd.concat(rolled, ignore_index=True)
-    return frame.sort_values(["node", "gpu", "ts_ms"], kind="stable", ignore_index=True), raw
+    frame = frame.sort_values(["node", "gpu", "ts_ms"], kind="stable", ignore_index=True)
+    return frame, result
+
+
+def _packed(pieces: Iterator[pd.DataFrame]) -> tuple[int, list[dict[str, Any]]]:
+    """(samples, ``sample_blocks`` rows) of raw slices."""
+    rows, out = 0, []
+    for piece in pieces:
+        rows += len(piece)
+        out.extend(block_rows(piece))
+    return rows, out
+
+
+def _counted(pieces: Iterator[pd.DataFrame]) -> int:
+    return sum(len(piece) for piece in pieces)
 
 
 _UPSERT = (
@@ -256,31 +314,6 @@ _UPSERT = (
 
 PACK_TRIES = 3
 """Reads of an hour to pack before it is rolled up without packing (rows kept reaching it)."""
-
-
-LOCK_TIMEOUT_MS = 1000
-"""How long the task's DDL waits for a table's lock on PostgreSQL (see :func:`_guard`)."""
-_LOCK_NOT_AVAILABLE = "55P03"
-
-
-def _guard(c: Connection) -> None:
-    """PostgreSQL: bound how long this transaction's DDL waits for its locks.
-
-    Creating or dropping a partition locks its parent whole, and while such a lock is waited
-    for, every writer and reader that comes after waits behind it: a long read of ``samples``
-    would stall ingest for as long as it ran. So the task waits :data:`LOCK_TIMEOUT_MS` at
-    most, then gives up what it was doing (an hour is packed at its next try, partitions ahead
-    at the next pass), and the server ends the transaction should the task's process stop
-    half-way through it (``SIGSTOP``), rather than every writer waiting on it.
-    """
-    if c.dialect.name == "postgresql":
-        c.execute(text(f"SET LOCAL lock_timeout = {int(LOCK_TIMEOUT_MS)}"))
-        c.execute(text("SET LOCAL idle_in_transaction_session_timeout = 60000"))
-
-
-def _busy(exc: OperationalError) -> bool:
-    """Whether ``exc`` is a lock :func:`_guard` gave up waiting for."""
-    return getattr(exc.orig, "sqlstate", None) == _LOCK_NOT_AVAILABLE
 
 
 class _Moved(Exception):
@@ -308,11 +341,12 @@ def _roll_hour(
     end_ms = start_ms + SPAN_MS
     for attempt in range(1, PACK_TRIES + 1 if pack else 1):
         wide: list[int] = []
-        rolled, raw = roll_span(
-            engine, start_ms, end_ms, slice_rows=policy.slice_rows, counted=wide
+        rolled, packing = roll_span(
+            engine, start_ms, end_ms, slice_rows=policy.slice_rows, counted=wide, consume=_packed
         )
+        assert packing is not None
+        rows, packed = packing
         chunks = _pack_chunks(rolled, start_ms, end_ms)
-        packed = [row for piece in raw for row in block_rows(piece)]
         try:
             with engine.begin() as c:
                 _store_hour(c, start_ms, chunks, packed, sum(wide), mark)
@@ -325,10 +359,29 @@ def _roll_hour(
             log.info("hour %d: its partition stayed busy (try %d)", start_ms, attempt)
             continue
         log.debug("%s: %d samples in %d blocks from %d", mark, sum(wide), len(packed), start_ms)
-        return sum(len(r) for r in raw), len(chunks), 0, True
-    rolled, raw = roll_span(engine, start_ms, end_ms, slice_rows=policy.slice_rows)
-    rows = sum(len(r) for r in raw)
-    archived = history.write_part(start_ms, iter(raw)) if history is not None and rows else 0
+        return rows, len(chunks), 0, True
+    rows, archived = 0, 0
+    if history is not None:
+
+        def archive(pieces: Iterator[pd.DataFrame]) -> Iterator[pd.DataFrame]:
+            nonlocal rows
+            for piece in pieces:
+                rows += len(piece)
+                yield piece
+
+        rolled, written = roll_span(
+            engine,
+            start_ms,
+            end_ms,
+            slice_rows=policy.slice_rows,
+            consume=lambda pieces: history.write_part(start_ms, archive(pieces)),
+        )
+        archived = written or 0
+    else:
+        rolled, counted = roll_span(
+            engine, start_ms, end_ms, slice_rows=policy.slice_rows, consume=_counted
+        )
+        rows = counted or 0
     chunks = _pack_chunks(rolled, start_ms, end_ms)
     with engine.begin() as c:
         _store_hour(c, start_ms, chunks, None, 0, mark)

@@ -6,6 +6,8 @@ hour at a time, behind two marks:
 - ``rolled_until_ms``: once an hour has closed (and ``rollup_lag_s`` more passed, for
   stragglers) its raw samples are rolled up per GPU and minute (:mod:`store.rollups`) into one
   packed chunk per GPU in ``sample_rollups``. Minute-resolution reads use the chunks at once.
+  In the same transaction the hour's samples are packed, losslessly, one blob per GPU and
+  minute in ``sample_blocks`` (:mod:`store.blocks`), and its wide rows dropped.
 - ``archived_until_ms``, the start of the raw tier: once an hour has left the raw window
   (default 24 h) it is read once more, written to the Parquet history (:mod:`store.history`)
   when one is configured, and rolled up again with whatever arrived late (a collector's spool
