@@ -374,18 +374,10 @@ def _nulls(name: str, size: int) -> Any:
 
 
 def _empty() -> pd.DataFrame:
-    data: dict[str, Any] = {}
-    for name in _FRAME_COLUMNS:
-        if name in ("ts_ms", "gpu"):
-            data[name] = np.zeros(0, dtype=np.int64)
-        elif name in INT_COLUMNS:
-            data[name] = pd.array([], dtype="Int64")
-        elif name in BOOL_COLUMNS:
-            data[name] = pd.array([], dtype="boolean")
-        elif name in FLOAT_COLUMNS:
-            data[name] = np.zeros(0)
-        else:
-            data[name] = np.zeros(0, dtype=object)
+    data = {
+        name: np.zeros(0, dtype=np.int64) if name in ("ts_ms", "gpu") else _nulls(name, 0)
+        for name in _FRAME_COLUMNS
+    }
     return pd.DataFrame(data, columns=list(_FRAME_COLUMNS))
 
 
@@ -394,6 +386,34 @@ def _fetch(connection: Connection, sql: str, params: dict[str, Any]) -> list[tup
     rows = list(result.cursor.fetchall()) if result.cursor is not None else []
     result.close()
     return rows
+
+
+def _where(
+    since_ms: int | None, until_ms: int | None, node: str | None, gpu: int | None
+) -> tuple[str, dict[str, Any]]:
+    """The condition on ``sample_blocks`` for blocks that may hold samples of the window."""
+    conditions, params = ["1=1"], {}
+    for name, column, value in (
+        ("lo", "start_ms >=", None if since_ms is None else since_ms - since_ms % BLOCK_MS),
+        ("hi", "start_ms <", until_ms),
+        ("node", "node =", node),
+        ("gpu", "gpu =", gpu),
+    ):
+        if value is not None:
+            conditions.append(f"{column} :{name}")
+            params[name] = value
+    return " AND ".join(conditions), params
+
+
+def _within(frame: pd.DataFrame, since_ms: int | None, until_ms: int | None) -> pd.DataFrame:
+    """The rows of decoded blocks with ``since_ms <= ts_ms < until_ms``."""
+    ts = frame["ts_ms"].to_numpy()
+    keep = np.ones(len(frame), dtype=bool)
+    if since_ms is not None:
+        keep &= ts >= since_ms
+    if until_ms is not None:
+        keep &= ts < until_ms
+    return frame if keep.all() else frame[keep]
 
 
 def read(
@@ -406,31 +426,9 @@ def read(
 ) -> pd.DataFrame:
     """Packed samples with ``since_ms <= ts_ms < until_ms`` (of one node or GPU), sorted by
     (ts_ms, node, gpu), in the sample-frame shape."""
-    sql = "SELECT node, gpu, data FROM sample_blocks WHERE 1=1"
-    params: dict[str, Any] = {}
-    if since_ms is not None:
-        sql += " AND start_ms >= :lo"
-        params["lo"] = since_ms - since_ms % BLOCK_MS
-    if until_ms is not None:
-        sql += " AND start_ms < :hi"
-        params["hi"] = until_ms
-    if node is not None:
-        sql += " AND node = :node"
-        params["node"] = node
-    if gpu is not None:
-        sql += " AND gpu = :gpu"
-        params["gpu"] = gpu
-    sql += " ORDER BY start_ms, node, gpu"
-    frame = _decoded(_fetch(connection, sql, params))
-    ts = frame["ts_ms"].to_numpy()
-    keep = np.ones(len(frame), dtype=bool)
-    if since_ms is not None:
-        keep &= ts >= since_ms
-    if until_ms is not None:
-        keep &= ts < until_ms
-    if not keep.all():
-        frame = frame[keep]
-    return _sorted(frame)
+    where, params = _where(since_ms, until_ms, node, gpu)
+    sql = f"SELECT node, gpu, data FROM sample_blocks WHERE {where} ORDER BY start_ms, node, gpu"
+    return _sorted(_within(_decoded(_fetch(connection, sql, params)), since_ms, until_ms))
 
 
 def _sorted(frame: pd.DataFrame) -> pd.DataFrame:
@@ -454,22 +452,13 @@ def last_samples(
 ) -> pd.DataFrame:
     """Each GPU's newest packed sample with ``since_ms <= ts_ms < until_ms``: its newest block
     there is decoded, no other."""
-    where = "start_ms >= :lo AND start_ms < :hi"
-    params: dict[str, Any] = {"lo": since_ms - since_ms % BLOCK_MS, "hi": until_ms}
-    if node is not None:
-        where += " AND node = :node"
-        params["node"] = node
-    if gpu is not None:
-        where += " AND gpu = :gpu"
-        params["gpu"] = gpu
+    where, params = _where(since_ms, until_ms, node, gpu)
     sql = (
         "SELECT b.node, b.gpu, b.data FROM sample_blocks b JOIN (SELECT node, gpu, "
         f"MAX(start_ms) AS newest FROM sample_blocks WHERE {where} GROUP BY node, gpu) l "
         "ON b.node = l.node AND b.gpu = l.gpu AND b.start_ms = l.newest"
     )
-    frame = _decoded(_fetch(connection, sql, params))
-    ts = frame["ts_ms"].to_numpy()
-    frame = frame[(ts >= since_ms) & (ts < until_ms)]
+    frame = _within(_decoded(_fetch(connection, sql, params)), since_ms, until_ms)
     return frame.sort_values("ts_ms", kind="stable").drop_duplicates(["node", "gpu"], keep="last")
 
 
