@@ -161,15 +161,19 @@ def pack(
         floats: float64, rows x the float columns, NULL as NaN.
         strings: per string column (uuid, vendor), each row's value (str or None).
     """
-    rows = len(ints)
-    steps = ints.copy()
-    steps[1:] -= ints[:-1]  # int64 arithmetic wraps, and so does the sum that undoes it
-    scales, lanes = _float_lanes(floats)
-    described = []
-    for values in strings:
-        codes, distinct = pd.factorize(np.asarray(values, dtype=object), use_na_sentinel=False)
-        named = [None if pd.isna(v) else str(v) for v in distinct]
-        described.append([named] if len(named) == 1 else [named, codes.tolist()])
+    starts = np.zeros(1, dtype=np.int64)
+    steps, scales, lanes = _lanes(ints, floats, starts)
+    described = [_described(np.asarray(v, dtype=object)) for v in strings]
+    return _blob(steps, nulls, scales[0], lanes, described)
+
+
+def _blob(
+    steps: np.ndarray,
+    nulls: np.ndarray,
+    scales: np.ndarray,
+    lanes: np.ndarray,
+    described: list[Any],
+) -> bytes:
     text_part = json.dumps(described, separators=(",", ":")).encode()
     body = (
         _shuffle(steps)
@@ -177,8 +181,16 @@ def pack(
         + _shuffle(lanes)
         + text_part
     )
-    head = _HEADER.pack(_MAGIC, VERSION, rows, ints.shape[1], floats.shape[1], len(text_part))
+    head = _HEADER.pack(_MAGIC, VERSION, len(steps), steps.shape[1], lanes.shape[1], len(text_part))
     return head + scales.tobytes() + _CODEC.compress(body, asbytes=True)
+
+
+def _described(values: np.ndarray) -> list[Any]:
+    """A string column of one block: its distinct values, and each row's index into them
+    when there is more than one."""
+    codes, distinct = pd.factorize(values, use_na_sentinel=False)
+    named = [None if pd.isna(v) else str(v) for v in distinct]
+    return [named] if len(named) == 1 else [named, codes.tolist()]
 
 
 _XOR = 255
@@ -186,31 +198,49 @@ _XOR = 255
 _DECIMALS = (1.0, 10.0, 100.0, 1000.0)
 
 
-def _float_lanes(floats: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Each float column of a block as 8-byte lanes, and its scale byte.
+def _lanes(
+    ints: np.ndarray, floats: np.ndarray, starts: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The 8-byte lanes of blocks lying one after another in ``ints`` and ``floats`` (each
+    block from its row in ``starts`` to the next one's), all blocks at once.
 
-    A column whose values are all decimals of at most three places (telemetry mostly is:
-    whole degrees and MHz, watts to the hundredth) is kept as the integers ``value * 10**k``,
-    each the difference to the row before, when dividing them back gives the very same bits;
-    any other column (NULLs, -0.0, infinities, noise) as its bits XORed with the row before's.
+    Integers become each the difference to the row before (int64 arithmetic wraps, and so
+    does the sum that undoes it). A float column of a block whose values are all decimals of
+    at most three places (telemetry mostly is: whole degrees and MHz, watts to the hundredth)
+    becomes the integers ``value * 10**k``, differenced the same way, when dividing them back
+    gives the very same bits; any other (NULLs, -0.0, infinities, noise) its bits XORed with
+    the row before's. A block's first row is kept as it is.
+
+    Returns:
+        (integer lanes, scale bytes: blocks x float columns, float lanes)
     """
-    scales = np.full(floats.shape[1], _XOR, dtype=np.uint8)
+    rows = len(ints)
+    sizes = np.diff(np.r_[starts, rows])
+    steps = ints.copy()
+    steps[1:] -= ints[:-1]
+    steps[starts] = ints[starts]
     bits = floats.view(np.int64)
     lanes = bits.copy()
     lanes[1:] ^= bits[:-1]
+    lanes[starts] = bits[starts]
+    scales = np.full((len(starts), floats.shape[1]), _XOR, dtype=np.uint8)
+    if not rows:
+        return steps, scales, lanes
     with np.errstate(invalid="ignore", over="ignore"):
-        usable = np.isfinite(floats).all(axis=0) & (np.abs(floats) < 2**40).all(axis=0)
+        usable = np.isfinite(floats) & (np.abs(floats) < 2**40)
         for k, scale in enumerate(_DECIMALS):
-            open_ = usable & (scales == _XOR)
-            if not open_.any():
-                break
-            whole = np.round(floats[:, open_] * scale).astype(np.int64)
-            exact = ((whole / scale).view(np.int64) == bits[:, open_]).all(axis=0)
-            chosen = np.flatnonzero(open_)[exact]
+            whole = np.round(floats * scale).astype(np.int64)
+            exact = usable & ((whole / scale).view(np.int64) == bits)
+            chosen = np.logical_and.reduceat(exact, starts, axis=0) & (scales == _XOR)
+            if not chosen.any():
+                continue
             scales[chosen] = k
-            lanes[:, chosen] = whole[:, exact]
-            lanes[1:, chosen] -= whole[:-1, exact]
-    return scales, lanes
+            steps_k = whole.copy()
+            steps_k[1:] -= whole[:-1]
+            steps_k[starts] = whole[starts]
+            where = np.repeat(chosen, sizes, axis=0)
+            lanes[where] = steps_k[where]
+    return steps, scales, lanes
 
 
 def _raw(blob: bytes) -> tuple[int, np.ndarray, np.ndarray, np.ndarray, list[np.ndarray]]:
@@ -317,15 +347,29 @@ def block_rows(frame: pd.DataFrame) -> list[dict[str, Any]]:
             True,
         ]
     )
+    starts = edges[:-1]
+    steps, scales, lanes = _lanes(ints, floats, starts)
+    # A string column constant within a block (as UUID and vendor are) is described once.
+    constant = []
+    for values in strings:
+        codes, distinct = pd.factorize(values, use_na_sentinel=False)
+        named = [None if pd.isna(v) else str(v) for v in distinct]
+        low = np.minimum.reduceat(codes, starts)
+        same = low == np.maximum.reduceat(codes, starts)
+        constant.append([[[named[c]]] if one else None for c, one in zip(low, same, strict=True)])
     out = []
-    for a, b in itertools.pairwise(edges):
+    for g, (a, b) in enumerate(itertools.pairwise(edges)):
+        described = [
+            c[g] if c[g] is not None else _described(v[a:b])
+            for c, v in zip(constant, strings, strict=True)
+        ]
         out.append(
             {
                 "node": str(names[key_node[a]]),
                 "gpu": int(key_gpu[a]),
                 "start_ms": int(key_minute[a]),
                 "n": int(b - a),
-                "data": pack(ints[a:b], nulls[a:b], floats[a:b], [s[a:b] for s in strings]),
+                "data": _blob(steps[a:b], nulls[a:b], scales[g], lanes[a:b], described),
             }
         )
     return out

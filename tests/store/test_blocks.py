@@ -50,17 +50,40 @@ def awkward_rows() -> list[tuple]:
     return out
 
 
+def plain_rows(gpu: int, minute: int) -> list[tuple]:
+    """A GPU-minute of whole and two-place values: the columns a block keeps as decimals."""
+    out = []
+    for k in range(6):
+        row = [0.0 if name in schema.FLOAT_COLUMNS else 0 for name in schema.SAMPLE_COLUMNS]
+        row[:5] = ["node-z", gpu, START + minute * MINUTE + 10_000 * k, "GPU-p", "nvidia"]
+        for i, name in enumerate(schema.SAMPLE_COLUMNS[5:], start=5):
+            if name in schema.FLOAT_COLUMNS:
+                row[i] = 300.0 + 0.25 * k + i if name == "power_w" else float(60 + k)
+            elif name in schema.BOOL_COLUMNS:
+                row[i] = False
+        out.append(tuple(row))
+    return out
+
+
 def test_a_block_gives_back_every_value_it_was_given() -> None:
-    want = frame_of(awkward_rows())
+    # Blocks packed together: one of every kind of value beside plain ones, so that each
+    # block's columns are encoded by what that block holds, not its neighbours.
+    rows = [*plain_rows(2, 0), *awkward_rows(), *plain_rows(3, 1), *plain_rows(4, 0)]
+    want = frame_of(rows)
     packed = blocks.block_rows(want)
     assert [(r["node"], r["gpu"], r["start_ms"], r["n"]) for r in packed] == [
-        ("node-z", 3, START, 12)
+        ("node-z", 2, START, 6),
+        ("node-z", 3, START, 12),
+        ("node-z", 3, START + MINUTE, 6),
+        ("node-z", 4, START, 6),
     ]
-    got = blocks._decoded([(r["node"], r["gpu"], r["data"]) for r in packed])
+    got = blocks._sorted(blocks._decoded([(r["node"], r["gpu"], r["data"]) for r in packed]))
     pd.testing.assert_frame_equal(got, want)
     # -0.0 stays negative zero: the floats' bits, not their values, go through.
     signs = np.signbit(got["temp_gpu_c"].to_numpy()) == np.signbit(want["temp_gpu_c"].to_numpy())
     assert signs.all()
+    alone = blocks.unpack(packed[1]["data"])[1]  # the awkward block, as one blob
+    assert alone["uuid"].tolist() == ["GPU-old"] * 5 + ["GPU-new"] * 7
     with pytest.raises(ValueError, match="known version"):
         blocks.unpack(b"FWB\x09" + packed[0]["data"][4:])
 
