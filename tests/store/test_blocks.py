@@ -236,3 +236,31 @@ def test_a_long_read_makes_the_task_give_up_its_ddl_not_stall_behind_it(
     finally:
         reader.close()
         store.close()
+
+
+def test_a_downgrade_puts_the_packed_samples_back_as_wide_rows(database_url: str) -> None:
+    from alembic import command
+
+    from store.migrate import alembic_config
+
+    store = Store.open(database_url)
+    try:
+        raw = raw_frame(gpus=2, hours=2, step_s=10)
+        store.write(samples=rows_of(raw))
+        with store.engine.connect() as c:
+            before = samples_between(c, since_ms=START, until_ms=START + 2 * HOUR)
+        report = store.maintain_tiers(POLICY, now_ms=START + 2 * HOUR + 11 * MINUTE)
+        assert report.hours_packed == 2 and wide_rows(store, START, START + 2 * HOUR) == 0
+        config = alembic_config()
+        with store.engine.begin() as c:
+            config.attributes["connection"] = c
+            command.downgrade(config, "0008_score_shards")
+        with store.engine.connect() as c:
+            sql = f"SELECT {', '.join(reads.FRAME_COLUMNS)} FROM samples ORDER BY ts_ms, node, gpu"
+            after = reads._frame(c.execute(text(sql)).all(), list(reads.FRAME_COLUMNS))
+        pd.testing.assert_frame_equal(after, before)
+        with store.engine.begin() as c:
+            config.attributes["connection"] = c
+            command.upgrade(config, "heads")
+    finally:
+        store.close()
