@@ -33,7 +33,7 @@ from __future__ import annotations
 import itertools
 import json
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -53,7 +53,7 @@ from sqlalchemy import (
     text,
 )
 
-from store.schema import BOOL_COLUMNS, FLOAT_COLUMNS, INT_COLUMNS, SAMPLE_COLUMNS, metadata
+from store.schema import BOOL_COLUMNS, FLOAT_COLUMNS, FRAME_COLUMNS, INT_COLUMNS, metadata
 
 __all__ = [
     "BLOCK_MS",
@@ -61,10 +61,10 @@ __all__ = [
     "block_rows",
     "last_samples",
     "merge",
-    "pack",
     "read",
     "sample_blocks",
     "unpack",
+    "with_packed",
 ]
 
 BLOCK_MS = 60_000
@@ -131,7 +131,6 @@ _INTS, _FLOATS = LAYOUTS[VERSION]
 _MAGIC = b"FWB"
 _HEADER = struct.Struct("<3sBIHHI")  # magic, version, rows, integer and float columns, strings
 _CODEC = pa.Codec("zstd", compression_level=3)
-_FRAME_COLUMNS: tuple[str, ...] = ("ts_ms", "node", "gpu", *SAMPLE_COLUMNS[3:])
 
 
 def _shuffle(matrix: np.ndarray) -> bytes:
@@ -147,24 +146,6 @@ def _unshuffle(
     planes = np.frombuffer(body, dtype=np.uint8, count=rows * cols * 8, offset=offset)
     columns = np.ascontiguousarray(planes.reshape(cols, 8, rows).transpose(0, 2, 1))
     return columns.view(dtype).reshape(cols, rows).T
-
-
-def pack(
-    ints: np.ndarray, nulls: np.ndarray, floats: np.ndarray, strings: Sequence[np.ndarray]
-) -> bytes:
-    """One GPU's samples of one block as a blob.
-
-    Args:
-        ints: int64, rows x :data:`LAYOUTS`' integer columns (ts_ms first, ascending); a NULL
-            holds 0.
-        nulls: bool, rows x the integer columns but ts_ms: True where the value is NULL.
-        floats: float64, rows x the float columns, NULL as NaN.
-        strings: per string column (uuid, vendor), each row's value (str or None).
-    """
-    starts = np.zeros(1, dtype=np.int64)
-    steps, scales, lanes = _lanes(ints, floats, starts)
-    described = [_described(np.asarray(v, dtype=object)) for v in strings]
-    return _blob(steps, nulls, scales[0], lanes, described)
 
 
 def _blob(
@@ -244,8 +225,8 @@ def _lanes(
 
 
 def _raw(blob: bytes) -> tuple[int, np.ndarray, np.ndarray, np.ndarray, list[np.ndarray]]:
-    """(format version, integers, nulls, floats, strings) of a blob, as :func:`pack` took them
-    (nulls column-major: integer columns but ts_ms x rows)."""
+    """(format version, integers, nulls, floats, strings) of a blob, as :func:`block_rows`
+    took them (nulls column-major: integer columns but ts_ms x rows)."""
     magic, version, rows, n_int, n_float, n_text = _HEADER.unpack_from(blob)
     scales = np.frombuffer(blob, np.uint8, n_float, _HEADER.size)
     if magic != _MAGIC or version not in LAYOUTS:
@@ -295,7 +276,7 @@ def _columns(
 
 
 def unpack(blob: bytes) -> tuple[int, dict[str, Any]]:
-    """(format version, columns) of a blob written by :func:`pack`: ``ts_ms`` int64, each
+    """(format version, columns) of a blob written by :func:`block_rows`: ``ts_ms`` int64, each
     integer column an ``Int64`` array, each flag a ``boolean`` array, each float float64, each
     string column an object array.
 
@@ -398,10 +379,10 @@ def _decoded(found: Iterable[tuple[Any, ...]]) -> pd.DataFrame:
             "gpu": np.repeat(np.array([g for _, g, _ in blocks], dtype=np.int64), sizes),
         }
         total = sum(sizes)
-        for name in _FRAME_COLUMNS[3:]:
+        for name in FRAME_COLUMNS[3:]:
             # A column an older layout lacks reads as NULL.
             data[name] = columns[name] if name in columns else _nulls(name, total)
-        frames.append(pd.DataFrame(data, columns=list(_FRAME_COLUMNS)))
+        frames.append(pd.DataFrame(data, columns=list(FRAME_COLUMNS)))
     if not frames:
         return _empty()
     return frames[0] if len(frames) == 1 else pd.concat(frames, ignore_index=True)
@@ -420,9 +401,9 @@ def _nulls(name: str, size: int) -> Any:
 def _empty() -> pd.DataFrame:
     data = {
         name: np.zeros(0, dtype=np.int64) if name in ("ts_ms", "gpu") else _nulls(name, 0)
-        for name in _FRAME_COLUMNS
+        for name in FRAME_COLUMNS
     }
-    return pd.DataFrame(data, columns=list(_FRAME_COLUMNS))
+    return pd.DataFrame(data, columns=list(FRAME_COLUMNS))
 
 
 def _fetch(connection: Connection, sql: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
@@ -504,6 +485,23 @@ def last_samples(
     )
     frame = _within(_decoded(_fetch(connection, sql, params)), since_ms, until_ms)
     return frame.sort_values("ts_ms", kind="stable").drop_duplicates(["node", "gpu"], keep="last")
+
+
+def with_packed(
+    connection: Connection,
+    wide: pd.DataFrame,
+    *,
+    since_ms: int | None,
+    until_ms: int | None,
+    node: str | None = None,
+    gpu: int | None = None,
+) -> pd.DataFrame:
+    """``wide``, the wide rows of a window just read, with the window's packed samples
+    (:func:`merge`). The blocks are read after the wide rows, so a read that meets an hour
+    being packed finds each of its samples in one or both: before the packing commits in the
+    wide rows, after it in the blocks."""
+    packed = read(connection, since_ms=since_ms, until_ms=until_ms, node=node, gpu=gpu)
+    return merge(wide, packed)
 
 
 def merge(wide: pd.DataFrame, packed: pd.DataFrame) -> pd.DataFrame:

@@ -79,5 +79,6 @@ def samples_between(
     wide = fetch_samples(connection, sql, params, columns)
     if counted is not None:
         counted.append(len(wide))
-    packed = blocks.read(connection, since_ms=since_ms, until_ms=until_ms, node=node, gpu=gpu)
-    return blocks.merge(wide, packed)
+    return blocks.with_packed(
+        connection, wide, since_ms=since_ms, until_ms=until_ms, node=node, gpu=gpu
+    )

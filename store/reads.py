@@ -19,10 +19,10 @@ from store import blocks
 from store.schema import (
     BOOL_COLUMNS,
     FLOAT_COLUMNS,
+    FRAME_COLUMNS,
     INT_COLUMNS,
     NO_GPU,
     NO_XID,
-    SAMPLE_COLUMNS,
     gpus,
 )
 
@@ -38,8 +38,6 @@ __all__ = [
     "stored_gpus",
 ]
 
-FRAME_COLUMNS: tuple[str, ...] = ("ts_ms", "node", "gpu", *SAMPLE_COLUMNS[3:])
-"""Column order of every sample frame."""
 
 _KEY = ("ts_ms", "node", "gpu")
 
@@ -112,8 +110,9 @@ def gpu_window(
         sql += " LIMIT :limit"
         params["limit"] = limit
     wide = _frame(connection.execute(text(sql), params).all(), columns)
-    packed = blocks.read(connection, since_ms=since_ms, until_ms=until_ms, node=node, gpu=gpu)
-    frame = blocks.merge(wide, packed)
+    frame = blocks.with_packed(
+        connection, wide, since_ms=since_ms, until_ms=until_ms, node=node, gpu=gpu
+    )
     return frame if limit is None or len(frame) <= limit else frame.head(limit)
 
 
@@ -131,7 +130,7 @@ def fleet_window(
     sql += _time_filter(params, since_ms, until_ms)
     sql += " ORDER BY ts_ms, node, gpu"
     wide = _frame(connection.execute(text(sql), params).all(), columns)
-    return blocks.merge(wide, blocks.read(connection, since_ms=since_ms, until_ms=until_ms))
+    return blocks.with_packed(connection, wide, since_ms=since_ms, until_ms=until_ms)
 
 
 def latest_samples(

@@ -33,6 +33,7 @@ from forewarn.wire import GpuSample
 __all__ = [
     "BOOL_COLUMNS",
     "FLOAT_COLUMNS",
+    "FRAME_COLUMNS",
     "INT_COLUMNS",
     "NO_GPU",
     "NO_XID",
@@ -75,6 +76,9 @@ SAMPLE_COLUMNS: tuple[str, ...] = (
     *(n for n in GpuSample.model_fields if n in FLOAT_COLUMNS + BOOL_COLUMNS + INT_COLUMNS),
 )
 """Every column of ``samples``, in insert order."""
+
+FRAME_COLUMNS: tuple[str, ...] = ("ts_ms", "node", "gpu", *SAMPLE_COLUMNS[3:])
+"""Column order of every sample frame (the dataset's, ``docs/datasets.md``)."""
 
 
 def _value_column(name: str) -> Column[Any]:

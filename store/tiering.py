@@ -291,17 +291,14 @@ def roll_span(
     return frame, result
 
 
-def _packed(pieces: Iterator[pd.DataFrame]) -> tuple[int, list[dict[str, Any]]]:
-    """(samples, ``sample_blocks`` rows) of raw slices."""
-    rows, out = 0, []
-    for piece in pieces:
-        rows += len(piece)
-        out.extend(block_rows(piece))
-    return rows, out
+def _packed(pieces: Iterator[pd.DataFrame]) -> list[dict[str, Any]]:
+    """The ``sample_blocks`` rows of raw slices."""
+    return [row for piece in pieces for row in block_rows(piece)]
 
 
-def _counted(pieces: Iterator[pd.DataFrame]) -> int:
-    return sum(len(piece) for piece in pieces)
+def _samples(rolled: pd.DataFrame) -> int:
+    """The raw samples an hour's rollup rows summarise."""
+    return int(rolled["n"].sum()) if len(rolled) else 0
 
 
 _UPSERT = (
@@ -341,11 +338,10 @@ def _roll_hour(
     end_ms = start_ms + SPAN_MS
     for attempt in range(1, PACK_TRIES + 1 if pack else 1):
         wide: list[int] = []
-        rolled, packing = roll_span(
+        rolled, packed = roll_span(
             engine, start_ms, end_ms, slice_rows=policy.slice_rows, counted=wide, consume=_packed
         )
-        assert packing is not None
-        rows, packed = packing
+        assert packed is not None
         chunks = _pack_chunks(rolled, start_ms, end_ms)
         try:
             with engine.begin() as c:
@@ -359,29 +355,15 @@ def _roll_hour(
             log.info("hour %d: its partition stayed busy (try %d)", start_ms, attempt)
             continue
         log.debug("%s: %d samples in %d blocks from %d", mark, sum(wide), len(packed), start_ms)
-        return rows, len(chunks), 0, True
-    rows, archived = 0, 0
-    if history is not None:
-
-        def archive(pieces: Iterator[pd.DataFrame]) -> Iterator[pd.DataFrame]:
-            nonlocal rows
-            for piece in pieces:
-                rows += len(piece)
-                yield piece
-
-        rolled, written = roll_span(
-            engine,
-            start_ms,
-            end_ms,
-            slice_rows=policy.slice_rows,
-            consume=lambda pieces: history.write_part(start_ms, archive(pieces)),
-        )
-        archived = written or 0
-    else:
-        rolled, counted = roll_span(
-            engine, start_ms, end_ms, slice_rows=policy.slice_rows, consume=_counted
-        )
-        rows = counted or 0
+        return _samples(rolled), len(chunks), 0, True
+    rolled, written = roll_span(
+        engine,
+        start_ms,
+        end_ms,
+        slice_rows=policy.slice_rows,
+        consume=None if history is None else lambda pieces: history.write_part(start_ms, pieces),
+    )
+    rows, archived = _samples(rolled), written or 0
     chunks = _pack_chunks(rolled, start_ms, end_ms)
     with engine.begin() as c:
         _store_hour(c, start_ms, chunks, None, 0, mark)
@@ -406,9 +388,7 @@ def _store_hour(
         c.execute(text(_UPSERT), chunks)
     if packed is not None:
         hour = {"a": start_ms, "b": end_ms}
-        postgres = c.dialect.name == "postgresql"
-        if postgres:
-            partitions.ensure(c, "sample_blocks", start_ms=start_ms, end_ms=end_ms)
+        partitions.ensure(c, "sample_blocks", start_ms=start_ms, end_ms=end_ms)
         c.execute(text("DELETE FROM sample_blocks WHERE start_ms >= :a AND start_ms < :b"), hour)
         if packed:
             c.execute(text(_INSERT_BLOCK), packed)
