@@ -110,8 +110,11 @@ class Settings(BaseSettings):
     raw_window_h: float = Field(default=24.0, gt=0)
     """Raw samples are kept this long, then rolled up per minute and archived."""
 
-    rollup_days: float = Field(default=90.0, gt=0)
-    """Per-minute rollups and events are kept this long."""
+    rollup_days: float = Field(default=30.0, gt=0)
+    """Per-minute rollups are kept this long, and until their day is in the hourly tier."""
+
+    hourly_days: float = Field(default=365.0, gt=0)
+    """Per-hour rollups are kept this long; events as long as the longer rollup window."""
 
     history_url: str | None = None
     """Where closed raw hours go as Parquet: a path or fsspec URL (``s3://…``); default
@@ -123,6 +126,7 @@ class Settings(BaseSettings):
         return TierPolicy(
             raw_window_s=self.raw_window_h * 3600,
             rollup_window_s=self.rollup_days * 86400,
+            hourly_window_s=self.hourly_days * 86400,
             history_url=None if url.lower() == "none" else url,
             history_window_s=self.retention_days * 86400,
         )

@@ -1,8 +1,8 @@
 """Time partitions: created ahead, dropped whole for retention.
 
 PostgreSQL: ``samples`` (by ``ts_ms``, one partition an hour), ``sample_blocks`` (by ``start_ms``,
-one an hour) and ``sample_rollups`` (by ``start_ms``, one a day) are declaratively partitioned
-parents. Writers insert into the parent
+one an hour), ``sample_rollups`` (by ``start_ms``, one a day) and ``hourly_rollups`` (by
+``start_ms``, one a week) are declaratively partitioned parents. Writers insert into the parent
 (plain ``INSERT``, ``COPY``, ``ON CONFLICT``: PostgreSQL routes each row); retention detaches
 nothing and deletes nothing row by row: it drops the partitions that ended before the cutoff,
 which frees their files at once and leaves no dead tuples for vacuum. A ``DEFAULT`` partition
@@ -27,6 +27,7 @@ from sqlalchemy import Connection, text
 __all__ = [
     "DAY_MS",
     "HOUR_MS",
+    "WEEK_MS",
     "Partition",
     "drop_before",
     "ensure",
@@ -38,12 +39,14 @@ __all__ = [
 
 HOUR_MS = 3_600_000
 DAY_MS = 24 * HOUR_MS
+WEEK_MS = 7 * DAY_MS
 
 # parent table -> (time column, partition span)
 LAYOUT: dict[str, tuple[str, int]] = {
     "samples": ("ts_ms", HOUR_MS),
     "sample_rollups": ("start_ms", DAY_MS),
     "sample_blocks": ("start_ms", HOUR_MS),
+    "hourly_rollups": ("start_ms", WEEK_MS),
 }
 
 _BOUNDS = re.compile(r"FROM \('?(-?\d+)'?\) TO \('?(-?\d+)'?\)")
@@ -63,7 +66,7 @@ def floor(ms: int, span_ms: int) -> int:
 
 
 def partition_name(parent: str, start_ms: int) -> str:
-    """``samples_p20261203t06`` (hourly), ``sample_rollups_p20261203`` (daily)."""
+    """``samples_p20261203t06`` (hourly), ``sample_rollups_p20261203`` (daily, weekly)."""
     span = LAYOUT[parent][1]
     at = datetime.fromtimestamp(start_ms / 1000, UTC)
     return f"{parent}_p{at:%Y%m%d}" if span % DAY_MS == 0 else f"{parent}_p{at:%Y%m%dt%H}"

@@ -33,8 +33,12 @@ from store.schema import BOOL_COLUMNS, FLOAT_COLUMNS, INT_COLUMNS
 __all__ = [
     "COUNTER_COLUMNS",
     "GAUGE_COLUMNS",
+    "HOUR_MS",
     "MINUTE_MS",
     "STAT_COLUMNS",
+    "coarsen",
+    "coarsen_frame",
+    "newest_known",
     "pack",
     "representative",
     "rollup",
@@ -42,6 +46,7 @@ __all__ = [
 ]
 
 MINUTE_MS = 60_000
+HOUR_MS = 60 * MINUTE_MS
 
 _NOT_COUNTERS = ("throttle_reasons", "pcie_link_width", "pcie_link_width_max", "pcie_link_gen")
 COUNTER_COLUMNS: tuple[str, ...] = tuple(c for c in INT_COLUMNS if c not in _NOT_COUNTERS)
@@ -69,7 +74,9 @@ def _float(frame: pd.DataFrame, column: str) -> np.ndarray:
     return pd.to_numeric(frame[column], errors="coerce").astype("float64").to_numpy()
 
 
-def rollup(raw: pd.DataFrame, *, before: pd.DataFrame | None = None) -> pd.DataFrame:
+def rollup(
+    raw: pd.DataFrame, *, before: pd.DataFrame | None = None, step_ms: int = MINUTE_MS
+) -> pd.DataFrame:
     """Per-minute rollup rows of raw samples.
 
     Args:
@@ -77,6 +84,8 @@ def rollup(raw: pd.DataFrame, *, before: pd.DataFrame | None = None) -> pd.DataF
             roll up to nulls), any order, no duplicate (node, gpu, ts_ms).
         before: for counters, each GPU's previous sample(s) before ``raw`` (only used as
             predecessors: they make no rows of their own).
+        step_ms: the span a row summarises (a minute; an hour is what :func:`coarsen_frame`
+            is checked against).
 
     Returns:
         One row per (GPU, minute) with at least one sample: ``ts_ms`` (minute start),
@@ -92,7 +101,7 @@ def rollup(raw: pd.DataFrame, *, before: pd.DataFrame | None = None) -> pd.DataF
         return pd.DataFrame(columns=["ts_ms", "node", "gpu", *STAT_COLUMNS])
     both = both.sort_values([*_KEY, "ts_ms"], kind="stable", ignore_index=True)
     gpu_code = both.groupby(_KEY, sort=False).ngroup().to_numpy(np.int64)
-    minute = both["ts_ms"].to_numpy(np.int64) // MINUTE_MS
+    minute = both["ts_ms"].to_numpy(np.int64) // step_ms
     pre = both["_pre"].to_numpy(bool)
 
     data: dict[str, np.ndarray] = {}
@@ -110,7 +119,7 @@ def rollup(raw: pd.DataFrame, *, before: pd.DataFrame | None = None) -> pd.DataF
     grouped = work.groupby(group, sort=False)
     out: dict[str, np.ndarray] = {}
     first = np.r_[True, group[1:] != group[:-1]]
-    out["ts_ms"] = minute[keep][first] * MINUTE_MS
+    out["ts_ms"] = minute[keep][first] * step_ms
     out["node"] = both["node"].to_numpy()[keep][first]
     out["gpu"] = both["gpu"].to_numpy(np.int64)[keep][first]
     out["n"] = grouped.size().to_numpy(np.float64)
@@ -125,6 +134,21 @@ def rollup(raw: pd.DataFrame, *, before: pd.DataFrame | None = None) -> pd.DataF
         out[f"{c}_delta"] = deltas[f"{c}_delta"].to_numpy(np.float64)
         out[f"{c}_last"] = lasts[c].to_numpy(np.float64)
     return pd.DataFrame(out, columns=["ts_ms", "node", "gpu", *STAT_COLUMNS])
+
+
+def newest_known(frame: pd.DataFrame) -> pd.DataFrame:
+    """Each GPU's newest sample of ``frame``, each counter in it the newest value the GPU
+    reported (a sample can lack one): the predecessors a following roll-up counts from."""
+    ordered = frame.sort_values("ts_ms", kind="stable")
+    newest = ordered.drop_duplicates(_KEY, keep="last").reset_index(drop=True)
+    counters = [c for c in COUNTER_COLUMNS if c in frame]
+    if not counters or not newest[counters].isna().to_numpy().any():
+        return newest
+    known = ordered.groupby(_KEY, sort=False)[counters].last()  # skips nulls
+    at = pd.MultiIndex.from_frame(newest[_KEY])
+    for c in counters:
+        newest[c] = known[c].reindex(at).array
+    return newest
 
 
 def _deltas(value: np.ndarray, gpu_code: np.ndarray) -> np.ndarray:
@@ -142,6 +166,77 @@ def _deltas(value: np.ndarray, gpu_code: np.ndarray) -> np.ndarray:
     step[reset] = v[reset]
     step[np.r_[True, g[1:] != g[:-1]]] = 0.0
     out[valid] = step
+    return out
+
+
+# Coarser rows from finer ones ----------------------------------------------------------------
+
+_N = 0
+_MIN = np.array([STAT_COLUMNS.index(f"{c}_min") for c in GAUGE_COLUMNS])
+_MAX = _MIN + 1
+_MEAN = _MIN + 2
+_DELTA = np.array([STAT_COLUMNS.index(f"{c}_delta") for c in COUNTER_COLUMNS])
+_LAST = np.array([STAT_COLUMNS.index(s) for s in STAT_COLUMNS if s.endswith("_last")])
+
+
+def coarsen(values: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """Rollup rows combined into coarser ones (minutes into hours).
+
+    Args:
+        values: rollup rows, :data:`STAT_COLUMNS` in order (float64), each group's rows
+            together and in time order.
+        starts: the index of each group's first row, ascending, the first 0.
+
+    Returns:
+        One row per group: ``n`` summed; ``_min`` and ``_max`` of the rows'; ``_last`` the
+        newest non-null; a counter's ``_delta`` summed (null where every row's is); a gauge's
+        ``_mean`` the rows' means weighted by their ``n``, which is its mean over the group's
+        samples whenever the gauge was reported in every sample of the minutes that have one
+        (a gauge missing from some samples of a minute weighs that minute by all its samples).
+    """
+    rows = len(values)
+    if not rows:
+        return np.empty((0, values.shape[1]))
+    out = np.full((len(starts), values.shape[1]), np.nan)
+    n = values[:, _N]
+    out[:, _N] = np.add.reduceat(n, starts)
+    out[:, _MIN] = np.fmin.reduceat(values[:, _MIN], starts, axis=0)
+    out[:, _MAX] = np.fmax.reduceat(values[:, _MAX], starts, axis=0)
+    mean = values[:, _MEAN]
+    known = ~np.isnan(mean)
+    weight = np.where(known, n[:, None], 0.0)
+    total = np.add.reduceat(np.where(known, mean, 0.0) * weight, starts, axis=0)
+    weights = np.add.reduceat(weight, starts, axis=0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        out[:, _MEAN] = np.where(weights > 0, total / weights, np.nan)
+    delta = values[:, _DELTA]
+    counted = np.add.reduceat((~np.isnan(delta)).astype(np.int64), starts, axis=0)
+    sums = np.add.reduceat(np.nan_to_num(delta, nan=0.0), starts, axis=0)
+    out[:, _DELTA] = np.where(counted > 0, sums, np.nan)
+    last = values[:, _LAST]
+    at = np.where(~np.isnan(last), np.arange(rows)[:, None], -1)
+    newest = np.maximum.reduceat(at, starts, axis=0)
+    picked = np.take_along_axis(last, np.maximum(newest, 0), axis=0)
+    out[:, _LAST] = np.where(newest >= 0, picked, np.nan)
+    return out
+
+
+def coarsen_frame(rolled: pd.DataFrame, step_ms: int) -> pd.DataFrame:
+    """Rollup rows (a frame as :func:`rollup` returns, any finer step) as rows of ``step_ms``
+    (see :func:`coarsen`), sorted by node, gpu, ts_ms."""
+    if not len(rolled):
+        return pd.DataFrame(columns=["ts_ms", "node", "gpu", *STAT_COLUMNS])
+    ordered = rolled.sort_values(["node", "gpu", "ts_ms"], kind="stable", ignore_index=True)
+    node = ordered["node"].to_numpy()
+    gpu = ordered["gpu"].to_numpy(np.int64)
+    bucket = ordered["ts_ms"].to_numpy(np.int64) // step_ms
+    change = (node[1:] != node[:-1]) | (gpu[1:] != gpu[:-1]) | (bucket[1:] != bucket[:-1])
+    starts = np.flatnonzero(np.r_[True, change])
+    values = coarsen(ordered[list(STAT_COLUMNS)].to_numpy(np.float64), starts)
+    out = pd.DataFrame(values, columns=list(STAT_COLUMNS))
+    out.insert(0, "gpu", gpu[starts])
+    out.insert(0, "node", node[starts])
+    out.insert(0, "ts_ms", bucket[starts] * step_ms)
     return out
 
 
@@ -169,8 +264,9 @@ def pack(minutes: np.ndarray, values: np.ndarray) -> bytes:
     """One GPU's rollup rows as a blob.
 
     Args:
-        minutes: minute offsets from the span's start (int), ascending.
-        values: float64 matrix, one row per minute, :data:`STAT_COLUMNS` in order.
+        minutes: offsets from the span's start (int), ascending, in the tier's step (minutes
+            in ``sample_rollups``, hours in ``hourly_rollups``).
+        values: float64 matrix, one row per offset, :data:`STAT_COLUMNS` in order.
     """
     k, s = values.shape
     columns = np.ascontiguousarray(values.T, dtype="<f8")

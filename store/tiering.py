@@ -1,6 +1,7 @@
 """The tiering task: roll closed hours up and pack them, archive hours that left the raw
-window, drop what has left every tier. What it keeps, and how reads use it, is
-:mod:`store.tiers` (and :mod:`store.blocks` for the packed hours).
+window, combine archived days' minutes into hours, drop what has left every tier. What it
+keeps, and how reads use it, is :mod:`store.tiers` (and :mod:`store.blocks` for the packed
+hours).
 """
 
 from __future__ import annotations
@@ -20,14 +21,27 @@ from store.blocks import block_rows
 from store.failures import failure_records
 from store.history import History
 from store.rawread import samples_between
-from store.rollups import MINUTE_MS, STAT_COLUMNS, pack, rollup
+from store.rollups import (
+    HOUR_MS,
+    MINUTE_MS,
+    STAT_COLUMNS,
+    coarsen,
+    newest_known,
+    pack,
+    rollup,
+    unpack,
+)
 from store.tiers import (
     ARCHIVED_MARK,
+    HOURLY_MARK,
+    MINUTES_MARK,
     ROLLED_MARK,
     SPAN_MS,
     TierPolicy,
     TierReport,
     had_precursors,
+    hourly_until,
+    minutes_since,
     oldest_hour,
     predecessors,
     raw_since,
@@ -164,18 +178,29 @@ def maintain(engine: Engine, policy: TierPolicy, *, now_ms: int) -> TierReport:
         wrote_history = wrote_history or written > 0
         archived += SPAN_MS
 
+    # Days whose minutes are final (behind the archived mark): combined into hours.
+    hourly = _coarsen_days(engine, archived, policy.max_days_per_run, report)
+
     with engine.begin() as c:
         _guard(c)
         if archived is not None:
             # One archived hour stays raw: its last samples are the next hour's predecessors.
             report.raw_dropped = partitions.drop_before(c, "samples", archived - SPAN_MS)
             report.raw_dropped += partitions.drop_before(c, "sample_blocks", archived - SPAN_MS)
-        rollup_cutoff = now_ms - int(policy.rollup_window_s * 1000)
-        report.rollups_dropped = partitions.drop_before(c, "sample_rollups", rollup_cutoff)
+        # Minutes go when their window has passed and their day is in the hourly tier.
+        minutes_cutoff = min(now_ms - int(policy.rollup_window_s * 1000), hourly or 0)
+        minutes_cutoff = partitions.floor(minutes_cutoff + SPAN_MS - 1, SPAN_MS)
+        if minutes_cutoff > (minutes_since(c) or 0):
+            report.rollups_dropped = partitions.drop_before(c, "sample_rollups", minutes_cutoff)
+            set_mark(c, MINUTES_MARK, minutes_cutoff)
+        hourly_cutoff = now_ms - int(policy.hourly_window_s * 1000)
+        report.hourly_dropped = partitions.drop_before(c, "hourly_rollups", hourly_cutoff)
+        # Events and the registry stay while either rollup tier covers them.
+        kept = now_ms - int(max(policy.rollup_window_s, policy.hourly_window_s) * 1000)
         report.events_deleted = int(
-            c.execute(text("DELETE FROM events WHERE ts_ms < :c"), {"c": rollup_cutoff}).rowcount
+            c.execute(text("DELETE FROM events WHERE ts_ms < :c"), {"c": kept}).rowcount
         )
-        c.execute(text("DELETE FROM gpus WHERE last_seen_ms < :c"), {"c": rollup_cutoff})
+        c.execute(text("DELETE FROM gpus WHERE last_seen_ms < :c"), {"c": kept})
         partitions.vacuum(c)
     if history is not None:
         expired = 0
@@ -184,6 +209,94 @@ def maintain(engine: Engine, policy: TierPolicy, *, now_ms: int) -> TierReport:
         if wrote_history or expired:
             _refresh_labels(engine, history)
     return report
+
+
+def _coarsen_days(
+    engine: Engine, archived: int | None, max_days: int, report: TierReport
+) -> int | None:
+    """Combine the minute rollups of each whole day behind ``archived`` into hours, oldest
+    first, at most ``max_days``; returns the hourly mark (None: nothing to combine yet)."""
+    with engine.begin() as c:
+        mark = hourly_until(c)
+        if mark is None:
+            oldest = _oldest_minutes(c)
+            if oldest is None:
+                return None
+            mark = partitions.floor(oldest, partitions.DAY_MS)
+    while archived is not None and mark + partitions.DAY_MS <= archived:
+        if report.days_coarsened >= max_days:
+            break
+        try:
+            _coarsen_day(engine, mark)
+        except OperationalError as exc:
+            if not _busy(exc):
+                raise
+            log.info("day %d: the hourly table stayed busy; the next pass combines it", mark)
+            break
+        report.days_coarsened += 1
+        mark += partitions.DAY_MS
+    return mark
+
+
+def _oldest_minutes(c: Connection) -> int | None:
+    """The start of the oldest minute chunk (PostgreSQL: partitions probed oldest first, no
+    scan of the whole table)."""
+    if c.dialect.name != "postgresql":
+        return c.execute(text("SELECT MIN(start_ms) FROM sample_rollups")).scalar()
+    stray = c.execute(text("SELECT MIN(start_ms) FROM sample_rollups_default")).scalar()
+    for part in partitions.existing(c, "sample_rollups"):
+        if stray is not None and stray < part.start_ms:
+            break
+        found = c.execute(text(f"SELECT MIN(start_ms) FROM {part.table}")).scalar()
+        if found is not None:
+            return int(found) if stray is None else min(int(found), int(stray))
+    return None if stray is None else int(stray)
+
+
+_DAY_CHUNKS = (
+    "SELECT node, gpu, start_ms, data FROM sample_rollups "
+    "WHERE start_ms >= :a AND start_ms < :b ORDER BY node, gpu, start_ms"
+)
+_INSERT_HOURLY = (
+    "INSERT INTO hourly_rollups (node, gpu, start_ms, end_ms, hours, data) "
+    "VALUES (:node, :gpu, :start_ms, :end_ms, :hours, :data)"
+)
+
+
+def _coarsen_day(engine: Engine, day_ms: int) -> None:
+    """Write the hourly chunks of the day at ``day_ms`` (replacing any) and move the hourly
+    mark past it. The day's minute chunks are read one GPU at a time."""
+    end_ms = day_ms + partitions.DAY_MS
+    rows: list[dict[str, Any]] = []
+    with engine.connect() as c:
+        result = c.execution_options(stream_results=True).execute(
+            text(_DAY_CHUNKS), {"a": day_ms, "b": end_ms}
+        )
+        for (node, gpu), chunks in itertools.groupby(result, key=lambda r: (r[0], r[1])):
+            times, values = [], []
+            for _, _, start, blob in chunks:
+                minutes, matrix = unpack(bytes(blob))
+                times.append(int(start) + minutes * MINUTE_MS)
+                values.append(matrix)
+            hour = (np.concatenate(times) - day_ms) // HOUR_MS
+            starts = np.flatnonzero(np.r_[True, hour[1:] != hour[:-1]])
+            rows.append(
+                {
+                    "node": node,
+                    "gpu": int(gpu),
+                    "start_ms": day_ms,
+                    "end_ms": end_ms,
+                    "hours": len(starts),
+                    "data": pack(hour[starts], coarsen(np.concatenate(values), starts)),
+                }
+            )
+    with engine.begin() as c:
+        _guard(c)
+        partitions.ensure(c, "hourly_rollups", start_ms=day_ms, end_ms=end_ms)
+        c.execute(text("DELETE FROM hourly_rollups WHERE start_ms = :d"), {"d": day_ms})
+        if rows:
+            c.execute(text(_INSERT_HOURLY), rows)
+        set_mark(c, HOURLY_MARK, end_ms)
 
 
 def _skip_empty(engine: Engine, name: str, mark: int, limit: int) -> int:
@@ -263,8 +376,7 @@ def roll_span(
     Returns:
         The rollup rows (sorted by node, gpu, ts_ms) and what ``consume`` returned.
     """
-    with engine.connect() as c:
-        before = predecessors(c, start_ms)
+    before: pd.DataFrame | None = None
     rolled: list[pd.DataFrame] = []
 
     def pieces() -> Iterator[pd.DataFrame]:
@@ -272,12 +384,13 @@ def roll_span(
         for piece in _slices(engine, start_ms, end_ms, slice_rows, counted):
             if not len(piece):
                 continue
+            if before is None:
+                with engine.connect() as c:
+                    before = predecessors(c, start_ms, following=piece)
             rolled.append(rollup(piece, before=before))
             # The newest sample of every GPU so far is the next slice's predecessor.
             tail = pd.concat([before, piece], ignore_index=True) if len(before) else piece
-            before = tail.sort_values("ts_ms", kind="stable").drop_duplicates(
-                ["node", "gpu"], keep="last"
-            )
+            before = newest_known(tail)
             yield piece
 
     result = consume(pieces()) if consume is not None else None

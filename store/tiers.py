@@ -14,13 +14,21 @@ hour at a time, behind two marks:
   replayed after an outage), replacing its chunks; then the raw partitions behind the mark
   are dropped (one hour stays: its last samples are the counters' predecessors).
 
-Rollups older than the rollup window (default 90 days; a whole daily partition at a time on
-PostgreSQL) and events as old go too. Each step is idempotent: a killed task redoes its hour.
+- ``hourly_until_ms``: once a whole UTC day is behind ``archived_until_ms`` (its minutes
+  final), its minute rollups are combined per GPU and hour (:func:`store.rollups.coarsen`)
+  into one chunk per GPU and day in ``hourly_rollups``.
+
+Minute rollups older than their window (default 30 days; a whole daily partition at a time on
+PostgreSQL, and never a day not yet in the hourly tier) go, hourly rollups older than theirs
+(default 365 days), and events and the GPU registry when both have. Each step is idempotent: a
+killed task redoes its hour or day.
 
 Reads choose the tier by the window asked (:func:`gpu_series`): a window that starts inside
-the raw tier is served raw; one reaching further back is served per minute — the stored chunks
-and, after ``rolled_until_ms``, the raw rows rolled up on the fly by the same code, so the
-same window reads the same before and after its hours move tiers.
+the raw tier is served raw; one reaching further back is served per minute while the minute
+tier holds its start, per hour beyond. Each coarser read takes the stored chunks where they
+are and makes the rest on the fly from the finer tier by the same code (raw rows rolled up
+after ``rolled_until_ms``, minutes combined after ``hourly_until_ms``), so the same window
+reads the same before and after its hours move tiers.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ from sqlalchemy import (
     BigInteger,
     Column,
     Connection,
+    Index,
     Integer,
     LargeBinary,
     PrimaryKeyConstraint,
@@ -48,18 +57,34 @@ from store import partitions, reads
 from store.blocks import last_samples
 from store.blocks import merge as blocks_merge
 from store.rawread import fetch_samples, samples_between
-from store.rollups import MINUTE_MS, STAT_COLUMNS, representative, rollup, unpack
+from store.rollups import (
+    COUNTER_COLUMNS,
+    HOUR_MS,
+    MINUTE_MS,
+    STAT_COLUMNS,
+    coarsen_frame,
+    newest_known,
+    representative,
+    rollup,
+    unpack,
+)
 from store.schema import metadata
 
 __all__ = [
     "ARCHIVED_MARK",
+    "HOURLY_MARK",
+    "MINUTES_MARK",
     "ROLLED_MARK",
     "Resolution",
     "TierPolicy",
     "TierReport",
+    "choose_resolution",
     "gpu_series",
     "had_precursors",
+    "hourly_rollups",
+    "hourly_until",
     "late_hours",
+    "minutes_since",
     "note_late_hours",
     "oldest_hour",
     "predecessors",
@@ -73,7 +98,7 @@ __all__ = [
 ]
 
 
-Resolution = Literal["raw", "1m"]
+Resolution = Literal["raw", "1m", "1h"]
 
 SPAN_MS = partitions.LAYOUT["samples"][1]
 
@@ -89,6 +114,20 @@ sample_rollups = Table(
     PrimaryKeyConstraint("node", "gpu", "start_ms", name="pk_sample_rollups"),
 )
 """One packed chunk of per-minute rollups per GPU and hour (see :mod:`store.rollups`)."""
+
+hourly_rollups = Table(
+    "hourly_rollups",
+    metadata,
+    Column("node", String(253), nullable=False),
+    Column("gpu", SmallInteger, nullable=False),
+    Column("start_ms", BigInteger, nullable=False),
+    Column("end_ms", BigInteger, nullable=False),
+    Column("hours", Integer, nullable=False),
+    Column("data", LargeBinary, nullable=False),
+    PrimaryKeyConstraint("node", "gpu", "start_ms", name="pk_hourly_rollups"),
+    Index("ix_hourly_rollups_start", "start_ms"),
+)
+"""One packed chunk of per-hour rollups per GPU and UTC day (the same blobs, hour offsets)."""
 
 tier_marks = Table(
     "tier_marks",
@@ -115,23 +154,29 @@ class TierPolicy:
 
     Args:
         raw_window_s: raw samples are kept this long (then rolled up and dropped).
-        rollup_window_s: per-minute rollups and events are kept this long.
+        rollup_window_s: per-minute rollups are kept this long (longer while their day is
+            not in the hourly tier yet).
+        hourly_window_s: per-hour rollups are kept this long; events and the GPU registry as
+            long as the longer of the two.
         history_url: where closed raw hours are written as Parquet; None: nowhere.
         history_window_s: Parquet parts are kept this long; None: forever.
         rollup_lag_s: an hour is rolled up this long after it closed (rows that reach it
             later are noted by the writer and the hour is rolled up again at the next pass).
         ahead_s: partitions are created this far ahead of now.
         max_hours_per_run: an idle store catching up rolls at most this many hours per run.
+        max_days_per_run: days of minutes combined into hours per run at most.
         slice_rows: a roll-up reads at most about this many rows at once.
     """
 
     raw_window_s: float = 24 * 3600.0
-    rollup_window_s: float = 90 * 86400.0
+    rollup_window_s: float = 30 * 86400.0
+    hourly_window_s: float = 365 * 86400.0
     history_url: str | None = None
     history_window_s: float | None = 30 * 86400.0
     rollup_lag_s: float = 600.0
     ahead_s: float = 6 * 3600.0
     max_hours_per_run: int = 24
+    max_days_per_run: int = 7
     slice_rows: int = 1_000_000
 
 
@@ -145,9 +190,11 @@ class TierReport:
     hours_archived: int = 0
     samples_rolled: int = 0
     chunks_written: int = 0
+    days_coarsened: int = 0
     history_rows: int = 0
     raw_dropped: int = 0
     rollups_dropped: int = 0
+    hourly_dropped: int = 0
     events_deleted: int = 0
     partitions_created: list[str] = field(default_factory=list)
 
@@ -156,8 +203,10 @@ class TierReport:
             self.hours_rolled
             or self.hours_rerolled
             or self.hours_archived
+            or self.days_coarsened
             or self.raw_dropped
             or self.rollups_dropped
+            or self.hourly_dropped
             or self.events_deleted
             or self.partitions_created
         )
@@ -168,6 +217,8 @@ class TierReport:
 
 ROLLED_MARK = "rolled_until_ms"
 ARCHIVED_MARK = "archived_until_ms"
+HOURLY_MARK = "hourly_until_ms"
+MINUTES_MARK = "minutes_since_ms"
 
 
 def _mark(connection: Connection, name: str) -> int | None:
@@ -185,6 +236,17 @@ def rolled_until(connection: Connection) -> int | None:
 def raw_since(connection: Connection) -> int | None:
     """The raw tier starts here (what is older was archived); None: nothing archived yet."""
     return _mark(connection, ARCHIVED_MARK)
+
+
+def hourly_until(connection: Connection) -> int | None:
+    """Every day before this is in the hourly tier; None: none is yet."""
+    return _mark(connection, HOURLY_MARK)
+
+
+def minutes_since(connection: Connection) -> int | None:
+    """The minute tier holds every minute from here on (what was older went to retention);
+    None: retention never trimmed it."""
+    return _mark(connection, MINUTES_MARK)
 
 
 def set_mark(connection: Connection, name: str, value_ms: int) -> None:
@@ -318,10 +380,21 @@ def had_precursors(connection: Connection, *, node: str, gpu: int, ts_ms: int) -
 
 
 def predecessors(
-    connection: Connection, start_ms: int, *, node: str | None = None, gpu: int | None = None
+    connection: Connection,
+    start_ms: int,
+    *,
+    node: str | None = None,
+    gpu: int | None = None,
+    following: pd.DataFrame | None = None,
 ) -> pd.DataFrame:
     """Each GPU's last raw sample in the hour before ``start_ms`` (counters only matter),
-    wide or packed."""
+    wide or packed.
+
+    Args:
+        following: the samples to be rolled up after ``start_ms``: a GPU whose last sample
+            lacks a counter that it reports there (the collector failed to read it once) has
+            that counter from the newest sample of the hour that holds it.
+    """
     params: dict[str, Any] = {"a": start_ms - SPAN_MS, "b": start_ms}
     columns = list(reads.FRAME_COLUMNS)
     if node is not None and gpu is not None:
@@ -340,24 +413,49 @@ def predecessors(
         wide = fetch_samples(connection, sql, params, columns)
         wide = wide if node is None else wide[wide["node"] == node]
     packed = last_samples(connection, since_ms=params["a"], until_ms=start_ms, node=node, gpu=gpu)
-    if not len(packed):
+    if len(packed):
+        both = blocks_merge(wide, packed)
+        wide = both.drop_duplicates(["node", "gpu"], keep="last").reset_index(drop=True)
+    if following is None or not len(wide) or not len(following):
         return wide
-    both = blocks_merge(wide, packed)
-    return both.drop_duplicates(["node", "gpu"], keep="last").reset_index(drop=True)
+    counters = list(COUNTER_COLUMNS)
+    key = pd.MultiIndex.from_frame(wide[["node", "gpu"]])
+    reported = following.groupby(["node", "gpu"])[counters].count().reindex(key).fillna(0) > 0
+    lacking = (wide[counters].isna().to_numpy() & reported.to_numpy()).any(axis=1)
+    if not lacking.any():
+        return wide
+    hours = [
+        samples_between(connection, since_ms=params["a"], until_ms=start_ms, node=n, gpu=int(g))
+        for n, g in wide.loc[lacking, ["node", "gpu"]].itertuples(index=False)
+    ]
+    found = newest_known(pd.concat(hours, ignore_index=True))
+    return pd.concat([wide[~lacking], found], ignore_index=True)
 
 
 # Reads -------------------------------------------------------------------------------------
 
 
+_CHUNKS: dict[str, tuple[int, int]] = {
+    "sample_rollups": (MINUTE_MS, SPAN_MS),
+    "hourly_rollups": (HOUR_MS, partitions.DAY_MS),
+}
+"""Rollup table -> (the step of its rows, the span of one chunk)."""
+
+
 def _chunks(
-    connection: Connection, *, since_ms: int, until_ms: int, node: str | None, gpu: int | None
+    connection: Connection,
+    *,
+    since_ms: int,
+    until_ms: int,
+    node: str | None,
+    gpu: int | None,
+    table: str = "sample_rollups",
 ) -> pd.DataFrame:
-    """Stored rollup rows with ``since_ms <= ts_ms < until_ms`` (sorted by node, gpu, ts)."""
-    sql = (
-        "SELECT node, gpu, start_ms, data FROM sample_rollups "
-        "WHERE start_ms >= :lo AND start_ms < :hi"
-    )
-    params: dict[str, Any] = {"lo": since_ms - SPAN_MS, "hi": until_ms}
+    """Stored rollup rows of ``table`` with ``since_ms <= ts_ms < until_ms`` (sorted by node,
+    gpu, ts)."""
+    step, span = _CHUNKS[table]
+    sql = f"SELECT node, gpu, start_ms, data FROM {table} WHERE start_ms >= :lo AND start_ms < :hi"
+    params: dict[str, Any] = {"lo": since_ms - span, "hi": until_ms}
     if node is not None:
         sql += " AND node = :node"
         params["node"] = node
@@ -370,8 +468,8 @@ def _chunks(
     result.close()
     ts_parts, value_parts, nodes, gpus = [], [], [], []
     for n, g, start, blob in found:
-        minutes, values = unpack(bytes(blob))
-        ts = start + minutes * MINUTE_MS
+        offsets, values = unpack(bytes(blob))
+        ts = start + offsets * step
         keep = (ts >= since_ms) & (ts < until_ms)
         if not keep.all():
             ts, values = ts[keep], values[keep]
@@ -409,13 +507,59 @@ def _minutes(
         parts.append(_chunks(c, since_ms=since_ms, until_ms=boundary, node=node, gpu=gpu))
     if boundary < until_ms:
         raw = samples_between(c, since_ms=boundary, until_ms=until_ms, node=node, gpu=gpu)
-        before = predecessors(c, boundary, node=node, gpu=gpu)
+        before = predecessors(c, boundary, node=node, gpu=gpu, following=raw)
         parts.append(rollup(raw, before=before))
     parts = [p for p in parts if len(p)]
     if not parts:
         return pd.DataFrame(columns=["ts_ms", "node", "gpu", *STAT_COLUMNS])
     frame = pd.concat(parts, ignore_index=True) if len(parts) > 1 else parts[0]
     return frame.sort_values(["ts_ms", "node", "gpu"], kind="stable", ignore_index=True)
+
+
+def _hours(
+    connection: Connection,
+    *,
+    since_ms: int,
+    until_ms: int,
+    node: str | None = None,
+    gpu: int | None = None,
+) -> pd.DataFrame:
+    """Per-hour rows of ``[since_ms, until_ms)``: stored chunks before the hourly mark, the
+    minutes combined on the fly after it (an hour not over yet: its minutes so far)."""
+    c = connection
+    since_ms = partitions.floor(since_ms, HOUR_MS)
+    mark = hourly_until(c)
+    boundary = since_ms if mark is None else min(max(mark, since_ms), until_ms)
+    parts = []
+    if boundary > since_ms:
+        parts.append(
+            _chunks(
+                c,
+                since_ms=since_ms,
+                until_ms=boundary,
+                node=node,
+                gpu=gpu,
+                table="hourly_rollups",
+            )
+        )
+    if boundary < until_ms:
+        minutes = _minutes(c, since_ms=boundary, until_ms=until_ms, node=node, gpu=gpu)
+        parts.append(coarsen_frame(minutes, HOUR_MS))
+    parts = [p for p in parts if len(p)]
+    if not parts:
+        return pd.DataFrame(columns=["ts_ms", "node", "gpu", *STAT_COLUMNS])
+    frame = pd.concat(parts, ignore_index=True) if len(parts) > 1 else parts[0]
+    return frame.sort_values(["ts_ms", "node", "gpu"], kind="stable", ignore_index=True)
+
+
+def choose_resolution(connection: Connection, since_ms: int) -> Resolution:
+    """The finest tier that holds a window starting at ``since_ms``: raw while the raw tier
+    does, per minute while the minute tier does, per hour beyond."""
+    start = raw_since(connection)
+    if start is None or since_ms >= start:
+        return "raw"
+    minutes = minutes_since(connection)
+    return "1m" if minutes is None or since_ms >= minutes else "1h"
 
 
 def gpu_series(
@@ -432,19 +576,17 @@ def gpu_series(
     """One GPU's window at the resolution its tiers hold.
 
     Args:
-        resolution: ``raw`` or ``1m``; None chooses: raw when the window starts at or after
-            the raw tier's start (:func:`raw_since`), per minute otherwise.
+        resolution: ``raw``, ``1m`` or ``1h``; None chooses (:func:`choose_resolution`).
 
     Returns:
         The frame and its resolution. Raw: :func:`store.reads.gpu_window`'s frame. Per
-        minute: ``ts_ms`` (the minute's start), ``node``, ``gpu``, each field as its minute's
-        mean (gauges) or last value (counters, flags, bitmask, link state), then the
+        minute (hour): ``ts_ms`` (the minute's start), ``node``, ``gpu``, each field as its
+        minute's mean (gauges) or last value (counters, flags, bitmask, link state), then the
         field's rollup stats (``<field>_min``, ``_max``, ``_mean``, ``_last``; counters
         ``<field>_delta``, ``_last``) and ``n``, the samples the minute held.
     """
     if resolution is None:
-        start = raw_since(connection)
-        resolution = "raw" if start is None or since_ms >= start else "1m"
+        resolution = choose_resolution(connection, since_ms)
     if resolution == "raw":
         frame = reads.gpu_window(
             connection,
@@ -458,7 +600,8 @@ def gpu_series(
         return frame, "raw"
     wanted = [c for c in reads._columns(fields) if c not in ("ts_ms", "node", "gpu")]
     wanted = [c for c in wanted if c not in ("uuid", "vendor")]
-    rolled = _minutes(connection, since_ms=since_ms, until_ms=until_ms, node=node, gpu=gpu)
+    read = _minutes if resolution == "1m" else _hours
+    rolled = read(connection, since_ms=since_ms, until_ms=until_ms, node=node, gpu=gpu)
     out = representative(rolled, wanted)
     # A stat named like a field (pcie_link_width's ``_max`` is the field pcie_link_width_max)
     # is left out: one column a name, and the field is what was asked for.
@@ -466,7 +609,7 @@ def gpu_series(
     out = pd.concat([out, rolled[["n", *stats]]], axis=1)
     if limit is not None:
         out = out.head(limit)
-    return out.reset_index(drop=True), "1m"
+    return out.reset_index(drop=True), resolution
 
 
 def tiered_window(

@@ -112,16 +112,16 @@ class GpusPublic(BaseModel):
 
 class SamplesPublic(BaseModel):
     data: list[dict[str, Any]] | None = None
-    """Raw: rows of :class:`forewarn.wire.GpuSample` (the fields asked for). Per minute: ``ts``
-    (the minute's start), ``node``, ``gpu``, each field's mean (gauges) or last value
-    (counters), its ``<field>_min``/``_max``/``_mean``/``_last`` (counters ``_delta``,
+    """Raw: rows of :class:`forewarn.wire.GpuSample` (the fields asked for). Per minute (per
+    hour): ``ts`` (the minute's start), ``node``, ``gpu``, each field's mean (gauges) or last
+    value (counters), its ``<field>_min``/``_max``/``_mean``/``_last`` (counters ``_delta``,
     ``_last``; not with ``stats=false``) and ``n``, the samples the minute held. Absent with
     ``shape=columns``."""
     columns: dict[str, list[Any]] | None = None
     """With ``shape=columns``, in place of ``data``: each name of a row (``node`` and ``gpu``
     left out: they are the path's) to its values in row order."""
     count: int
-    resolution: Literal["raw", "1m"]
+    resolution: Literal["raw", "1m", "1h"]
 
 
 class EventPublic(BaseModel):
@@ -377,10 +377,11 @@ async def gpu_samples(
     ] = None,
     limit: Annotated[int, Query(ge=1, le=MAX_ROWS)] = 10_000,
     resolution: Annotated[
-        Literal["auto", "raw", "1m"],
+        Literal["auto", "raw", "1m", "1h"],
         Query(
             description="auto: raw samples while the window lies in the raw tier (default the "
-            "last 24 h), one row a minute with min/max/mean/last (counters: delta/last) beyond."
+            "last 24 h), one row a minute with min/max/mean/last (counters: delta/last) while "
+            "it lies in the minute tier (30 days), one row an hour beyond."
         ),
     ] = "auto",
     shape: Annotated[
@@ -390,8 +391,8 @@ async def gpu_samples(
     stats: Annotated[
         bool,
         Query(
-            description="false: per-minute rows without each field's min/max/mean/last "
-            "(counters delta/last): the field's value and n only."
+            description="false: per-minute and per-hour rows without each field's "
+            "min/max/mean/last (counters delta/last): the field's value and n only."
         ),
     ] = True,
 ) -> Response:
@@ -415,7 +416,7 @@ async def gpu_samples(
     frame, served = await to_thread.run_sync(read)
     if frame.empty and not await to_thread.run_sync(lambda: store.has_gpu(node=node, gpu=gpu)):
         raise NotFound(f"no GPU {gpu} on node '{node}'")
-    if not stats and served == "1m":  # the statistics' columns are named after their field
+    if not stats and served != "raw":  # the statistics' columns are named after their field
         named = {"ts_ms", "node", "gpu", "n", *(wanted or FRAME_COLUMNS)}
         frame = frame[[c for c in frame.columns if c in named]]
     if shape == "columns":

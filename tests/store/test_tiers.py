@@ -213,7 +213,9 @@ def test_retention_drops_whole_partitions_and_keeps_everything_younger(store: St
             ("node-a", 0, START + 5 * HOUR, "xid", 13, "graphics engine", "kmsg"),
         ]
     )
-    policy = tiers.TierPolicy(raw_window_s=2 * 3600.0, rollup_window_s=3 * 3600.0)
+    policy = tiers.TierPolicy(
+        raw_window_s=2 * 3600.0, rollup_window_s=3 * 3600.0, hourly_window_s=3 * 3600.0
+    )
     now = START + 6 * HOUR
     report = store.maintain_tiers(policy, now_ms=now)
     assert report.hours_archived == 4  # hours 0-3 left the 2 h raw window
@@ -532,3 +534,21 @@ def test_a_minute_read_has_one_column_a_name(store: Store) -> None:
     assert resolution == "1m" and len(series) > 0
     assert not series.columns.duplicated().any(), list(series.columns)
     assert "pcie_link_width_max" in series.columns and "temp_gpu_c_max" in series.columns
+
+
+@pytest.mark.parametrize("rolled_hours", [0, 3])
+def test_a_counter_missing_from_an_hours_last_sample_counts_on_from_its_last_value(
+    store: Store, rolled_hours: int
+) -> None:
+    """The sample before an hour boundary lacks a counter (the collector failed to read it):
+    the hour after counts on from the value before that, stored or rolled up on the fly."""
+    raw = raw_frame(gpus=1, hours=3, step_s=60)
+    raw["ecc_sbe_volatile"] = pd.array(np.arange(len(raw)), dtype="Int64")
+    for hour in (1, 2):
+        raw.loc[raw["ts_ms"] == START + hour * HOUR - MINUTE_MS, "ecc_sbe_volatile"] = pd.NA
+    store.write(samples=rows_of(raw))
+    store.maintain_tiers(POLICY, now_ms=START + (rolled_hours + 1) * HOUR)
+    got = stored_minutes(store, START, START + 3 * HOUR)
+    assert_same_rollups(got, expected_rollup(raw))
+    at = got.set_index("ts_ms")["ecc_sbe_volatile_delta"]
+    assert at[START + HOUR] == at[START + 2 * HOUR] == 2  # from the sample two minutes before
