@@ -14,7 +14,7 @@ counters mostly still). Figures:
 - write rate (samples/s) of ``Store.write`` in batches of one node's ``--batch-s`` seconds;
 - bytes per sample: raw table (data + indexes, from the database's own size accounting),
   rollups (the packed chunks and their row overhead, per raw sample they summarise), Parquet
-  history (file bytes per row);
+  history (file bytes per row); the hourly tier per GPU-hour (:func:`hourly_figures`);
 - roll-up cost: seconds of the tiering task per million samples (read, roll up, pack, Parquet);
 - read latency (median of ``--reads``) of one GPU's 1 h raw window and 7 d window: the 7 d
   window from rollups (chunks replicated back in time from the measured ones), and the last
@@ -36,13 +36,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 from _common import postgres_url, ratio, reset_postgres
 from sqlalchemy import create_engine, text
 
 from sim.dataset import generate_dataset
-from store import Store, blocks, partitions, tiers
+from store import Store, blocks, partitions, rollups, tiering, tiers
 from store.migrate import upgrade
+from store.rollups import STAT_COLUMNS, coarsen_frame
 from store.schema import SAMPLE_COLUMNS
 
 HOUR = partitions.HOUR_MS
@@ -278,8 +280,78 @@ def run_backend(
             ),
             args.reads,
         )
+        out.update(hourly_figures(store, node0, args.reads))
     finally:
         store.close()
+    return out
+
+
+HOURLY_DAYS = 28
+"""Days of hourly chunks the benchmark writes per GPU (four weekly partitions)."""
+
+
+def hourly_figures(store: Store, node0: str, reads: int) -> dict[str, float]:
+    """Bytes per GPU-hour of the hourly tier and a 28-day read of one GPU from it.
+
+    The run holds two hours of each GPU, and one GPU's day of copies of them would compress
+    better than a real day. So each GPU's day chunk is 24 distinct hours drawn from every
+    GPU's hours of the run (hours of other GPUs differ more than one GPU's consecutive hours:
+    the figure errs high), written by the task's own insert into its weekly partitions.
+    """
+    with store.begin() as c:
+        minutes = tiers._chunks(c, since_ms=0, until_ms=2**62, node=None, gpu=None)
+        keys = c.execute(text("SELECT DISTINCT node, gpu FROM sample_rollups")).all()
+    # The task's cost: one day of the week's minute chunks combined (then put back as it was).
+    day = partitions.floor(int(minutes["ts_ms"].min()), DAY) + 2 * DAY
+    with store.begin() as c:
+        gpus_that_day = c.execute(
+            text(
+                "SELECT COUNT(DISTINCT node || '/' || gpu) FROM sample_rollups "
+                "WHERE start_ms >= :a AND start_ms < :b"
+            ),
+            {"a": day, "b": day + DAY},
+        ).scalar_one()
+    begin = time.perf_counter()
+    tiering._coarsen_day(store.engine, day)
+    took = time.perf_counter() - begin
+    with store.begin() as c:
+        c.execute(text("DELETE FROM hourly_rollups"))
+    hours = coarsen_frame(minutes, HOUR)[list(STAT_COLUMNS)].to_numpy()
+    rng = np.random.default_rng(0)
+    last_day = partitions.floor(int(minutes["ts_ms"].min()), DAY) - DAY
+    first_day = last_day - (HOURLY_DAYS - 1) * DAY
+    rows = []
+    for node, gpu in keys:
+        for day in range(first_day, last_day + DAY, DAY):
+            drawn = rng.choice(len(hours), size=24, replace=len(hours) < 24)
+            rows.append(
+                {
+                    "node": node,
+                    "gpu": int(gpu),
+                    "start_ms": day,
+                    "end_ms": day + DAY,
+                    "hours": 24,
+                    "data": rollups.pack(np.arange(24), hours[drawn]),
+                }
+            )
+    with store.begin() as c:
+        partitions.ensure(c, "hourly_rollups", start_ms=first_day, end_ms=last_day + DAY)
+        c.execute(text(tiering._INSERT_HOURLY), rows)
+        tiers.set_mark(c, tiers.HOURLY_MARK, last_day + DAY)
+    out = {
+        "hourly_bytes_per_gpu_hour": table_bytes(store, "hourly_rollups") / (len(rows) * 24),
+        "coarsen_ms_per_gpu_day": took / gpus_that_day * 1000,
+    }
+    out["tier_read_28d_hourly_s"] = median_s(
+        lambda: store.gpu_series(
+            node=node0,
+            gpu=0,
+            since_ms=first_day,
+            until_ms=last_day + DAY,
+            resolution="1h",
+        ),
+        reads,
+    )
     return out
 
 
@@ -301,6 +373,8 @@ FIGURES = [
     ("rollup_bytes", "rollup tier bytes/sample"),
     ("rollup_bytes_per_gpu_minute", "rollup tier bytes per GPU-minute"),
     ("rollup_week_bytes_per_gpu_minute", "rollup tier bytes per GPU-minute, a week"),
+    ("hourly_bytes_per_gpu_hour", "hourly tier bytes per GPU-hour"),
+    ("coarsen_ms_per_gpu_day", "combining a day into hours, ms per GPU"),
     ("parquet_bytes", "Parquet history bytes/sample"),
     ("pack_s_per_million", "roll-up and packing s per million samples"),
     ("rollup_s_per_million", "archiving (Parquet, roll-up again) s per million"),
@@ -310,30 +384,39 @@ FIGURES = [
     ("flat_read_7d_s", "baseline 7 d raw read of one GPU (s)"),
     ("tier_read_7d_rollups_s", "tiered 7 d read from rollups (s)"),
     ("tier_read_7d_with_raw_day_s", "tiered last 7 d, newest hour raw (s)"),
+    ("tier_read_28d_hourly_s", f"tiered {HOURLY_DAYS} d read per hour (s)"),
 ]
 
 
 def capacity(
-    fig: dict[str, float], raw_h: float = 24, rollup_d: float = 30, history_d: float = 30
+    fig: dict[str, float],
+    raw_h: float = 24,
+    rollup_d: float = 30,
+    hourly_d: float = 365,
+    history_d: float = 30,
 ) -> None:
     print(
-        f"\ncapacity (raw {raw_h:g} h + rollups {rollup_d:g} d + Parquet {history_d:g} d), "
-        "from the medians above"
+        f"\ncapacity (raw {raw_h:g} h + rollups {rollup_d:g} d + hourly {hourly_d:g} d "
+        f"+ Parquet {history_d:g} d: the defaults), from the medians above"
     )
     print(
         f"{'GPUs':>8} {'every':>6} {'samples/s':>11} {'raw MB/s':>9} {'raw GB':>8} "
-        f"{'rollup GB':>10} {'Parquet GB':>11} {'total GB':>9}"
+        f"{'rollup GB':>10} {'hourly GB':>10} {'database GB':>12} {'Parquet GB':>11} "
+        f"{'total GB':>9}"
     )
     for gpus in (1024, 16_384, 100_000):
         for interval in (1, 10):
             rate = gpus / interval
             raw = rate * raw_h * 3600 * fig["raw_window_bytes"] / 1e9
             rollup = gpus * rollup_d * 1440 * fig["rollup_week_bytes_per_gpu_minute"] / 1e9
+            hourly = gpus * hourly_d * 24 * fig["hourly_bytes_per_gpu_hour"] / 1e9
             parquet = rate * history_d * 86400 * fig["parquet_bytes"] / 1e9
+            database = raw + rollup + hourly
             print(
                 f"{gpus:>8,} {interval:>5}s {rate:>11,.0f} "
                 f"{rate * fig['raw_window_bytes'] / 1e6:>9.1f} {raw:>8,.0f} {rollup:>10,.0f} "
-                f"{parquet:>11,.0f} {raw + rollup + parquet:>9,.0f}"
+                f"{hourly:>10,.0f} {database:>12,.0f} {parquet:>11,.0f} "
+                f"{database + parquet:>9,.0f}"
             )
 
 
