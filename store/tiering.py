@@ -123,6 +123,14 @@ def maintain(engine: Engine, policy: TierPolicy, *, now_ms: int) -> TierReport:
                 start_ms=now_ms - partitions.DAY_MS,
                 end_ms=now_ms + 2 * partitions.DAY_MS,
             )
+            # The week of the days about to be combined into hours, and the next: the day's
+            # own transaction then runs no DDL, which would hold off every read of the tier.
+            created += partitions.ensure(
+                c,
+                "hourly_rollups",
+                start_ms=now_ms - 3 * partitions.DAY_MS,
+                end_ms=now_ms + partitions.WEEK_MS,
+            )
         report.partitions_created += created
     except OperationalError as exc:
         if not _busy(exc):
