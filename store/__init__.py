@@ -136,23 +136,34 @@ class Store:
 
     # Reads --------------------------------------------------------------------------------
 
+    @contextmanager
+    def _reading(self) -> Iterator[Connection]:
+        """A connection for the sample reads. On PostgreSQL each statement commits on its own
+        (they read committed rows statement by statement anyway), so a read of several tables
+        holds no table's lock while it waits for the next: the tiering task's partition drops
+        and creations then wait for a statement, never meet a read in a lock cycle."""
+        with self.engine.connect() as connection:
+            if self.dialect == "postgresql":
+                connection = connection.execution_options(isolation_level="AUTOCOMMIT")
+            yield connection
+
     def gpu_window(self, **kwargs: Any) -> pd.DataFrame:
-        with self.engine.connect() as c:
+        with self._reading() as c:
             return reads.gpu_window(c, **kwargs)
 
     def fleet_window(self, **kwargs: Any) -> pd.DataFrame:
-        with self.engine.connect() as c:
+        with self._reading() as c:
             return reads.fleet_window(c, **kwargs)
 
     def gpu_series(self, **kwargs: Any) -> tuple[pd.DataFrame, tiers.Resolution]:
         """One GPU's window from the tier that holds it (see :func:`store.tiers.gpu_series`)."""
-        with self.engine.connect() as c:
+        with self._reading() as c:
             return tiers.gpu_series(c, **kwargs)
 
     def tiered_window(self, **kwargs: Any) -> pd.DataFrame:
         """Every GPU's window: raw where held, per minute before it (see
         :func:`store.tiers.tiered_window`)."""
-        with self.engine.connect() as c:
+        with self._reading() as c:
             return tiers.tiered_window(c, **kwargs)
 
     def maintain_tiers(self, policy: tiers.TierPolicy, *, now_ms: int) -> tiers.TierReport:
@@ -160,7 +171,7 @@ class Store:
         return tiering.maintain(self.engine, policy, now_ms=now_ms)
 
     def latest_samples(self, **kwargs: Any) -> pd.DataFrame:
-        with self.engine.connect() as c:
+        with self._reading() as c:
             return reads.latest_samples(c, **kwargs)
 
     def events(self, **kwargs: Any) -> list[dict[str, Any]]:

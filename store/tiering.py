@@ -465,6 +465,12 @@ def _roll_hour(
         assert packed is not None
         chunks = _pack_chunks(rolled, start_ms, end_ms)
         try:
+            # The blocks' partition first, on its own: the packing transaction then locks
+            # ``sample_blocks`` only for its rows, and a read that met the wide rows first
+            # finds the blocks readable (no lock cycle with it).
+            with engine.begin() as c:
+                _guard(c)
+                partitions.ensure(c, "sample_blocks", start_ms=start_ms, end_ms=end_ms)
             with engine.begin() as c:
                 _store_hour(c, start_ms, chunks, packed, sum(wide), mark)
         except _Moved:
@@ -509,7 +515,7 @@ def _store_hour(
         c.execute(text(_UPSERT), chunks)
     if packed is not None:
         hour = {"a": start_ms, "b": end_ms}
-        partitions.ensure(c, "sample_blocks", start_ms=start_ms, end_ms=end_ms)
+        partitions.ensure(c, "sample_blocks", start_ms=start_ms, end_ms=end_ms)  # made before
         c.execute(text("DELETE FROM sample_blocks WHERE start_ms >= :a AND start_ms < :b"), hour)
         if packed:
             c.execute(text(_INSERT_BLOCK), packed)
