@@ -125,7 +125,11 @@ def _create(connection: Connection, parent: str, column: str, start: int, end: i
         )
         return name
     # Rows for this range wait in the default partition: move them into the new table, then
-    # attach it (PostgreSQL refuses a partition whose rows the default still holds).
+    # attach it (PostgreSQL refuses a partition whose rows the default still holds). The parent
+    # is locked whole for the move: a read planned with the partitions before it but run
+    # after its commit would find the rows neither in the default nor in a partition it knows
+    # (reads of the hour came back empty); locked, it waits and is planned with the new one.
+    connection.execute(text(f"LOCK TABLE {parent} IN ACCESS EXCLUSIVE MODE"))
     connection.execute(text(f"CREATE TABLE {name} (LIKE {parent} INCLUDING ALL)"))
     where = f"{column} >= :a AND {column} < :b"
     connection.execute(text(f"INSERT INTO {name} SELECT * FROM {default} WHERE {where}"), bounds)
