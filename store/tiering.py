@@ -515,7 +515,6 @@ def _store_hour(
         c.execute(text(_UPSERT), chunks)
     if packed is not None:
         hour = {"a": start_ms, "b": end_ms}
-        partitions.ensure(c, "sample_blocks", start_ms=start_ms, end_ms=end_ms)  # made before
         c.execute(text("DELETE FROM sample_blocks WHERE start_ms >= :a AND start_ms < :b"), hour)
         if packed:
             c.execute(text(_INSERT_BLOCK), packed)
