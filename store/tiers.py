@@ -367,10 +367,15 @@ PRECURSOR_WINDOW_MS = 2 * SPAN_MS
 def had_precursors(connection: Connection, *, node: str, gpu: int, ts_ms: int) -> bool:
     """Whether a GPU warned in the two hours before ``ts_ms``, by its rollups: an error
     counter grew (ECC, row remaps, NVLink, PCIe replays), a row remap went pending, or its
-    temperature climbed by more than 10 °C."""
-    rolled = _chunks(
-        connection, since_ms=ts_ms - PRECURSOR_WINDOW_MS, until_ms=ts_ms, node=node, gpu=gpu
-    )
+    temperature climbed by more than 10 °C.
+
+    Read per minute while the minute tier holds the window (the hours not rolled up yet on
+    the fly), per hour once it has left it: the whole hours that overlap the window, so an
+    older failure's look back spans up to three hours, the failure's own included."""
+    since_ms = ts_ms - PRECURSOR_WINDOW_MS
+    start = minutes_since(connection)
+    read = _minutes if start is None or since_ms >= start else _hours
+    rolled = read(connection, since_ms=since_ms, until_ms=ts_ms, node=node, gpu=gpu)
     if not len(rolled):
         return False
     grew = rolled[[f"{c}_delta" for c in _WARNING_COUNTERS]].fillna(0).to_numpy().sum() > 0

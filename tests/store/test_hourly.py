@@ -175,3 +175,32 @@ def test_the_samples_route_serves_hours_beyond_the_minute_tier(
     first = datetime.fromisoformat(minute["data"][0]["ts"])
     assert first == datetime.fromtimestamp((DAY0 + 2 * DAY) / 1000, UTC)
     assert minute["count"] == (START + 50 * HOUR - DAY0 - 2 * DAY) // MINUTE_MS
+
+
+def test_a_failure_older_than_the_minute_tier_still_shows_its_precursors(store: Store) -> None:
+    """The failure labels' look back (``had_precursors``) reads the hourly tier once the
+    failure's minutes are gone, and the raw rows of hours not rolled up yet: a GPU whose ECC
+    counter grew before it failed warns at every age, a quiet one never does."""
+    raw = raw_frame(gpus=2, hours=50, step_s=60)
+    quiet = raw.assign(temp_gpu_c=61.0, ecc_sbe_volatile=0, nvlink_crc_flit=0, remap_pending=False)
+    failed_at = START + 20 * HOUR + 30 * MINUTE_MS  # day 1, 08:30
+    grew = (quiet["gpu"] == 1) & (quiet["ts_ms"] >= failed_at - 40 * MINUTE_MS)
+    quiet.loc[grew, "ecc_sbe_volatile"] = 5
+
+    def warned() -> list[bool]:
+        with store.engine.connect() as c:
+            return [tiers.had_precursors(c, node="node-a", gpu=g, ts_ms=failed_at) for g in (0, 1)]
+
+    store.write(samples=rows_of(quiet))
+    assert warned() == [False, True]  # nothing rolled up yet: raw rows on the fly
+    policy = tiers.TierPolicy(
+        raw_window_s=3600.0, rollup_window_s=86400.0, hourly_window_s=10 * 86400.0
+    )
+    for _ in range(2):  # day 1's minutes leave on the pass after its hours are stored
+        store.maintain_tiers(policy, now_ms=DAY0 + 4 * DAY)
+    with store.begin() as c:
+        assert tiers.minutes_since(c) == DAY0 + 2 * DAY  # the failure's minutes are gone
+        assert not c.execute(
+            text("SELECT COUNT(*) FROM sample_rollups WHERE start_ms < :d"), {"d": DAY0 + 2 * DAY}
+        ).scalar_one()
+    assert warned() == [False, True]
