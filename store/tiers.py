@@ -33,7 +33,7 @@ reads the same before and after its hours move tiers.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -503,22 +503,15 @@ def _minutes(
 ) -> pd.DataFrame:
     """Per-minute rows of ``[since_ms, until_ms)``: stored chunks before the rolled mark, raw
     rows rolled up on the fly after it."""
-    c = connection
-    since_ms = partitions.floor(since_ms, MINUTE_MS)
-    mark = rolled_until(c)
-    boundary = since_ms if mark is None else min(max(mark, since_ms), until_ms)
-    parts = []
-    if boundary > since_ms:
-        parts.append(_chunks(c, since_ms=since_ms, until_ms=boundary, node=node, gpu=gpu))
-    if boundary < until_ms:
-        raw = samples_between(c, since_ms=boundary, until_ms=until_ms, node=node, gpu=gpu)
-        before = predecessors(c, boundary, node=node, gpu=gpu, following=raw)
-        parts.append(rollup(raw, before=before))
-    parts = [p for p in parts if len(p)]
-    if not parts:
-        return pd.DataFrame(columns=["ts_ms", "node", "gpu", *STAT_COLUMNS])
-    frame = pd.concat(parts, ignore_index=True) if len(parts) > 1 else parts[0]
-    return frame.sort_values(["ts_ms", "node", "gpu"], kind="stable", ignore_index=True)
+
+    def on_the_fly(c: Connection, since_ms: int, until_ms: int) -> pd.DataFrame:
+        raw = samples_between(c, since_ms=since_ms, until_ms=until_ms, node=node, gpu=gpu)
+        return rollup(raw, before=predecessors(c, since_ms, node=node, gpu=gpu, following=raw))
+
+    mark = rolled_until(connection)
+    return _stored_then_fresh(
+        connection, "sample_rollups", mark, on_the_fly, since_ms, until_ms, node, gpu
+    )
 
 
 def _hours(
@@ -531,25 +524,41 @@ def _hours(
 ) -> pd.DataFrame:
     """Per-hour rows of ``[since_ms, until_ms)``: stored chunks before the hourly mark, the
     minutes combined on the fly after it (an hour not over yet: its minutes so far)."""
-    c = connection
-    since_ms = partitions.floor(since_ms, HOUR_MS)
-    mark = hourly_until(c)
+
+    def on_the_fly(c: Connection, since_ms: int, until_ms: int) -> pd.DataFrame:
+        minutes = _minutes(c, since_ms=since_ms, until_ms=until_ms, node=node, gpu=gpu)
+        return coarsen_frame(minutes, HOUR_MS)
+
+    mark = hourly_until(connection)
+    return _stored_then_fresh(
+        connection, "hourly_rollups", mark, on_the_fly, since_ms, until_ms, node, gpu
+    )
+
+
+def _stored_then_fresh(
+    connection: Connection,
+    table: str,
+    mark: int | None,
+    on_the_fly: Callable[[Connection, int, int], pd.DataFrame],
+    since_ms: int,
+    until_ms: int,
+    node: str | None,
+    gpu: int | None,
+) -> pd.DataFrame:
+    """A rolled-up tier's rows of ``[since_ms, until_ms)`` (``since_ms`` floored to its
+    step): ``table``'s chunks before ``mark``, ``on_the_fly(connection, mark, until_ms)``
+    after it; sorted by time, node, GPU."""
+    since_ms = partitions.floor(since_ms, _CHUNKS[table][0])
     boundary = since_ms if mark is None else min(max(mark, since_ms), until_ms)
     parts = []
     if boundary > since_ms:
         parts.append(
             _chunks(
-                c,
-                since_ms=since_ms,
-                until_ms=boundary,
-                node=node,
-                gpu=gpu,
-                table="hourly_rollups",
+                connection, since_ms=since_ms, until_ms=boundary, node=node, gpu=gpu, table=table
             )
         )
     if boundary < until_ms:
-        minutes = _minutes(c, since_ms=boundary, until_ms=until_ms, node=node, gpu=gpu)
-        parts.append(coarsen_frame(minutes, HOUR_MS))
+        parts.append(on_the_fly(connection, boundary, until_ms))
     parts = [p for p in parts if len(p)]
     if not parts:
         return pd.DataFrame(columns=["ts_ms", "node", "gpu", *STAT_COLUMNS])
