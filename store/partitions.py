@@ -93,6 +93,31 @@ def existing(connection: Connection, parent: str) -> list[Partition]:
     return sorted(out, key=lambda p: p.start_ms)
 
 
+def oldest(connection: Connection, parent: str, after_ms: int | None = None) -> int | None:
+    """The start of the oldest span of ``parent`` (its partitions' span, :data:`LAYOUT`) that
+    holds a row at or after ``after_ms``; None: no row does. On PostgreSQL the default
+    partition's minimum, then the partitions probed oldest first for one row each: no scan
+    for a minimum over the whole table."""
+    column, span = LAYOUT[parent]
+    params = {"a": -(2**62) if after_ms is None else after_ms}
+    where = f"WHERE {column} >= :a"
+    if not _is_postgres(connection):
+        low = connection.execute(text(f"SELECT MIN({column}) FROM {parent} {where}"), params)
+        found = low.scalar()
+        return None if found is None else floor(int(found), span)
+    stray = connection.execute(
+        text(f"SELECT MIN({column}) FROM {parent}_default {where}"), params
+    ).scalar()
+    for part in existing(connection, parent):
+        if part.end_ms <= params["a"]:
+            continue
+        if stray is not None and stray < part.start_ms:
+            break
+        if connection.execute(text(f"SELECT 1 FROM {part.table} {where} LIMIT 1"), params).first():
+            return max(part.start_ms, floor(params["a"], span))
+    return None if stray is None else floor(int(stray), span)
+
+
 def ensure(connection: Connection, parent: str, *, start_ms: int, end_ms: int) -> list[str]:
     """Create the missing partitions of ``parent`` covering ``[start_ms, end_ms)``.
 

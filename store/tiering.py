@@ -227,10 +227,10 @@ def _coarsen_days(
     with engine.begin() as c:
         mark = hourly_until(c)
         if mark is None:
-            oldest = _oldest_minutes(c)
+            oldest = partitions.oldest(c, "sample_rollups")  # a day: its partitions' span
             if oldest is None:
                 return None
-            mark = partitions.floor(oldest, partitions.DAY_MS)
+            mark = oldest
     while archived is not None and mark + partitions.DAY_MS <= archived:
         if report.days_coarsened >= max_days:
             break
@@ -244,21 +244,6 @@ def _coarsen_days(
         report.days_coarsened += 1
         mark += partitions.DAY_MS
     return mark
-
-
-def _oldest_minutes(c: Connection) -> int | None:
-    """The start of the oldest minute chunk (PostgreSQL: partitions probed oldest first, no
-    scan of the whole table)."""
-    if c.dialect.name != "postgresql":
-        return c.execute(text("SELECT MIN(start_ms) FROM sample_rollups")).scalar()
-    stray = c.execute(text("SELECT MIN(start_ms) FROM sample_rollups_default")).scalar()
-    for part in partitions.existing(c, "sample_rollups"):
-        if stray is not None and stray < part.start_ms:
-            break
-        found = c.execute(text(f"SELECT MIN(start_ms) FROM {part.table}")).scalar()
-        if found is not None:
-            return int(found) if stray is None else min(int(found), int(stray))
-    return None if stray is None else int(stray)
 
 
 _DAY_CHUNKS = (

@@ -317,36 +317,15 @@ def take_late_hours(
 def oldest_hour(connection: Connection, after_ms: int | None = None) -> int | None:
     """The first hour (at or after ``after_ms``) that holds a raw sample, wide or packed;
     None: none does."""
-    after = -(2**62) if after_ms is None else after_ms
-    packed = connection.execute(
-        text("SELECT MIN(start_ms) FROM sample_blocks WHERE start_ms >= :a"),
-        {"a": partitions.floor(after, SPAN_MS)},
-    ).scalar()
-    wide = _oldest_wide(connection, after)
-    found = [partitions.floor(int(h), SPAN_MS) for h in (packed, wide) if h is not None]
-    return max(min(found), partitions.floor(after, SPAN_MS)) if found else None
-
-
-def _oldest_wide(connection: Connection, after: int) -> int | None:
-    if connection.dialect.name == "postgresql":
-        # The default partition holds few rows; then probe partitions oldest first: no scan
-        # for a minimum over the whole table.
-        stray = connection.execute(
-            text("SELECT MIN(ts_ms) FROM samples_default WHERE ts_ms >= :a"), {"a": after}
-        ).scalar()
-        for part in partitions.existing(connection, "samples"):
-            if part.end_ms <= after:
-                continue
-            if stray is not None and stray < part.end_ms:
-                break
-            probe = f"SELECT 1 FROM {part.table} WHERE ts_ms >= :a LIMIT 1"
-            if connection.execute(text(probe), {"a": after}).first():
-                return max(part.start_ms, partitions.floor(after, SPAN_MS))
-        return None if stray is None else partitions.floor(int(stray), SPAN_MS)
-    low = connection.execute(
-        text("SELECT MIN(ts_ms) FROM samples WHERE ts_ms >= :a"), {"a": after}
-    ).scalar()
-    return None if low is None else partitions.floor(int(low), SPAN_MS)
+    found = [
+        hour
+        for hour in (
+            partitions.oldest(connection, "sample_blocks", after_ms),
+            partitions.oldest(connection, "samples", after_ms),
+        )
+        if hour is not None
+    ]
+    return min(found) if found else None
 
 
 _WARNING_COUNTERS = (
