@@ -40,20 +40,17 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 from sqlalchemy import (
-    BigInteger,
-    Column,
     Connection,
-    Index,
-    Integer,
-    LargeBinary,
-    PrimaryKeyConstraint,
-    SmallInteger,
-    String,
-    Table,
     text,
 )
 
-from store.schema import BOOL_COLUMNS, FLOAT_COLUMNS, FRAME_COLUMNS, INT_COLUMNS, metadata
+from store.schema import (
+    BOOL_COLUMNS,
+    FLOAT_COLUMNS,
+    FRAME_COLUMNS,
+    INT_COLUMNS,
+    chunk_table,
+)
 
 __all__ = [
     "BLOCK_MS",
@@ -70,17 +67,7 @@ __all__ = [
 BLOCK_MS = 60_000
 """Each blob holds one GPU's samples of one UTC minute."""
 
-sample_blocks = Table(
-    "sample_blocks",
-    metadata,
-    Column("node", String(253), nullable=False),
-    Column("gpu", SmallInteger, nullable=False),
-    Column("start_ms", BigInteger, nullable=False),
-    Column("n", Integer, nullable=False),
-    Column("data", LargeBinary, nullable=False),
-    PrimaryKeyConstraint("node", "gpu", "start_ms", name="pk_sample_blocks"),
-    Index("ix_sample_blocks_start", "start_ms"),
-)
+sample_blocks = chunk_table("sample_blocks", "n", end_ms=False, start_index=True)
 """Packed raw samples, one row per GPU and minute (on PostgreSQL partitioned by hour)."""
 
 _STRINGS = ("uuid", "vendor")

@@ -19,6 +19,7 @@ from sqlalchemy import (
     Float,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
     PrimaryKeyConstraint,
     SmallInteger,
@@ -39,6 +40,7 @@ __all__ = [
     "NO_XID",
     "SAMPLE_COLUMNS",
     "agents",
+    "chunk_table",
     "events",
     "gpus",
     "metadata",
@@ -87,6 +89,24 @@ def _value_column(name: str) -> Column[Any]:
     if name in BOOL_COLUMNS:
         return Column(name, Boolean)
     return Column(name, BigInteger)
+
+
+def chunk_table(name: str, count: str, *, end_ms: bool, start_index: bool) -> Table:
+    """A table of packed chunks (:mod:`store.blocks`, :mod:`store.rollups`): one row per GPU
+    and span, keyed (node, gpu, start_ms), ``count`` the rows its blob holds; with ``end_ms``
+    the span's end, with ``start_index`` an index on the start for retention and scans."""
+    return Table(
+        name,
+        metadata,
+        Column("node", String(253), nullable=False),
+        Column("gpu", SmallInteger, nullable=False),
+        Column("start_ms", BigInteger, nullable=False),
+        *([Column("end_ms", BigInteger, nullable=False)] if end_ms else []),
+        Column(count, Integer, nullable=False),
+        Column("data", LargeBinary, nullable=False),
+        PrimaryKeyConstraint("node", "gpu", "start_ms", name=f"pk_{name}"),
+        *([Index(f"ix_{name}_start", "start_ms")] if start_index else []),
+    )
 
 
 samples = Table(

@@ -43,11 +43,7 @@ from sqlalchemy import (
     BigInteger,
     Column,
     Connection,
-    Index,
-    Integer,
-    LargeBinary,
     PrimaryKeyConstraint,
-    SmallInteger,
     String,
     Table,
     text,
@@ -68,7 +64,7 @@ from store.rollups import (
     rollup,
     unpack,
 )
-from store.schema import metadata
+from store.schema import chunk_table, metadata
 
 __all__ = [
     "ARCHIVED_MARK",
@@ -102,31 +98,10 @@ Resolution = Literal["raw", "1m", "1h"]
 
 SPAN_MS = partitions.LAYOUT["samples"][1]
 
-sample_rollups = Table(
-    "sample_rollups",
-    metadata,
-    Column("node", String(253), nullable=False),
-    Column("gpu", SmallInteger, nullable=False),
-    Column("start_ms", BigInteger, nullable=False),
-    Column("end_ms", BigInteger, nullable=False),
-    Column("minutes", Integer, nullable=False),
-    Column("data", LargeBinary, nullable=False),
-    PrimaryKeyConstraint("node", "gpu", "start_ms", name="pk_sample_rollups"),
-)
+sample_rollups = chunk_table("sample_rollups", "minutes", end_ms=True, start_index=False)
 """One packed chunk of per-minute rollups per GPU and hour (see :mod:`store.rollups`)."""
 
-hourly_rollups = Table(
-    "hourly_rollups",
-    metadata,
-    Column("node", String(253), nullable=False),
-    Column("gpu", SmallInteger, nullable=False),
-    Column("start_ms", BigInteger, nullable=False),
-    Column("end_ms", BigInteger, nullable=False),
-    Column("hours", Integer, nullable=False),
-    Column("data", LargeBinary, nullable=False),
-    PrimaryKeyConstraint("node", "gpu", "start_ms", name="pk_hourly_rollups"),
-    Index("ix_hourly_rollups_start", "start_ms"),
-)
+hourly_rollups = chunk_table("hourly_rollups", "hours", end_ms=True, start_index=True)
 """One packed chunk of per-hour rollups per GPU and UTC day (the same blobs, hour offsets)."""
 
 tier_marks = Table(
