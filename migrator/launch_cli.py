@@ -11,6 +11,7 @@ and supervises the job until it ends. Exit code: the job's (0 completed, 1 faile
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import os
 import signal
@@ -214,6 +215,9 @@ def run(args: argparse.Namespace) -> int:
     # SIGTERM (a scheduler's stop) ends the job as Ctrl-C does: the launcher terminates the
     # job's processes, which ignore SIGINT (migrator.nodes.spawn), and exits with 130.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
+    # A launcher that seems stuck: ``kill -USR1 <pid>`` prints every thread's stack to its
+    # stderr and changes nothing else.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     if args.rdzv_endpoint:  # several launchers: node rank 0 hosts the key-value store there
         host, _, port = args.rdzv_endpoint.partition(":")
         args.host, args.kv_port = host, int(port or 29400)

@@ -4,6 +4,7 @@ rank with no spare left pauses, says so, refuses commands, and fails after its p
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -103,6 +104,22 @@ def test_no_spare_left_pauses_refuses_and_fails(tmp_path: Path) -> None:
     assert missing.returncode == 2  # the job file went away with the job
 
 
+def _stuck(launch: subprocess.Popen[str]) -> str:
+    """What a launcher that did not end in time was doing: its process group, every thread's
+    stack (SIGUSR1) and its output so far; the group is killed."""
+    group = subprocess.run(
+        ["ps", "-o", "pid,ppid,stat,etime,args", "-g", str(launch.pid)],
+        capture_output=True,
+        text=True,
+    ).stdout
+    if launch.poll() is None:
+        launch.send_signal(signal.SIGUSR1)
+        time.sleep(2)
+    os.killpg(launch.pid, signal.SIGKILL)
+    _, stderr = launch.communicate(timeout=30)
+    return f"exit {launch.returncode}; the group:\n{group}\nstderr:\n{stderr}"
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -117,7 +134,8 @@ def _alive(pid: int) -> bool:
 def test_a_stopped_launcher_ends_its_ranks_quietly(how: str, tmp_path: Path) -> None:
     """Ctrl-C in the launcher's terminal (SIGINT to its whole process group) or SIGTERM to the
     launcher alone: the ranks and the spare end, none prints a KeyboardInterrupt traceback,
-    and the launcher says it stopped and exits with 130."""
+    and the launcher says it stopped and exits with 130. (A SIGUSR1 before it prints every
+    thread's stack and changes nothing.)"""
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     env["FOREWARN_RUN_DIR"] = str(tmp_path / "run")
     out, logs = tmp_path / "out", tmp_path / "logs"
@@ -139,14 +157,19 @@ def test_a_stopped_launcher_ends_its_ranks_quietly(how: str, tmp_path: Path) -> 
         ]
         pids = [p for p in group if p not in servers]
         assert len(pids) == 3 and len(servers) == 1, group  # two ranks, the spare, the fork server
+        launch.send_signal(signal.SIGUSR1)  # every thread's stack, and nothing else
         if how == "ctrl-c":
-            os.killpg(launch.pid, 2)  # SIGINT
+            os.killpg(launch.pid, signal.SIGINT)
         else:
             launch.terminate()
-        _, stderr = launch.communicate(timeout=60)
+        try:
+            _, stderr = launch.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail(_stuck(launch))
     finally:
         if launch.poll() is None:
             os.killpg(launch.pid, 9)
+    assert "Thread 0x" in stderr and "(most recent call first)" in stderr, stderr
     assert launch.returncode == 130, stderr
     assert "job stop stopped" in stderr and "Traceback" not in stderr, stderr
     for log in logs.glob("slot*.log"):
