@@ -1299,7 +1299,7 @@ class ControlLoop:
                     "cost_s": case.cost_s,
                     "cost_from": case.cost_from,
                 }
-            requested: dict[str, Any] | None = None
+            requested: db.Migration | None = None
             if decision.action == "request":
                 try:
                     requested = orchestrator.request(

@@ -58,7 +58,7 @@ def new_migration_id() -> str:
     return "mig_" + secrets.token_hex(8)
 
 
-def event_data(m: dict[str, Any]) -> dict[str, Any]:
+def event_data(m: db.Migration) -> dict[str, Any]:
     """What receivers of ``migration.*`` events get: enough to act without calling back."""
     return {
         "migration_id": m["id"],
@@ -90,14 +90,14 @@ def request(
     reasons: list[str] | None = None,
     detail: str | None = None,
     why: str,
-) -> dict[str, Any]:
+) -> db.Migration:
     """Record a new ``requested`` migration, its audit entry and its event; returns the row.
 
     Raises:
         Conflict: the rank already has an active migration (nothing was written).
     """
     migration_id = new_migration_id()
-    row: dict[str, Any] = {
+    row: db.NewMigration = {
         "id": migration_id,
         "job_id": job_id,
         "rank": rank,
@@ -126,7 +126,7 @@ def request(
 
 def advance(
     connection: Connection, migration_id: str, state: str, *, now_ms: int, **fields: Any
-) -> dict[str, Any]:
+) -> db.Migration:
     """Move a migration to ``state`` (idempotent if it is already there).
 
     Raises:
@@ -159,7 +159,7 @@ def advance(
     return m
 
 
-def apply_report(connection: Connection, report: MigrationReport, *, now_ms: int) -> dict[str, Any]:
+def apply_report(connection: Connection, report: MigrationReport, *, now_ms: int) -> db.Migration:
     """The agent's final word on a migration: its outcome, timings and the new placement.
 
     A report of a migration the service never requested (the agent's own recovery of a dead
@@ -228,7 +228,7 @@ def _move_placement(connection: Connection, report: MigrationReport) -> None:
 
 def reconcile(
     connection: Connection, *, now_ms: int, ack_timeout_s: float, agent_timeout_s: float
-) -> list[dict[str, Any]]:
+) -> list[db.Migration]:
     """Fail in-flight migrations that can no longer finish; returns the ones it ended."""
     ended = []
     heartbeats = {j["job_id"]: j for j in db.get_jobs(connection)}
@@ -250,7 +250,7 @@ def reconcile(
 
 
 def _record(
-    connection: Connection, m: dict[str, Any], now_ms: int, *, action: str, reason: str
+    connection: Connection, m: db.Migration, now_ms: int, *, action: str, reason: str
 ) -> None:
     db.write_audit(
         connection,

@@ -60,7 +60,7 @@ def judge_stored(
     *,
     now_ms: int,
     active: list[dict[str, Any]],
-    recent: list[dict[str, Any]],
+    recent: list[db.Migration],
     fresh_s: float,
     forget: Callable[[tuple[str, int]], None],
 ) -> tuple[dict[tuple[str, int], Straggler], int]:

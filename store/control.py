@@ -18,7 +18,7 @@ import logging
 import os
 import time
 from collections.abc import Iterable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, NotRequired, TypedDict, cast
 
 import numpy as np
 import orjson
@@ -219,6 +219,65 @@ migrations = Table(
 )
 """``ux_migrations_active_rank`` (revision ``0006_control_fencing``): one active migration per
 (job, rank) at most, whoever writes it."""
+
+
+class _MigrationColumns(TypedDict):
+    id: str
+    job_id: str
+    rank: int
+    trigger: str
+    state: str
+    risk: NotRequired[float | None]
+    source_node: NotRequired[str | None]
+    source_gpu: NotRequired[int | None]
+    target_node: NotRequired[str | None]
+    target_gpu: NotRequired[int | None]
+    target_slot: NotRequired[int | None]
+    requested_ms: int
+    acknowledged_ms: NotRequired[int | None]
+    transferring_ms: NotRequired[int | None]
+    finished_ms: NotRequired[int | None]
+    step: NotRequired[int | None]
+    pause_s: NotRequired[float | None]
+    transfer_s: NotRequired[float | None]
+    bytes_moved: NotRequired[int | None]
+    error: NotRequired[str | None]
+    detail: NotRequired[str | None]
+
+
+class NewMigration(_MigrationColumns):
+    """A ``migrations`` row to insert: ``reasons`` as its stored JSON text; the columns left
+    out are NULL."""
+
+    reasons: str
+
+
+class Migration(TypedDict):
+    """A ``migrations`` row as read: every column, ``reasons`` decoded."""
+
+    id: str
+    job_id: str
+    rank: int
+    trigger: str
+    state: str
+    risk: float | None
+    reasons: list[str]
+    source_node: str | None
+    source_gpu: int | None
+    target_node: str | None
+    target_gpu: int | None
+    target_slot: int | None
+    requested_ms: int
+    acknowledged_ms: int | None
+    transferring_ms: int | None
+    finished_ms: int | None
+    step: int | None
+    pause_s: float | None
+    transfer_s: float | None
+    bytes_moved: int | None
+    error: str | None
+    detail: str | None
+
 
 audit = Table(
     "audit",
@@ -967,7 +1026,7 @@ def set_rank(connection: Connection, *, job_id: str, slot: int, values: dict[str
 # -- migrations -------------------------------------------------------------------------------
 
 
-def insert_migration(connection: Connection, row: dict[str, Any]) -> bool:
+def insert_migration(connection: Connection, row: NewMigration) -> bool:
     """Insert a migration; False (nothing written) when ``row`` is active and its (job, rank)
     already has an active migration (``ux_migrations_active_rank``)."""
     if row.get("state") not in ACTIVE_STATES:
@@ -979,7 +1038,7 @@ def insert_migration(connection: Connection, row: dict[str, Any]) -> bool:
 
 def get_migration(
     connection: Connection, migration_id: str, *, for_update: bool = False
-) -> dict[str, Any] | None:
+) -> Migration | None:
     query = select(migrations).where(migrations.c.id == migration_id)
     if for_update and connection.dialect.name == "postgresql":
         query = query.with_for_update()
@@ -993,7 +1052,7 @@ def list_migrations(
     job_id: str | None = None,
     states: Sequence[str] | None = None,
     limit: int = 1000,
-) -> list[dict[str, Any]]:
+) -> list[Migration]:
     query = select(migrations).order_by(migrations.c.requested_ms.desc()).limit(limit)
     if job_id is not None:
         query = query.where(migrations.c.job_id == job_id)
@@ -1014,10 +1073,10 @@ def update_migration(
     return bool(result.rowcount)
 
 
-def _migration(row: Any) -> dict[str, Any]:
+def _migration(row: Any) -> Migration:
     item = dict(row)
     item["reasons"] = orjson.loads(item["reasons"] or "[]")
-    return item
+    return cast(Migration, item)
 
 
 # -- audit ------------------------------------------------------------------------------------

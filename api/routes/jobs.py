@@ -294,9 +294,9 @@ async def get_job(store: StoreDep, job_id: str) -> dict[str, Any]:
     return _public(found[0])
 
 
-def command_of(m: dict[str, Any]) -> MigrationCommand:
+def command_of(m: db.Migration) -> MigrationCommand:
     target = None
-    if m["target_slot"] is not None:
+    if m["target_slot"] is not None and m["target_node"] is not None:  # written together
         target = Placement(
             rank=m["rank"],
             node=m["target_node"],
@@ -332,7 +332,7 @@ async def commands(
     job_id: str,
     wait_s: Annotated[float, Query(ge=0, le=30)] = 10.0,
 ) -> dict[str, Any]:
-    def read() -> list[dict[str, Any]]:
+    def read() -> list[db.Migration]:
         with store.engine.connect() as c:
             return db.list_migrations(c, job_id=job_id, states=["requested"])
 

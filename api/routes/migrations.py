@@ -88,8 +88,8 @@ class MigrationCreate(BaseModel):
     detail: str | None = Field(default=None, max_length=2000)
 
 
-def public(m: dict[str, Any]) -> dict[str, Any]:
-    m = dict(m)
+def public(row: db.Migration) -> dict[str, Any]:
+    m: dict[str, Any] = dict(row)
     m["source"] = {"node": m.pop("source_node"), "gpu": m.pop("source_gpu")}
     m["target"] = {
         "node": m.pop("target_node"),
@@ -117,7 +117,7 @@ async def list_migrations(
     state: State | None = None,
     limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
 ) -> dict[str, Any]:
-    def read() -> list[dict[str, Any]]:
+    def read() -> list[db.Migration]:
         with store.engine.connect() as c:
             return db.list_migrations(c, job_id=job, states=[state] if state else None, limit=limit)
 
@@ -132,7 +132,7 @@ async def list_migrations(
     summary="One migration with its audit trail",
 )
 async def get_migration(store: StoreDep, migration_id: str) -> dict[str, Any]:
-    def read() -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+    def read() -> tuple[db.Migration | None, list[dict[str, Any]]]:
         with store.engine.connect() as c:
             m = db.get_migration(c, migration_id)
             return m, db.read_audit(c, migration_id=migration_id) if m else []
@@ -153,7 +153,7 @@ async def get_migration(store: StoreDep, migration_id: str) -> dict[str, Any]:
 async def request_migration(
     store: StoreDep, settings: SettingsDep, body: MigrationCreate
 ) -> dict[str, Any]:
-    def write() -> dict[str, Any]:
+    def write() -> db.Migration:
         ts = now_ms()
         with store.begin() as c:
             stored = db.read_policy(c)
@@ -219,7 +219,7 @@ async def request_migration(
     summary="Cancel a migration the job agent has not taken yet (409 after that)",
 )
 async def cancel(store: StoreDep, migration_id: str) -> dict[str, Any]:
-    def write() -> dict[str, Any]:
+    def write() -> db.Migration:
         with store.begin() as c:
             return orchestrator.advance(c, migration_id, "cancelled", now_ms=now_ms())
 
@@ -236,7 +236,7 @@ async def progress(store: StoreDep, migration_id: str, body: MigrationProgress) 
     if body.migration_id != migration_id:
         raise InvalidInput("the body's migration_id differs from the path's")
 
-    def write() -> dict[str, Any]:
+    def write() -> db.Migration:
         fields: dict[str, Any] = {}
         if body.error:
             fields["error"] = body.error
@@ -258,7 +258,7 @@ async def progress(store: StoreDep, migration_id: str, body: MigrationProgress) 
     summary="A job agent reports how a migration ended (and the new placement)",
 )
 async def report(store: StoreDep, body: MigrationReport) -> dict[str, Any]:
-    def write() -> dict[str, Any]:
+    def write() -> db.Migration:
         with store.begin() as c:
             return orchestrator.apply_report(c, body, now_ms=now_ms())
 
