@@ -999,8 +999,8 @@ class ControlLoop:
                     what = f"Xid {xid}" if kind == "xid" else kind.replace("_", " ")
                     failed_now[(str(ev["node"]), int(ev["gpu"]))] = what
         self._failed_pending = failed_now
-        rows: list[dict[str, Any]] = []
-        history: list[dict[str, Any]] = []
+        rows: list[db.StoredRisk] = []
+        history: list[db.HistoryRow] = []
         stale_ms = policy.stale_after_s * 1000
         history_every_ms = self.history_interval_s * 1000
         gpus = self.gpus
@@ -1268,6 +1268,8 @@ class ControlLoop:
                 straggler=case,
             )
             risk_row = self._risk_of(c, key)
+            risk = risk_row["risk"] if risk_row else None
+            reasons = risk_row["reasons"] if risk_row else []
             outcome = f"{decision.action}:{decision.reason}"
             episode = (key, r["job_id"], r["rank"], trigger)
             if decision.action != "request" and plan.audited.get(episode) == outcome:
@@ -1278,8 +1280,8 @@ class ControlLoop:
                 "rank": r["rank"],
                 "trigger": trigger,
                 "model": self.model_id,
-                "risk": risk_row.get("risk"),
-                "reasons": risk_row.get("reasons", []),
+                "risk": risk,
+                "reasons": reasons,
                 "source": {"node": key[0], "gpu": key[1]},
                 "target": decision.target
                 and {
@@ -1310,8 +1312,8 @@ class ControlLoop:
                         now_ms=now_ms,
                         source=key,
                         target=decision.target,
-                        risk=risk_row.get("risk"),
-                        reasons=[slow_one.reason] if slow_one else risk_row.get("reasons", []),
+                        risk=risk,
+                        reasons=[slow_one.reason] if slow_one else reasons,
                         detail=f"straggler: {slow_one.reason}"
                         if slow_one
                         else f"scored by model {self.model_id}"
@@ -1355,9 +1357,9 @@ class ControlLoop:
         """A straggler cleared or moved: its next decline is audited again."""
         plan.audited = {e: v for e, v in plan.audited.items() if e[1:] != (*k, "straggler")}
 
-    def _risk_of(self, c: Any, key: tuple[str, int]) -> dict[str, Any]:
+    def _risk_of(self, c: Any, key: tuple[str, int]) -> db.Risk | None:
         rows = [r for r in db.risk_rows(c, node=key[0]) if r["gpu"] == key[1]]
-        return rows[0] if rows else {}
+        return rows[0] if rows else None
 
 
 def _kept(c: Any, key: str) -> Any:

@@ -15,6 +15,7 @@ collector's spool replayed late still reaches it. SQLite numbers rows as it appe
 from __future__ import annotations
 
 import logging
+import operator
 import os
 import time
 from collections.abc import Iterable, Sequence
@@ -99,6 +100,46 @@ risk_latest = Table(
 )
 """The newest score of every GPU; ``streak`` counts consecutive scores above the threshold,
 ``crossed`` is the alarm after hysteresis, ``failed`` a GPU lost or a fatal Xid seen."""
+
+
+class _RiskColumns(TypedDict):
+    node: str
+    gpu: int
+    risk: float | None
+    alarm: bool
+    scored_ms: int
+    last_seen_ms: int | None
+    stale: bool
+    streak: int
+    crossed: bool
+    crossed_ms: int | None
+    failed: bool
+
+
+class StoredRisk(_RiskColumns):
+    """A ``risk_latest`` row to write (:func:`upsert_risk`): ``reasons`` as its JSON text."""
+
+    reasons: str
+
+
+class Risk(_RiskColumns):
+    """A ``risk_latest`` row as read (:func:`risk_rows`): ``reasons`` decoded."""
+
+    reasons: list[str]
+
+
+class RiskPoint(TypedDict):
+    """One point of a GPU's risk history (:func:`append_history` adds the GPU's key)."""
+
+    ts_ms: int
+    risk: float | None
+    alarm: bool
+
+
+class HistoryRow(RiskPoint):
+    node: str
+    gpu: int
+
 
 risk_history = Table(
     "risk_history",
@@ -756,7 +797,7 @@ def risk_version(connection: Connection) -> str | None:
     return get_state(connection, RISK_VERSION_KEY)
 
 
-def risk_rows(connection: Connection, *, node: str | None = None) -> list[dict[str, Any]]:
+def risk_rows(connection: Connection, *, node: str | None = None) -> list[Risk]:
     query = select(risk_latest)
     if node is not None:
         query = query.where(risk_latest.c.node == node)
@@ -764,7 +805,7 @@ def risk_rows(connection: Connection, *, node: str | None = None) -> list[dict[s
     for row in connection.execute(query.order_by(risk_latest.c.node, risk_latest.c.gpu)).mappings():
         item = dict(row)
         item["reasons"] = orjson.loads(item["reasons"])
-        out.append(item)
+        out.append(cast(Risk, item))
     return out
 
 
@@ -797,7 +838,7 @@ def risk_fleet(connection: Connection) -> list[tuple[Any, ...]]:
     return [tuple(row) for row in connection.execute(query).all()]
 
 
-def upsert_risk(connection: Connection, rows: Sequence[dict[str, Any]]) -> None:
+def upsert_risk(connection: Connection, rows: Sequence[StoredRisk]) -> None:
     """Replace the latest score of each GPU in ``rows`` (keys: the columns of risk_latest),
     and stamp :data:`RISK_VERSION_KEY` (also with no rows: a tick happened)."""
     set_state(connection, RISK_VERSION_KEY, f"{time.time_ns():x}-{os.getpid():x}")
@@ -805,7 +846,8 @@ def upsert_risk(connection: Connection, rows: Sequence[dict[str, Any]]) -> None:
         return
     names = [c.name for c in risk_latest.c]
     update = ", ".join(f"{n} = excluded.{n}" for n in names if n not in ("node", "gpu"))
-    values = [tuple(r[n] for n in names) for r in rows]
+    row = operator.itemgetter(*names)
+    values = [row(r) for r in rows]
     cursor = connection.connection.driver_connection.cursor()  # type: ignore[union-attr]
     try:
         if connection.dialect.name == "sqlite":
@@ -835,13 +877,14 @@ def upsert_risk(connection: Connection, rows: Sequence[dict[str, Any]]) -> None:
 _HISTORY_COLUMNS = ("node", "gpu", "ts_ms", "risk", "alarm")
 
 
-def append_history(connection: Connection, rows: Sequence[dict[str, Any]]) -> None:
+def append_history(connection: Connection, rows: Sequence[HistoryRow]) -> None:
     """Append risk history rows (keys: :data:`_HISTORY_COLUMNS`). On PostgreSQL one ``COPY``:
     100,000 rows (every GPU of a fleet that came up together) took 1.5 s as inserts."""
     if not rows:
         return
     names = ", ".join(_HISTORY_COLUMNS)
-    values = [tuple(r[n] for n in _HISTORY_COLUMNS) for r in rows]
+    row = operator.itemgetter(*_HISTORY_COLUMNS)
+    values = [row(r) for r in rows]
     marks = ", ".join("?" * len(_HISTORY_COLUMNS))
     cursor = connection.connection.driver_connection.cursor()  # type: ignore[union-attr]
     try:
@@ -863,7 +906,7 @@ def _copy_in(cursor: Any, table: str, names: Sequence[str], values: Iterable[Any
 
 def history(
     connection: Connection, *, node: str, gpu: int, since_ms: int, until_ms: int, limit: int
-) -> list[dict[str, Any]]:
+) -> list[RiskPoint]:
     query = (
         select(risk_history.c.ts_ms, risk_history.c.risk, risk_history.c.alarm)
         .where(
@@ -875,7 +918,7 @@ def history(
         .order_by(risk_history.c.ts_ms)
         .limit(limit)
     )
-    return [dict(r) for r in connection.execute(query).mappings()]
+    return [cast(RiskPoint, dict(r)) for r in connection.execute(query).mappings()]
 
 
 def prune_history(connection: Connection, *, before_ms: int) -> int:

@@ -239,7 +239,7 @@ async def gpu_risk(
 ) -> dict[str, Any]:
     since_ms, until_ms = window(since, until, 86_400)
 
-    def read() -> list[dict[str, Any]]:
+    def read() -> list[db.RiskPoint]:
         with store.engine.connect() as c:
             return db.history(
                 c, node=node, gpu=gpu, since_ms=since_ms, until_ms=until_ms, limit=limit
