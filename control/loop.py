@@ -180,42 +180,6 @@ class GpuState:
 
 _UNSEEN = GpuState()
 
-_AT_REST = (False, False, 0, False, False, ())
-"""A written risk row's (alarm, stale, streak, crossed, failed, reasons) of a GPU at rest."""
-
-
-@dataclass
-class QuietGpus:
-    """The GPUs a tick would leave as they are, told apart without a look at each one (that
-    look costs a few microseconds a GPU: about 0.4 s a tick at 100,000 GPUs).
-
-    A GPU is at rest when the loop remembers it with no streak, not crossed, stale or
-    failed, its last risk row and history point without an alarm, and that row without
-    reasons. A GPU at rest needs nothing this tick while its new risk stays below the
-    threshold, in the ``RISK_STEP`` bucket of its written row, without reasons, it is not
-    stale and not newly failed, and neither its row's refresh nor its next history point is
-    due. Rows follow a scores frame's (``nodes``, ``gpus``); a frame with other rows, in
-    another order, starts afresh (every GPU looked at once).
-    """
-
-    nodes: np.ndarray  # object
-    gpus: np.ndarray  # int64
-    bucket: np.ndarray  # the written row's risk bucket; NaN: not at rest
-    due_ms: np.ndarray  # when its row's refresh or its next history point falls due
-
-    @classmethod
-    def unknown(cls, nodes: np.ndarray, gpus: np.ndarray) -> QuietGpus:
-        n = len(nodes)
-        return cls(nodes, gpus, np.full(n, np.nan), np.zeros(n, dtype=np.int64))
-
-    def follows(self, nodes: np.ndarray, gpus: np.ndarray) -> bool:
-        """Whether these are the rows of a frame with ``nodes`` and ``gpus``."""
-        return (
-            len(nodes) == len(self.nodes)
-            and np.array_equal(gpus, self.gpus)
-            and bool((nodes == self.nodes).all())
-        )
-
 
 TICK_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 """Upper bounds (seconds) of the tick-duration histogram the service exports
@@ -259,7 +223,6 @@ class TickPlan:
         audited: the decisions audited so far, by episode (replaces the loop's).
         discard: GPUs that failed this tick (their alarm-budget slots are discarded).
         budget_kept: (healthy blocks, when) if this tick wrote the alarm budget's state.
-        quiet: the GPUs at rest as this tick leaves them (:class:`QuietGpus`).
         floor_kept: the demoted floor rules, if this tick wrote the floor budget's state.
     """
 
@@ -272,7 +235,6 @@ class TickPlan:
     budget_kept: tuple[float, int | None] | None = None
     floor_kept: list[str] | None = None
     breaker_reset_ms: int = 0
-    quiet: QuietGpus | None = None
 
     def state(self, gpus: dict[tuple[str, int], GpuState], key: tuple[str, int]) -> Any:
         """A GPU's state as this tick leaves it (None if never seen)."""
@@ -373,7 +335,6 @@ class ControlLoop:
         self.samples = ArrivalCursor()
         self.events = ArrivalCursor()
         self.gpus: dict[tuple[str, int], GpuState] = {}
-        self._quiet: QuietGpus | None = None  # which of self.gpus a tick need not look at
         self._audited: dict[tuple[Any, ...], str] = {}
         self._crossings: deque[int] = deque()
         self.ticks = 0
@@ -387,7 +348,6 @@ class ControlLoop:
         self._budget_kept: tuple[float, int | None] = (0.0, None)  # (blocks, when) last written
         self.last_phases: dict[str, float] = {}
         self.last_read = 0  # samples the last tick read
-        self.last_looked = 0  # GPUs the last tick looked at one by one (the rest at rest)
         self.durations = TickDurations()
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -460,7 +420,6 @@ class ControlLoop:
             sample_top = db.max_sample_seq(c)
             event_top = db.max_event_seq(c)
             self.gpus = {}
-            self._quiet = None
             for row in db.risk_rows(c):
                 self.gpus[(row["node"], row["gpu"])] = GpuState(
                     streak=row["streak"],
@@ -901,8 +860,6 @@ class ControlLoop:
     def _apply(self, plan: TickPlan, now_ms: int) -> None:
         """The tick committed: make its changes to the loop's memory."""
         self.gpus.update(plan.gpus)
-        if plan.quiet is not None:
-            self._quiet = plan.quiet
         self._crossings.extend(plan.crossings)
         # Oldest first: drop those out of the window and those before the last breaker reset.
         while self._crossings and (
@@ -1054,38 +1011,15 @@ class ControlLoop:
             said = scores["reasons"].tolist()
             if self.floor_budget is not None and not self.floor_budget.active.all():
                 said = [_demoted_said(r, self.floor_budget.active) for r in said]
-            nodes = scores["node"].to_numpy(dtype=object)
-            gpu_ids = scores["gpu"].to_numpy(dtype=np.int64)
-            risks = np.asarray(acted, dtype=np.float64)
-            last_seen = scores["last_seen_ms"].to_numpy()
-            quiet = self._quiet
-            if quiet is None or not quiet.follows(nodes, gpu_ids):
-                quiet = QuietGpus.unknown(nodes, gpu_ids)
-            # Those at rest that stay so are left as they are (QuietGpus); the rest, one by one.
-            rest = (
-                (np.round(risks / RISK_STEP) == quiet.bucket)
-                & (risks < threshold)
-                & (now_ms - last_seen <= stale_ms)
-                & (now_ms < quiet.due_ms)
-                & np.fromiter((not r for r in said), dtype=bool, count=len(said))
-            )
-            if failed_now:
-                keys = zip(nodes.tolist(), gpu_ids.tolist(), strict=True)
-                rest &= [k not in failed_now for k in keys]
-            look = np.flatnonzero(~rest)
-            self.last_looked = len(look)
-            bucket, due_ms = quiet.bucket.copy(), quiet.due_ms.copy()
-            plan.quiet = QuietGpus(nodes, gpu_ids, bucket, due_ms)
-            for i, node, gpu, risk, last_ms in zip(
-                look.tolist(),
-                nodes[look].tolist(),
-                gpu_ids[look].tolist(),
-                risks[look].tolist(),
-                last_seen[look].tolist(),
+            for node, gpu, risk, reasons, last_ms in zip(
+                scores["node"].tolist(),
+                scores["gpu"].tolist(),
+                acted.tolist(),
+                said,
+                scores["last_seen_ms"].tolist(),
                 strict=True,
             ):
-                reasons = said[i]
-                key = (node, gpu)
+                key = (node, int(gpu))
                 old = gpus.get(key)
                 st = old if old is not None else _UNSEEN
                 alarm = bool(risk >= threshold)
@@ -1187,10 +1121,6 @@ class ControlLoop:
                     history_ms = now_ms
                     if not st.history_ms:  # its first: its next ones at its own phase
                         history_ms -= _phase(key, history_every_ms)
-                # What the row written says is what this tick leaves (it is rewritten when not).
-                at_rest = written[0] is not None and written[1:] == _AT_REST and history_ms > 0
-                bucket[i] = written[0] if at_rest else np.nan
-                due_ms[i] = min(written_ms + REFRESH_MS, history_ms + history_every_ms)
                 if (
                     old is None
                     or written is not old.written
@@ -1466,7 +1396,7 @@ def _phase(key: tuple[str, int], every_ms: float) -> int:
     refreshes), the same for a GPU on every replica. A fleet that came up together (or a
     loop that took over a fleet) would otherwise write a history row for every GPU in one
     tick each interval: 100,000 rows, 1.5 s of a 5 s tick, where the ticks between wrote
-    none; and every risk row in one tick of six."""
+    none; and rewrite every GPU's unchanged risk row in one tick of six."""
     node, gpu = key
     return zlib.crc32(f"{node}/{gpu}".encode()) % max(int(every_ms), 1)
 

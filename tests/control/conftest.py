@@ -25,13 +25,11 @@ RULE_NAMES = [r.name for r in FLOOR_RULES]
 class FakeScorer:
     """Stands in for ``predictor.scoring.Scorer``: ``risk[(node, gpu)]`` is what the model
     scores, ``floor[(node, gpu)]`` the rule that trips there (the floor of
-    :mod:`predictor.floor`: its name, then what it says after a colon), if any,
-    ``last_seen[(node, gpu)]`` its newest sample's time if not the scorer's clock."""
+    :mod:`predictor.floor`: its name, then what it says after a colon), if any."""
 
     def __init__(self) -> None:
         self.risk: dict[tuple[str, int], float] = {}
         self.floor: dict[tuple[str, int], str] = {}
-        self.last_seen: dict[tuple[str, int], int] = {}  # default: seen at the scorer's clock
         self.state = SimpleNamespace(now_ms=None, size=0)
 
     def update(self, samples: Any, events: Any = None, *, now_ms: int) -> None:
@@ -61,7 +59,7 @@ class FakeScorer:
                     + (["ECC errors rising"] if self.risk[k] >= 0.5 else [])
                     for k, h in zip(keys, hit, strict=True)
                 ],
-                "last_seen_ms": [self.last_seen.get(k, self.state.now_ms) for k in keys],
+                "last_seen_ms": [self.state.now_ms] * len(keys),
             }
         )
 
