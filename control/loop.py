@@ -1185,7 +1185,7 @@ class ControlLoop:
             emit_event(c, "policy.breaker_tripped", tripped_data)
         ranks = db.placements(c)
         active = [r for r in ranks if r["role"] == "active"]
-        spares: dict[str, list[dict[str, Any]]] = {}
+        spares: dict[str, list[db.RankSlot]] = {}
         for r in sorted(ranks, key=lambda r: r["slot"]):
             if r["role"] == "spare":
                 spares.setdefault(r["job_id"], []).append(r)

@@ -85,7 +85,7 @@ def request(
     trigger: str,
     now_ms: int,
     source: tuple[str, int | None] | None,
-    target: dict[str, Any] | None,
+    target: db.RankSlot | None,
     risk: float | None = None,
     reasons: list[str] | None = None,
     detail: str | None = None,

@@ -29,9 +29,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from store.control import RankSlot
 
 __all__ = [
     "Decision",
@@ -126,7 +128,7 @@ class Situation:
     last_request_ms: dict[tuple[str, str, int], int]
     """Newest migration requested of each (job, node, gpu): the cooldown is per job, so one
     job's move off a GPU does not hold another job's rank on it."""
-    spares_by_job: dict[str, list[dict[str, Any]]]
+    spares_by_job: dict[str, list[RankSlot]]
     """Live spares of each job (job_ranks rows), in slot order."""
     drained: set[str]
     unsafe: set[tuple[str, int]] = field(default_factory=set)
@@ -170,10 +172,10 @@ class StragglerCase:
 class Decision:
     action: Literal["request", "dry_run", "declined"]
     reason: str
-    target: dict[str, Any] | None = None
+    target: RankSlot | None = None
 
 
-def free_spare(situation: Situation, job_id: str) -> dict[str, Any] | None:
+def free_spare(situation: Situation, job_id: str) -> RankSlot | None:
     for spare in situation.spares_by_job.get(job_id, []):
         if spare["node"] in situation.drained:
             continue

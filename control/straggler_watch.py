@@ -59,7 +59,7 @@ def judge_stored(
     policy: Policy,
     *,
     now_ms: int,
-    active: list[dict[str, Any]],
+    active: list[db.RankPlacement],
     recent: list[db.Migration],
     fresh_s: float,
     forget: Callable[[tuple[str, int]], None],
@@ -83,13 +83,15 @@ def judge_stored(
     rows = db.timing_rows(c)
     if not rows:
         return {}, 0
-    where = {(r["job_id"], r["rank"]): (r["node"], r["gpu"]) for r in active}
+    where: dict[tuple[str, int], tuple[str | None, int | None]] = {
+        (r["job_id"], r["rank"]): (r["node"], r["gpu"]) for r in active
+    }
     moved: dict[tuple[str, int], int] = {}
     for m in recent:
         if m["state"] == "completed" and m["step"] is not None:
             k = (m["job_id"], m["rank"])
             moved[k] = max(moved.get(k, -1), int(m["step"]))
-    by_job: dict[str, list[dict[str, Any]]] = {}
+    by_job: dict[str, list[db.RankTiming]] = {}
     for t in rows:
         k = (t["job_id"], t["rank"])
         gone = k not in where or where[k][1] is None  # not an active rank of a running job
@@ -126,6 +128,7 @@ def judge_stored(
             k = (job_id, j.rank)
             t = stored[j.rank]
             node, gpu = where[k]
+            assert node is not None and gpu is not None  # a rank without a GPU is gone (above)
             state = j.state
             if state.straggling:
                 state.reason = name_gpu(c, policy, node, int(gpu), now_ms)
@@ -155,15 +158,15 @@ def judge_stored(
                 _recovered(c, t, (node, gpu), now_ms=now_ms, ended_by="cleared", judged=j)
                 forget(k)
             values = state_values(state)
-            if values != {n: t[n] for n in db.STRAGGLER_COLUMNS}:
+            if values != {n: v for n, v in t.items() if n in db.STRAGGLER_COLUMNS}:
                 db.set_straggler_state(c, job_id=job_id, rank=j.rank, values=values)
     return slow, judged
 
 
 def _recovered(
     c: Connection,
-    stored: dict[str, Any],
-    where: tuple[str, Any],
+    stored: db.RankTiming,
+    where: tuple[str | None, int | None],
     *,
     now_ms: int,
     ended_by: str,

@@ -207,6 +207,65 @@ heartbeat) and its straggler state (written by the control loop: since when its 
 above its peers', whether it is a straggler, since when and why), so a new leader judges on
 from where the last one stopped. Revision ``0005_stragglers``."""
 
+
+class RankTiming(TypedDict):
+    """A ``rank_timings`` row: a rank's newest step timing and its straggler state."""
+
+    job_id: str
+    rank: int
+    window: int
+    step: int
+    total_steps: int | None
+    compute_s: float
+    wait_s: float
+    step_s: float
+    received_ms: int
+    above_since_ms: int | None
+    straggling: bool
+    straggling_ms: int | None
+    reason: str | None
+
+
+class RankSlot(TypedDict):
+    """A slot of a job: where it runs and what it is (active, spare, ...)."""
+
+    slot: int
+    rank: int
+    node: str
+    gpu: int | None
+    uuid: str | None
+    pid: int | None
+    role: str
+
+
+class RankPlacement(RankSlot):
+    """A ``job_ranks`` row."""
+
+    job_id: str
+
+
+class JobRank(RankSlot):
+    """A slot of :class:`Job`: its placement, and an active rank's newest timing."""
+
+    timing: RankTiming | None
+
+
+class Job(TypedDict):
+    """A ``jobs`` row with its slots and its ranks' timings (:func:`get_jobs`)."""
+
+    job_id: str
+    world_size: int
+    spares: int
+    agent_url: str | None
+    status: str
+    generation: int
+    message: str | None
+    registered_ms: int
+    heartbeat_ms: int
+    ranks: list[JobRank]
+    timings: list[RankTiming]
+
+
 _TIMING_COLUMNS = (
     "window",
     "step",
@@ -948,7 +1007,7 @@ def heartbeat_job(connection: Connection, *, job_id: str, values: dict[str, Any]
     return bool(result.rowcount)
 
 
-def get_jobs(connection: Connection, *, job_id: str | None = None) -> list[dict[str, Any]]:
+def get_jobs(connection: Connection, *, job_id: str | None = None) -> list[Job]:
     query = select(jobs).order_by(jobs.c.job_id)
     if job_id is not None:
         query = query.where(jobs.c.job_id == job_id)
@@ -973,7 +1032,7 @@ def get_jobs(connection: Connection, *, job_id: str | None = None) -> list[dict[
         for r in j["ranks"]:
             r["timing"] = mine.get(r["rank"]) if r["role"] == "active" else None
         j["timings"] = list(mine.values())
-    return found
+    return cast(list[Job], found)
 
 
 def store_timings(
@@ -1024,12 +1083,12 @@ def store_timings(
         cursor.close()
 
 
-def timing_rows(connection: Connection, *, job_id: str | None = None) -> list[dict[str, Any]]:
+def timing_rows(connection: Connection, *, job_id: str | None = None) -> list[RankTiming]:
     """Every stored rank timing with its straggler state, by job and rank."""
     query = select(rank_timings).order_by(rank_timings.c.job_id, rank_timings.c.rank)
     if job_id is not None:
         query = query.where(rank_timings.c.job_id == job_id)
-    return [dict(r) for r in connection.execute(query).mappings()]
+    return [cast(RankTiming, dict(r)) for r in connection.execute(query).mappings()]
 
 
 def set_straggler_state(
@@ -1048,14 +1107,14 @@ def _quoted(name: str) -> str:
     return f'"{name}"'
 
 
-def placements(connection: Connection) -> list[dict[str, Any]]:
+def placements(connection: Connection) -> list[RankPlacement]:
     """Ranks and spares of every unfinished job: job_id, slot, rank, node, gpu, role."""
     query = (
         select(job_ranks)
         .join(jobs, jobs.c.job_id == job_ranks.c.job_id)
         .where(jobs.c.status.in_(("starting", "running", "paused")))
     )
-    return [dict(r) for r in connection.execute(query).mappings()]
+    return [cast(RankPlacement, dict(r)) for r in connection.execute(query).mappings()]
 
 
 def set_rank(connection: Connection, *, job_id: str, slot: int, values: dict[str, Any]) -> None:

@@ -106,10 +106,14 @@ class CommandsPublic(BaseModel):
     count: int
 
 
-def _public(job: dict[str, Any]) -> dict[str, Any]:
-    timed = job.pop("timings", [])
+def _public(stored: db.Job) -> dict[str, Any]:
+    job: dict[str, Any] = dict(stored)
+    timed = stored["timings"]
     computes = {t["rank"]: t["compute_s"] for t in timed}
-    for r in job["ranks"]:
+    job["ranks"] = []
+    for slot in stored["ranks"]:
+        r: dict[str, Any] = dict(slot)
+        job["ranks"].append(r)
         t = r.pop("timing", None)
         if t is None:
             continue
@@ -131,6 +135,8 @@ def _public(job: dict[str, Any]) -> dict[str, Any]:
             "total_steps": newest["total_steps"],
             "measured_at": iso(newest["received_ms"]),
         }
+    else:
+        del job["timings"]
     job["stragglers"] = sorted(t["rank"] for t in timed if t["straggling"])
     return stamp(job, "registered_ms", "heartbeat_ms")
 
@@ -160,7 +166,7 @@ async def register_job(store: StoreDep, body: JobRegistration) -> dict[str, Any]
             "(a slot defaults to the entry's position)"
         )
 
-    def write() -> dict[str, Any]:
+    def write() -> db.Job:
         ts = now_ms()
         with store.begin() as c:
             ranks = []
@@ -202,7 +208,7 @@ async def heartbeat(store: StoreDep, job_id: str, body: _Heartbeat) -> dict[str,
     if body.generation > _MAX_GENERATION:  # the wire allows more than the store's column holds
         raise InvalidInput(f"generation: at most {_MAX_GENERATION}")
 
-    def write() -> dict[str, Any]:
+    def write() -> db.Job:
         ts = now_ms()
         values = {
             "heartbeat_ms": ts,
@@ -269,7 +275,7 @@ async def straggler_history(store: StoreDep) -> dict[str, Any]:
     "/v1/jobs", response_model=JobsPublic, dependencies=[require("read")], summary="Every job"
 )
 async def list_jobs(store: StoreDep) -> dict[str, Any]:
-    def read() -> list[dict[str, Any]]:
+    def read() -> list[db.Job]:
         with store.engine.connect() as c:
             return db.get_jobs(c)
 
@@ -284,7 +290,7 @@ async def list_jobs(store: StoreDep) -> dict[str, Any]:
     summary="One job: ranks with node, GPU and role, generation, status",
 )
 async def get_job(store: StoreDep, job_id: str) -> dict[str, Any]:
-    def read() -> list[dict[str, Any]]:
+    def read() -> list[db.Job]:
         with store.engine.connect() as c:
             return db.get_jobs(c, job_id=job_id)
 

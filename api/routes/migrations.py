@@ -175,7 +175,9 @@ async def request_migration(
                     details={"in_flight": [m["id"] for m in mine]},
                 )
             promised = {m["target_slot"] for m in mine}
-            spares = [r for r in ranks if r["role"] == "spare" and r["slot"] not in promised]
+            spares: list[db.RankSlot] = [
+                r for r in ranks if r["role"] == "spare" and r["slot"] not in promised
+            ]
             unsafe = {
                 (r["node"], r["gpu"])
                 for r in db.risk_rows(c)

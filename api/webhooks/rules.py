@@ -42,9 +42,7 @@ def wants(webhook: Mapping[str, Any], event: Mapping[str, Any]) -> bool:
     )
 
 
-def disable_reason(
-    *, ok: bool, failures: int, disable_after: int, error: str | None
-) -> str | None:
+def disable_reason(*, ok: bool, failures: int, disable_after: int, error: str | None) -> str | None:
     """Why the subscription is disabled after this attempt, or None while it stays enabled:
     ``disable_after`` consecutive failed attempts disable it."""
     if ok or failures < disable_after:
