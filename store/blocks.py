@@ -33,7 +33,7 @@ from __future__ import annotations
 import itertools
 import json
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -452,6 +452,45 @@ def _sorted(frame: pd.DataFrame) -> pd.DataFrame:
     if (order[1:] > order[:-1]).all():
         return frame.reset_index(drop=True)
     return frame.iloc[order].reset_index(drop=True)
+
+
+_KEYS_PER_QUERY = 300
+
+
+def samples_at(connection: Connection, keys: Sequence[tuple[str, int, int]]) -> pd.DataFrame:
+    """The packed sample of each ``(node, gpu, ts_ms)`` in ``keys`` that a block holds, in the
+    sample-frame shape, sorted by (node, gpu): one query for every few hundred keys, each key
+    a primary-key probe of its minute's block (the keys drive the join: as an ``IN`` list
+    SQLite scanned the whole table), in the partitions of the keys' hours only."""
+    frames = []
+    for first in range(0, len(keys), _KEYS_PER_QUERY):
+        part = keys[first : first + _KEYS_PER_QUERY]
+        starts = [ts_ms - ts_ms % BLOCK_MS for _, _, ts_ms in part]
+        params: dict[str, Any] = {"lo": min(starts), "hi": max(starts)}
+        for k, ((node, gpu, _), start) in enumerate(zip(part, starts, strict=True)):
+            params.update({f"n{k}": node, f"g{k}": gpu, f"s{k}": start})
+        wanted = ", ".join(f"(:n{k}, :g{k}, :s{k})" for k in range(len(part)))
+        if connection.dialect.name == "postgresql":
+            sql = (
+                f"SELECT b.node, b.gpu, b.data FROM (VALUES {wanted}) AS k(node, gpu, start_ms) "
+                "JOIN LATERAL (SELECT node, gpu, data FROM sample_blocks WHERE node = k.node "
+                "AND gpu = k.gpu AND start_ms = k.start_ms "
+                "AND start_ms BETWEEN :lo AND :hi LIMIT 1) b ON true"
+            )
+        else:
+            sql = (
+                f"SELECT b.node, b.gpu, b.data FROM (VALUES {wanted}) AS k CROSS JOIN "
+                "sample_blocks b ON b.node = k.column1 AND b.gpu = k.column2 "
+                "AND b.start_ms = k.column3 AND b.start_ms BETWEEN :lo AND :hi"
+            )
+        decoded = _decoded(_fetch(connection, sql, params))
+        times = pd.DataFrame(part, columns=["node", "gpu", "ts_ms"])
+        frames.append(decoded.merge(times.astype({"gpu": np.int64}), on=["node", "gpu", "ts_ms"]))
+    frames = [f for f in frames if len(f)]
+    if not frames:
+        return _empty()
+    frame = pd.concat(frames, ignore_index=True) if len(frames) > 1 else frames[0]
+    return frame.sort_values(["node", "gpu"], kind="stable", ignore_index=True)
 
 
 def last_samples(

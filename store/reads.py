@@ -180,15 +180,11 @@ def latest_samples(
     wide = _frame([r[:-1] for r in rows if r[0] is not None], columns)
     # A GPU silent since an hour that was packed has its newest sample in a block; one that
     # left the raw tier altogether has none, and is left out as before.
-    packed = [
-        blocks.read(connection, since_ms=r[-1], until_ms=r[-1] + 1, node=r[1], gpu=r[2])
-        for r in rows
-        if r[0] is None
-    ]
-    packed = [p for p in packed if len(p)]
-    if not packed:
+    silent = [(r[1], int(r[2]), int(r[-1])) for r in rows if r[0] is None]
+    packed = blocks.samples_at(connection, silent) if silent else None
+    if packed is None or not len(packed):
         return wide
-    frame = blocks.merge(wide, pd.concat(packed, ignore_index=True))
+    frame = blocks.merge(wide, packed)
     return frame.sort_values(["node", "gpu"], kind="stable", ignore_index=True)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 import pytest
-from sqlalchemy import text
+from sqlalchemy import event, text
 
 from store import Store, blocks, partitions, reads, schema, tiering, tiers
 from store.rawread import samples_between
@@ -141,6 +141,39 @@ def test_a_packed_hour_reads_as_it_did_and_its_wide_rows_are_gone(store: Store) 
         pd.testing.assert_frame_equal(after[name], frame, obj=name)
     latest = after["latest"]
     assert latest[latest["gpu"] == 2]["ts_ms"].tolist() == [START + 40 * MINUTE - 5000]
+
+
+def test_the_newest_samples_of_gpus_silent_since_packed_hours_are_read_together(
+    store: Store,
+) -> None:
+    """A page of the fleet whose GPUs fell silent in packed hours reads their newest samples
+    from the blocks in one query, not one query a GPU, and reads as before the packing."""
+    raw = pd.concat(
+        [raw_frame(gpus=8, hours=2, step_s=30).assign(node=f"node-{n}") for n in range(5)],
+        ignore_index=True,
+    )
+    stops = {(n, g): START + (5 + 3 * g + n) * MINUTE for n in range(5) for g in range(8)}
+    stop = raw.apply(lambda r: stops[(int(r["node"][-1]), r["gpu"])], axis=1)
+    store.write(samples=rows_of(raw[raw["ts_ms"] < stop]))
+    with store.engine.connect() as c:
+        before = reads.latest_samples(c)
+    store.maintain_tiers(POLICY, now_ms=START + 3 * HOUR + 11 * MINUTE)
+    assert wide_rows(store, START, START + 2 * HOUR) == 0
+    statements: list[str] = []
+
+    def count(conn, cursor, statement, parameters, context, executemany):  # type: ignore[no-untyped-def]
+        statements.append(statement)
+
+    event.listen(store.engine, "before_cursor_execute", count)
+    try:
+        with store.engine.connect() as c:
+            after = reads.latest_samples(c)
+    finally:
+        event.remove(store.engine, "before_cursor_execute", count)
+    assert len(before) == 40
+    pd.testing.assert_frame_equal(after, before)
+    blocks_read = [s for s in statements if "sample_blocks" in s]
+    assert len(blocks_read) == 1, statements
 
 
 def test_rows_that_reach_a_packed_hour_are_read_at_once_and_packed_at_the_next_pass(
