@@ -14,7 +14,9 @@ The path of a batch, and what each step refuses:
    each sample and event validated on its own, strictly (``true`` or ``"7"`` is not a
    counter); a bad row is reported by index with the reason and the rows beside it are kept.
    Beyond the schema, a row must belong to the batch's node and be stamped within
-   ``[now - max_sample_age_s, now + max_clock_skew_s]``;
+   ``[now - max_sample_age_s, now + max_clock_skew_s]``; a sample, also no earlier than the
+   start of the oldest hour still in the raw window (``raw_window_h``): an older hour is
+   rolled up, archived and dropped, and a sample stored into it would reach no tier;
 4. store: one transaction (in the writer process); rows already stored are counted as
    duplicates, not errors. A database that is locked or down: 503 ``store_unavailable`` with
    ``Retry-After``; the collector keeps the batch and sends it again.
@@ -57,7 +59,7 @@ from forewarn.wire import (
     IngestResult,
     RowError,
 )
-from store import Store, reads
+from store import Store, partitions, reads
 from store.tokens import digest, gpus_charged
 from store.writes import Charge, SampleColumns, event_row, sample_row
 
@@ -196,6 +198,7 @@ def _check_rows(
     lo_ms: int,
     hi_ms: int,
     errors: list[RowError],
+    raw_lo_ms: int | None = None,
 ) -> list[tuple[Any, ...]]:
     kept = []
     for row, index in zip(rows, indices, strict=True):
@@ -206,6 +209,11 @@ def _check_rows(
             reason = f"ts: {(ts_ms - hi_ms) / 1000 + 0.0:.0f} s past the allowed clock skew"
         elif ts_ms < lo_ms:
             reason = "ts: older than the maximum sample age"
+        elif raw_lo_ms is not None and ts_ms < raw_lo_ms:
+            reason = (
+                "ts: older than the raw window (raw_window_h): its hour has been rolled up "
+                "and archived"
+            )
         else:
             kept.append(row)
             continue
@@ -331,6 +339,14 @@ def prepare_batch(payload: Any, *, settings: Settings, now_ms: int | None = None
     )
 
 
+def _raw_window_start(now_ms: int, settings: Settings) -> int:
+    """The start of the oldest hour a sample may still join: the tiering task archives an hour
+    (rolls it up, writes it to the history, drops its raw rows) once it has ended more than
+    ``raw_window_h`` ago, so a sample of such an hour would be stored and then reach no
+    tier. Refused at once instead, its reason said (the collector counts it dropped)."""
+    return partitions.floor(now_ms - int(settings.raw_window_h * 3600 * 1000), partitions.HOUR_MS)
+
+
 def _prepare(
     node: str,
     agent_status: AgentStatus | None,
@@ -347,15 +363,22 @@ def _prepare(
     now_ms = int(time.time() * 1000) if now_ms is None else now_ms
     lo_ms = now_ms - int(settings.max_sample_age_s * 1000)
     hi_ms = now_ms + int(settings.max_clock_skew_s * 1000)
+    raw_lo_ms = _raw_window_start(now_ms, settings)
     checks = {"node": node, "lo_ms": lo_ms, "hi_ms": hi_ms, "errors": errors, "ts_pos": 2}
     if isinstance(sample_rows, SampleColumns):
         # Columns are the batch's node by construction: only time can refuse a row, and
         # nearly always none is refused; else the rows are checked one by one below.
         ts = sample_rows.columns[1]
-        if sample_rows.n and not (lo_ms <= min(ts) and max(ts) <= hi_ms):
+        if sample_rows.n and not (max(lo_ms, raw_lo_ms) <= min(ts) and max(ts) <= hi_ms):
             sample_rows = list(sample_rows)
     if not isinstance(sample_rows, SampleColumns):
-        sample_rows = _check_rows(sample_rows, s_idx, kind="sample", **checks)  # type: ignore[arg-type]
+        sample_rows = _check_rows(
+            sample_rows,  # type: ignore[arg-type]
+            s_idx,
+            kind="sample",
+            raw_lo_ms=raw_lo_ms,
+            **checks,  # type: ignore[arg-type]
+        )
     event_rows = _check_rows(event_rows, e_idx, kind="event", **checks)  # type: ignore[arg-type]
 
     agent = None

@@ -99,7 +99,8 @@ class Settings(BaseSettings):
     """Samples stamped further than this into the future are rejected."""
 
     max_sample_age_s: float = Field(default=14 * 86400.0, gt=0)
-    """Samples older than this are rejected (a collector's spool replays within it)."""
+    """Samples older than this are rejected; so are samples of an hour that has left the raw
+    window (``raw_window_h``), which the storage tiers have archived."""
 
     retention_days: float = Field(default=30.0, gt=0)
     """The Parquet history keeps raw samples this long (see ``docs/storage.md``)."""

@@ -140,6 +140,9 @@ def test_duplicates_are_stored_once_and_are_not_errors(client: TestClient) -> No
         ({"fan_speed": 40}, "fan_speed"),
         ({"ts": (NOW + timedelta(days=2)).isoformat()}, "clock skew"),
         ({"ts": (NOW - timedelta(days=400)).isoformat()}, "maximum sample age"),
+        # Within the maximum age (14 days), but its hour has left the raw window (24 h):
+        # stored, it would be dropped with the hour's raw rows and reach no tier.
+        ({"ts": (NOW - timedelta(hours=26)).isoformat()}, "raw window"),
         ({"ts": "yesterday"}, "ts"),
         ({"node": "node-9"}, "node"),
         ({"vendor": "intel"}, "vendor"),

@@ -14,7 +14,11 @@ from api.ingest import parse_json, prepare_batch, prepare_body
 from api.settings import Settings
 from forewarn.wire import SAMPLE_FIELDS, sample_columns
 
-SETTINGS = Settings(max_sample_age_s=10 * 365 * 86400.0, max_clock_skew_s=10 * 365 * 86400.0)
+SETTINGS = Settings(
+    max_sample_age_s=10 * 365 * 86400.0,
+    max_clock_skew_s=10 * 365 * 86400.0,
+    raw_window_h=10 * 365 * 24.0,
+)
 NOW = datetime(2026, 12, 1, tzinfo=UTC)
 NOW_MS = int(NOW.timestamp() * 1000)
 
