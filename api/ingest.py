@@ -211,8 +211,8 @@ def _check_rows(
             reason = "ts: older than the maximum sample age"
         elif raw_lo_ms is not None and ts_ms < raw_lo_ms:
             reason = (
-                "ts: older than the raw window (raw_window_h): its hour has been rolled up "
-                "and archived"
+                "ts: older than the raw window (raw_window_h): a sample that old is no "
+                "longer rolled up or archived"
             )
         else:
             kept.append(row)
