@@ -321,45 +321,32 @@ migrations = Table(
 (job, rank) at most, whoever writes it."""
 
 
-class _MigrationColumns(TypedDict):
+class _MigrationKey(TypedDict):
     id: str
     job_id: str
     rank: int
     trigger: str
     state: str
+    requested_ms: int
+
+
+class NewMigration(_MigrationKey):
+    """A ``migrations`` row to insert: ``reasons`` as its stored JSON text; the columns left
+    out (the outcome's, and those not given) are NULL."""
+
+    reasons: str
     risk: NotRequired[float | None]
     source_node: NotRequired[str | None]
     source_gpu: NotRequired[int | None]
     target_node: NotRequired[str | None]
     target_gpu: NotRequired[int | None]
     target_slot: NotRequired[int | None]
-    requested_ms: int
-    acknowledged_ms: NotRequired[int | None]
-    transferring_ms: NotRequired[int | None]
-    finished_ms: NotRequired[int | None]
-    step: NotRequired[int | None]
-    pause_s: NotRequired[float | None]
-    transfer_s: NotRequired[float | None]
-    bytes_moved: NotRequired[int | None]
-    error: NotRequired[str | None]
     detail: NotRequired[str | None]
 
 
-class NewMigration(_MigrationColumns):
-    """A ``migrations`` row to insert: ``reasons`` as its stored JSON text; the columns left
-    out are NULL."""
-
-    reasons: str
-
-
-class Migration(TypedDict):
+class Migration(_MigrationKey):
     """A ``migrations`` row as read: every column, ``reasons`` decoded."""
 
-    id: str
-    job_id: str
-    rank: int
-    trigger: str
-    state: str
     risk: float | None
     reasons: list[str]
     source_node: str | None
@@ -367,7 +354,6 @@ class Migration(TypedDict):
     target_node: str | None
     target_gpu: int | None
     target_slot: int | None
-    requested_ms: int
     acknowledged_ms: int | None
     transferring_ms: int | None
     finished_ms: int | None

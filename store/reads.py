@@ -181,8 +181,8 @@ def latest_samples(
     # A GPU silent since an hour that was packed has its newest sample in a block; one that
     # left the raw tier altogether has none, and is left out as before.
     silent = [(r[1], int(r[2]), int(r[-1])) for r in rows if r[0] is None]
-    packed = blocks.samples_at(connection, silent) if silent else None
-    if packed is None or not len(packed):
+    packed = blocks.samples_at(connection, silent)
+    if not len(packed):
         return wide
     frame = blocks.merge(wide, packed)
     return frame.sort_values(["node", "gpu"], kind="stable", ignore_index=True)
